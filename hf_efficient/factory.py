@@ -1,0 +1,89 @@
+"""``create_optimizer``: name + model -> a ready optimizer, with decay groups, options and backend decided here.
+
+Everything is validated before anything is built, so a mistake leaves no half-made optimizer behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .options import check_hyperparams, parse_options
+from .param_groups import DecaySplit, build_param_groups, param_device, split_parameters
+from .registry import Resolution, get_spec, resolve
+
+__all__ = ["create_optimizer", "OptimizerInfo", "optimizer_info"]
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """What was decided for an optimizer made here; attached to it as ``optimizer.hf_efficient``."""
+
+    resolution: Resolution
+    options: dict[str, Any]
+    split: DecaySplit | None  # None when plain parameters (not a model) were given
+
+
+def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo | None:
+    """The :class:`OptimizerInfo` of an optimizer made by :func:`create_optimizer` (unwraps Accelerate's)."""
+    while not hasattr(optimizer, "hf_efficient") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return getattr(optimizer, "hf_efficient", None)
+
+
+def create_optimizer(model: nn.Module | Iterable, name: str, *, lr: float = 1e-3, weight_decay: float = 0.0,
+                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, backend: str | None = None,
+                     **options) -> torch.optim.Optimizer:
+    """Build the optimizer ``name`` for ``model``, in plain PyTorch (no transformers needed).
+
+    Args:
+        model: a module (decay groups and the embedding policy come from its structure), or parameters /
+            param groups (used as given).
+        name: short (``"adam8bit"``) or Trainer (``"hf_eff_adam8bit"``) name.
+        lr, weight_decay, betas, eps: the usual AdamW hyperparameters (Adafactor ignores betas and eps).
+        backend: force ``"bnb"``, ``"torchao"`` or ``"torch"`` instead of the registry's choice.
+        **options: the same keys ``optim_args`` accepts (``decay_embeddings``, ``embedding_state``, ...).
+
+    Example:
+        >>> opt = create_optimizer(model, "adam8bit", lr=2e-5, weight_decay=0.01)
+    """
+    if backend is not None:
+        options["backend"] = backend
+    return build_optimizer(model, name, options, source="create_optimizer", lr=lr, weight_decay=weight_decay,
+                           betas=betas, eps=eps)
+
+
+def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source: str, lr: float,
+                    weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """:func:`create_optimizer` with options as given by ``source`` (text or values), named in errors."""
+    spec = get_spec(name)
+    check_hyperparams(lr=lr, betas=betas if spec.uses_betas else None, eps=eps if spec.uses_betas else None,
+                      weight_decay=weight_decay)
+    options = parse_options(spec.name, spec.options, raw_options, source=source)
+    if isinstance(model, nn.Module):
+        split = split_parameters(model, decay_embeddings=options["decay_embeddings"])
+        groups = build_param_groups(model, weight_decay, split=split)
+        keep_fp32 = [split.params[n] for n in split.embeddings] if options.get("embedding_state") == "32bit" else []
+    else:
+        split, groups, keep_fp32 = None, _as_groups(model), []
+    device = param_device(p for g in groups for p in g["params"])
+    res = resolve(spec.name, device, options["backend"])
+    optimizer = res.spec.backends[res.backend].build(
+        groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,
+        fp32_state_params=keep_fp32, device=device)
+    optimizer.hf_efficient = OptimizerInfo(res, options, split)
+    return optimizer
+
+
+def _as_groups(params) -> list[dict]:
+    items = list(params)
+    if not items:
+        raise ValueError("create_optimizer got an empty parameter list")
+    if isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    if isinstance(items[0], tuple):  # named_parameters()
+        return [{"params": [p for _, p in items], "param_names": [n for n, _ in items]}]
+    return [{"params": items}]

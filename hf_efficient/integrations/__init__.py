@@ -1,0 +1,1 @@
+"""Bridges to transformers and accelerate; the core never imports these."""

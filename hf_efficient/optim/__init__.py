@@ -1,0 +1,1 @@
+"""Optimizers this package implements itself, one module per family."""

@@ -1,0 +1,145 @@
+"""One parser for optimizer options, whether they come as ``optim_args`` text or as Python keywords.
+
+``TrainingArguments(optim_args="embedding_state=8bit,nonfinite=skip")`` and
+``create_optimizer(model, "adam8bit", embedding_state="8bit", nonfinite="skip")`` go through the same
+table, so a key accepted in one place is accepted in the other, with the same meaning and checks.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["Option", "OPTIONS", "parse_options", "parse_optim_args", "check_hyperparams"]
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One accepted option: its type, default, allowed values and a line of help."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple = ()
+    optional: bool = False  # None is a valid value
+    check: Callable[[Any], bool] | None = None
+    check_text: str = ""
+
+    def coerce(self, value: Any, source: str) -> Any:
+        """Convert ``value`` (text from optim_args, or a Python value) to this option's type, or raise."""
+        where = f"{source}: option {self.name!r}"
+        if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+            if self.optional:
+                return None
+            raise ValueError(f"{where} cannot be None")
+        if self.type is bool:
+            if isinstance(value, bool):
+                out = value
+            elif isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+                out = value.strip().lower() in _TRUE
+            else:
+                raise ValueError(f"{where} must be true or false, got {value!r}")
+        elif self.type in (int, float):
+            if isinstance(value, bool):
+                raise ValueError(f"{where} must be a number, got {value!r}")
+            try:
+                out = self.type(value.strip() if isinstance(value, str) else value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{where} must be {'an integer' if self.type is int else 'a number'}, got {value!r}") from None
+            if self.type is int and isinstance(value, float) and value != out:
+                raise ValueError(f"{where} must be an integer, got {value!r}")
+        else:
+            out = str(value).strip()
+        if self.choices and out not in self.choices:
+            raise ValueError(f"{where} must be one of {list(self.choices)}, got {value!r}")
+        if self.check is not None and not self.check(out):
+            raise ValueError(f"{where} {self.check_text}, got {value!r}")
+        return out
+
+
+def _positive(x) -> bool:
+    return x > 0
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in [
+        Option("backend", str, None, "force a backend instead of the registry's choice", ("bnb", "torchao", "torch"), optional=True),
+        Option("decay_embeddings", bool, True, "apply weight decay to embedding matrices (transformers does)"),
+        Option("nonfinite", str, "raise", "what a step does with an inf/NaN gradient", ("raise", "skip", "ignore")),
+        Option("embedding_state", str, "32bit", "state precision of embedding matrices under 8-bit", ("32bit", "8bit")),
+        Option("min_8bit_size", int, 4096, "tensors with fewer elements keep 32-bit state", check=_positive, check_text="must be > 0"),
+        Option("compensation", str, "kahan", "how bf16 weights keep sub-ulp updates", ("kahan", "stochastic", "none")),
+        Option("beta1", float, None, "Adafactor first-moment decay (None: no first moment, least memory)", optional=True,
+               check=lambda b: 0.0 <= b < 1.0, check_text="must be in [0, 1)"),
+        Option("decay_rate", float, -0.8, "Adafactor second-moment decay exponent: beta2_t = 1 - t**decay_rate",
+               check=lambda d: d < 0, check_text="must be negative"),
+        Option("clip_threshold", float, 1.0, "Adafactor update clipping (RMS)", check=_positive, check_text="must be > 0"),
+        Option("budget_gb", float, None, "hf_eff_auto: memory budget instead of the device's free memory", optional=True,
+               check=_positive, check_text="must be > 0"),
+    ]
+}
+
+
+def _unknown_key_error(key: str, accepted: list[str], source: str, name: str) -> ValueError:
+    close = difflib.get_close_matches(key, accepted, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"{source}: unknown option {key!r} for {name!r}.{hint} Accepted: {', '.join(sorted(accepted))}")
+
+
+def parse_options(name: str, accepted: tuple[str, ...], given: Mapping[str, Any], source: str = "options") -> dict:
+    """Validate ``given`` against the options ``accepted`` by optimizer ``name``; fill in defaults.
+
+    Args:
+        name: optimizer short name, for messages.
+        accepted: option keys this optimizer takes.
+        given: raw values (text from optim_args or Python values).
+        source: where the values came from, named in errors (``optim_args``, ``create_optimizer``, a file).
+    """
+    out = {k: OPTIONS[k].default for k in accepted}
+    for key, value in given.items():
+        if key not in accepted:
+            raise _unknown_key_error(key, list(accepted), source, name)
+        out[key] = OPTIONS[key].coerce(value, source)
+    return out
+
+
+def parse_optim_args(text: str | None) -> dict[str, str]:
+    """Split ``"a=1, b=x"`` into ``{"a": "1", "b": "x"}``; malformed pieces raise with the piece named."""
+    if not text:
+        return {}
+    out: dict[str, str] = {}
+    for piece in text.split(","):
+        piece = piece.strip()
+        if not piece:
+            continue
+        key, sep, value = piece.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"optim_args: {piece!r} is not of the form key=value (text was {text!r})")
+        key = key.strip()
+        if key in out:
+            raise ValueError(f"optim_args: {key!r} is given twice (text was {text!r})")
+        out[key] = value.strip()
+    return out
+
+
+def check_hyperparams(*, lr: float, betas: tuple[float, float] | None = None, eps: float | None = None,
+                      weight_decay: float = 0.0) -> None:
+    """Refuse hyperparameters no optimizer should accept, naming the value (shared by every optimizer)."""
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0")
+    if betas is not None:
+        if len(betas) != 2:
+            raise ValueError(f"Invalid betas={betas!r}: expected a pair (beta1, beta2)")
+        for i, b in enumerate(betas):
+            if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta{i + 1}={b!r} in betas={tuple(betas)!r}: each must be in [0, 1)")
+    if eps is not None and (not isinstance(eps, (int, float)) or not eps >= 0.0):
+        raise ValueError(f"Invalid eps={eps!r}: it must be a number >= 0")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay={weight_decay!r}: it must be a number >= 0")
