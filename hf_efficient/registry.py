@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from . import backends
-from .optional import install_hint, require, version_of
+from .optional import install_hint, version_of
 
 __all__ = ["Backend", "OptimizerSpec", "Resolution", "SPECS", "PREFIX", "get_spec", "resolve", "available_optimizers"]
 
@@ -115,6 +115,12 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON + ("compensation",)),
     ]
 }
+# hf_eff_auto is no optimizer of its own: create_optimizer picks one of the above from the model's predicted
+# footprint (memory.choose_auto) and passes on the options that name takes.
+SPECS["auto"] = OptimizerSpec(
+    "auto", "auto", float("nan"), "the most accurate of adamw > adamw_bf16 (bf16 models) > adam8bit > adafactor "
+    "whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
+    tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",))
 
 
 def available_optimizers() -> list[str]:
@@ -155,6 +161,9 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
     """
     spec = get_spec(name)
     dev = torch.device(device).type
+    if not spec.backends:
+        raise ValueError(f"{spec.trainer_name} has no backend of its own: create_optimizer / Trainer choose a name "
+                         "for it from the model (hf_efficient.memory.choose_auto); resolve that name instead")
     if spec.fallback and dev != spec.fallback[0]:
         msg = (f"{spec.trainer_name} pages optimizer state through {spec.fallback[0]} unified memory; "
                f"on {dev} it runs as {PREFIX}{spec.fallback[1]} instead")
@@ -170,7 +179,8 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
         chosen, why_not = spec.backends[backend], spec.backends[backend].why_not(dev)
         if why_not is not None:
             if chosen.package and version_of(chosen.package) is None:
-                require(chosen.package, f"{spec.trainer_name} with backend={backend}")
+                raise ImportError(f"{spec.trainer_name} with backend={backend!r} needs {chosen.package}, which is "
+                                  f"not installed: {install_hint(chosen.package)}")
             raise ValueError(f"backend={backend!r} cannot run {spec.trainer_name} on {dev}: {why_not}. "
                              f"{_what_would_work(spec, dev)}")
         reason = f"forced by backend={backend!r}"

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny models built from configs (no hub), and a small learnable classification set."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import hf_efficient  # noqa: E402,F401  (registers the hf_eff_* names)
+
+
+def tiny_bert(num_labels: int = 2, vocab: int = 256, hidden: int = 64, layers: int = 2):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                     intermediate_size=2 * hidden, max_position_embeddings=64, num_labels=num_labels)
+    torch.manual_seed(0)
+    return BertForSequenceClassification(cfg)
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=2, n_positions=64))
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                               num_heads=2, decoder_start_token_id=0))
+
+
+class ClassificationSet(torch.utils.data.Dataset):
+    """Label = whether token 1 appears more often than token 2: learnable by a tiny BERT in a few steps."""
+
+    def __init__(self, n: int = 64, seq: int = 12, vocab: int = 256, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, vocab, (n, seq), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+        self.ids[:, : seq // 2] = torch.where(self.labels[:, None] == 1, 1, 2)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
+
+
+@pytest.fixture
+def bert():
+    return tiny_bert()
+
+
+@pytest.fixture
+def cls_data():
+    return ClassificationSet()

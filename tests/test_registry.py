@@ -1,0 +1,185 @@
+"""Names, backend resolution, the options parser and create_optimizer's checks (no Trainer here)."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import hf_efficient as hfe
+from hf_efficient import registry
+from hf_efficient.options import parse_optim_args, parse_options
+
+
+def test_names_are_listed():
+    names = hfe.available_optimizers()
+    for n in ["hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_paged_adam8bit", "hf_eff_adafactor", "hf_eff_adamw_bf16"]:
+        assert n in names
+
+
+@pytest.mark.parametrize("name", ["adam8bit", "hf_eff_adam8bit"])
+def test_short_and_long_names_resolve_alike(name):
+    res = hfe.resolve(name, device="cpu")
+    assert (res.name, res.backend) == ("adam8bit", "bnb")  # bnb >= 0.50 serves cpu and comes first
+    assert "bnb" in res.reason and "cpu" in res.reason
+
+
+def test_unknown_name_lists_names_and_suggests():
+    with pytest.raises(ValueError, match=r"Did you mean 'hf_eff_adafactor'.*hf_eff_adam8bit"):
+        hfe.resolve("hf_eff_adafactr")
+
+
+def test_forced_backend():
+    assert hfe.resolve("adam8bit", "cpu", backend="torchao").backend == "torchao"
+    with pytest.raises(ValueError, match="not a backend of hf_eff_adamw; it has: torch"):
+        hfe.resolve("adamw", "cpu", backend="bnb")
+
+
+def test_missing_backend_names_the_pip_extra(monkeypatch):
+    real = registry.version_of
+    monkeypatch.setattr(registry, "version_of", lambda pkg: None if pkg == "torchao" else real(pkg))
+    with pytest.raises(ImportError, match=r'pip install "hf_efficient\[torchao\]"'):
+        hfe.resolve("adam8bit", "cpu", backend="torchao")
+
+
+def test_no_backend_for_device_says_what_would_work(monkeypatch):
+    monkeypatch.setattr(registry, "version_of", lambda pkg: None)  # neither bnb nor torchao installed
+    with pytest.raises(RuntimeError, match=r"No backend of hf_eff_adam8bit.*hf_efficient\[bnb\].*What would work"):
+        hfe.resolve("adam8bit", "cpu")
+    with pytest.raises(RuntimeError, match="runs on: cpu, cuda"):
+        hfe.resolve("adam8bit", "mps")
+
+
+def test_old_bitsandbytes_does_not_serve_cpu(monkeypatch):
+    from packaging.version import Version
+
+    real = registry.version_of
+    monkeypatch.setattr(registry, "version_of", lambda pkg: Version("0.45.0") if pkg == "bitsandbytes" else real(pkg))
+    res = hfe.resolve("adam8bit", "cpu")
+    assert res.backend == "torchao" and "0.50" in res.reason
+    assert hfe.resolve("adam8bit", "cuda").backend == "bnb"
+
+
+def test_paged_falls_back_off_cuda_with_one_warning():
+    registry._logged.discard(("paged_adam8bit", "cpu"))
+    with pytest.warns(UserWarning, match="runs as hf_eff_adam8bit"):
+        res = hfe.resolve("paged_adam8bit", "cpu")
+    assert res.name == "adam8bit"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hfe.resolve("paged_adam8bit", "cpu")  # second time: silent
+
+
+def test_choice_is_logged_once(caplog):
+    registry._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.registry"):
+        hfe.resolve("adamw", "cpu")
+        hfe.resolve("adamw", "cpu")
+    assert caplog.text.count("hf_eff_adamw on cpu -> backend torch") == 1
+
+
+# --- options: one parser for optim_args text and keyword values ---------------------------------------
+
+
+def test_text_values_are_typed():
+    spec = registry.get_spec("adam8bit")
+    opts = parse_options(spec.name, spec.options, parse_optim_args("decay_embeddings=false, min_8bit_size=1024"))
+    assert opts["decay_embeddings"] is False and opts["min_8bit_size"] == 1024 and opts["embedding_state"] == "32bit"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("embeding_state=8bit", r"unknown option 'embeding_state'.*Did you mean 'embedding_state'"),
+    ("embedding_state=4bit", r"must be one of \['32bit', '8bit'\], got '4bit'"),
+    ("decay_embeddings=maybe", "must be true or false"),
+    ("min_8bit_size=big", "must be an integer"),
+    ("min_8bit_size=0", "must be > 0"),
+    ("compensation=kahan", "unknown option 'compensation' for 'adam8bit'"),
+    ("backend", "not of the form key=value"),
+])
+def test_bad_optim_args(text, match):
+    spec = registry.get_spec("adam8bit")
+    with pytest.raises(ValueError, match=match):
+        parse_options(spec.name, spec.options, parse_optim_args(text), source="optim_args")
+
+
+def test_keywords_and_text_share_validation():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="create_optimizer: option 'embedding_state' must be one of"):
+        hfe.create_optimizer(model, "adam8bit", embedding_state="4bit")
+    with pytest.raises(ValueError, match="unknown option 'embeding_state'"):
+        hfe.create_optimizer(model, "adam8bit", embeding_state="8bit")
+    opt = hfe.create_optimizer(model, "adamw", decay_embeddings="false")  # text works as a keyword too
+    assert opt.hf_efficient.options["decay_embeddings"] is False
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=-1e-3), r"lr=-0.001"),
+    (dict(betas=(0.9, 1.0)), r"beta2=1.0"),
+    (dict(betas=(-0.1, 0.99)), r"beta1=-0.1"),
+    (dict(eps=-1.0), r"eps=-1.0"),
+    (dict(weight_decay=-0.1), r"weight_decay=-0.1"),
+])
+@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adafactor"])
+def test_bad_hyperparameters_are_refused_with_the_value(name, kwargs, match):
+    if name == "adafactor" and ("betas" in kwargs or "eps" in kwargs):
+        pytest.skip("Adafactor takes neither betas nor eps")
+    with pytest.raises(ValueError, match=match):
+        hfe.create_optimizer(nn.Linear(4, 4), name, **kwargs)
+
+
+# --- create_optimizer in plain PyTorch -------------------------------------------------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(128, 64)  # 8192 elements: large enough to be 8-bit by size
+        self.big = nn.Linear(64, 128)  # 8192
+        self.small = nn.Linear(128, 8)  # 1024 < 4096
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.small(torch.relu(self.big(self.emb(x))))).sum()
+
+
+@pytest.mark.parametrize("backend", ["bnb", "torchao"])
+def test_8bit_state_policy(backend):
+    if backend == "torchao":
+        pytest.importorskip("torchao")
+    model = Tiny()
+    for embedding_state, emb_dtype in (("32bit", torch.float32), ("8bit", torch.uint8)):
+        opt = hfe.create_optimizer(model, "adam8bit", lr=1e-3, backend=backend, embedding_state=embedding_state)
+        model(torch.randint(0, 128, (4, 5))).backward()
+        opt.step()
+        opt.zero_grad()
+
+        def dtype_of(p):
+            st = opt.state[p]
+            t = st["state1"] if "state1" in st else st["exp_avg"]
+            return getattr(t, "codes", t).dtype
+
+        assert dtype_of(model.big.weight) == torch.uint8
+        assert dtype_of(model.small.weight) == torch.float32
+        assert dtype_of(model.emb.weight) == emb_dtype
+
+
+def test_plain_pytorch_loop_with_param_list():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    opt = hfe.create_optimizer(model.parameters(), "adafactor", lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss = nn.functional.mse_loss(model(x), y)
+        first = first if first is not None else loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.7 * first
+
+
+def test_empty_param_list_is_refused():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        hfe.create_optimizer([], "adamw")

@@ -1,0 +1,151 @@
+"""The hf_eff_* names inside transformers: TrainingArguments, the CLI parser, Trainer.train, resume."""
+
+import json
+
+import pytest
+import torch
+from conftest import ClassificationSet, tiny_bert
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+import hf_efficient as hfe
+
+# paged_adam8bit runs as adam8bit off CUDA (tested in test_registry); adamw_bf16 has its own Trainer test
+NAMES = ["hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_paged_adam8bit", "hf_eff_adafactor"]
+
+
+def _args(tmp_path, optim, steps=20, **kw):
+    kw = {"learning_rate": 3e-3, "save_strategy": "no", "weight_decay": 0.01, **kw}
+    return TrainingArguments(
+        str(tmp_path), optim=optim, max_steps=steps, per_device_train_batch_size=8, logging_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0, data_seed=0, **kw)
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.filterwarnings("ignore:hf_eff_paged_adam8bit")
+@pytest.mark.parametrize("optim", NAMES)
+def test_each_name_trains_and_loss_falls(tmp_path, optim):
+    trainer = Trainer(model=tiny_bert(), args=_args(tmp_path, optim, steps=16), train_dataset=ClassificationSet())
+    trainer.train()
+    losses = _losses(trainer)
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+    info = hfe.optimizer_info(trainer.optimizer)
+    assert info.resolution.name in optim
+    # our decay groups replaced the Trainer's: embeddings decayed, norms and biases not
+    wd = {n: g["weight_decay"] for g in trainer.optimizer.param_groups for n in g["param_names"]}
+    assert wd["bert.embeddings.word_embeddings.weight"] == 0.01
+    assert wd["bert.embeddings.LayerNorm.weight"] == 0.0 and wd["classifier.bias"] == 0.0
+
+
+def test_8bit_states_in_trainer(tmp_path):
+    model = tiny_bert()
+    trainer = Trainer(model=model, args=_args(tmp_path, "hf_eff_adam8bit", steps=2), train_dataset=ClassificationSet())
+    trainer.train()
+    state = trainer.optimizer.state
+    big = model.bert.encoder.layer[0].intermediate.dense.weight  # 128 x 64 = 8192 elements
+    assert state[big]["state1"].dtype == torch.uint8 and state[big]["state2"].dtype == torch.uint8
+    emb = model.bert.embeddings.word_embeddings.weight  # 256 x 64: large, but an embedding
+    assert state[emb]["state1"].dtype == torch.float32
+    small = model.bert.encoder.layer[0].attention.self.query.bias
+    assert state[small]["state1"].dtype == torch.float32
+
+
+def test_optim_args_reach_the_optimizer(tmp_path):
+    args = _args(tmp_path, "hf_eff_adam8bit", steps=1, optim_args="embedding_state=8bit, decay_embeddings=false")
+    model = tiny_bert()
+    trainer = Trainer(model=model, args=args, train_dataset=ClassificationSet())
+    trainer.train()
+    emb = model.bert.embeddings.word_embeddings.weight
+    assert trainer.optimizer.state[emb]["state1"].dtype == torch.uint8
+    wd = {n: g["weight_decay"] for g in trainer.optimizer.param_groups for n in g["param_names"]}
+    assert wd["bert.embeddings.word_embeddings.weight"] == 0.0
+
+
+def test_bad_optim_args_fail_when_the_optimizer_is_built(tmp_path):
+    args = _args(tmp_path, "hf_eff_adam8bit", steps=1, optim_args="embeding_state=8bit")
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet())
+    with pytest.raises(ValueError, match=r"optim_args: unknown option 'embeding_state'.*Did you mean"):
+        trainer.train()
+
+
+def test_hf_eff_adamw_equals_torch_adamw_with_the_same_groups(tmp_path):
+    def run(optim, optimizers=(None, None), model=None):
+        model = model or tiny_bert()
+        trainer = Trainer(model=model, args=_args(tmp_path, optim, steps=10), train_dataset=ClassificationSet(),
+                          optimizers=optimizers)
+        trainer.train()
+        return model
+
+    ours = run("hf_eff_adamw")
+    ref_model = tiny_bert()
+    ref_opt = torch.optim.AdamW(hfe.build_param_groups(ref_model, weight_decay=0.01), lr=3e-3, fused=True)
+    ref = run("adamw_torch", optimizers=(ref_opt, None), model=ref_model)
+    # bit for bit: the same groups and the same fused kernel (a foreach reference differs by rounding only,
+    # except on attention key biases whose true gradient is 0 and Adam normalises the rounding noise)
+    for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_transformers_own_names_still_work(tmp_path):
+    trainer = Trainer(model=tiny_bert(), args=_args(tmp_path, "adamw_torch", steps=2), train_dataset=ClassificationSet())
+    trainer.train()
+    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer) \
+        is torch.optim.AdamW
+
+
+def test_training_arguments_surface(tmp_path):
+    args = TrainingArguments(str(tmp_path), optim="hf_eff_adafactor", report_to=[])
+    assert args.optim == "hf_eff_adafactor"
+    assert args.to_dict()["optim"] == "hf_eff_adafactor"
+    assert json.loads(args.to_json_string())["optim"] == "hf_eff_adafactor"
+    args.set_optimizer(name="hf_eff_adam8bit", learning_rate=1e-4)
+    assert args.optim == "hf_eff_adam8bit" and args.learning_rate == 1e-4
+    import pickle
+
+    assert pickle.loads(pickle.dumps(args)).optim == "hf_eff_adam8bit"
+
+
+def test_cli_parser_path(tmp_path):
+    parser = HfArgumentParser((TrainingArguments,))
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--optim", "hf_eff_adam8bit", "--optim_args", "embedding_state=8bit",
+         "--report_to", "none"])
+    assert args.optim == "hf_eff_adam8bit" and args.optim_args == "embedding_state=8bit"
+    with pytest.raises(SystemExit):  # argparse refuses an unknown choice
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", "hf_eff_nope"])
+
+
+def test_unknown_hf_eff_name_lists_registered_names(tmp_path):
+    with pytest.raises(ValueError, match=r"Did you mean 'hf_eff_adam8bit'.*Registered names: hf_eff_adafactor"):
+        TrainingArguments(str(tmp_path), optim="hf_eff_adam8bt")
+
+
+# --- resume: N steps, save, fresh Trainer resumes to 2N == uninterrupted 2N --------------------------
+
+RESUME = {  # name -> (atol, why)
+    "hf_eff_adamw": (0.0, "fp32 on CPU is deterministic: exact"),
+    "hf_eff_adam8bit": (0.0, "bnb's CPU kernels are deterministic and the uint8 state round-trips: exact"),
+    "hf_eff_adafactor": (0.0, "fp32 row/column statistics round-trip: exact"),
+}
+
+
+@pytest.mark.parametrize("optim", sorted(RESUME))
+def test_resume_equals_uninterrupted(tmp_path, optim):
+    n = 6
+    data = ClassificationSet()
+    full_model = tiny_bert()
+    Trainer(model=full_model, args=_args(tmp_path / "full", optim, steps=2 * n), train_dataset=data).train()
+
+    first = Trainer(model=tiny_bert(), args=_args(tmp_path / "run", optim, steps=2 * n, save_strategy="steps",
+                                                  save_steps=n), train_dataset=data)
+    first.train()  # runs to 2n but we resume from the checkpoint at n below, in a fresh Trainer and model
+    resumed_model = tiny_bert()
+    second = Trainer(model=resumed_model, args=_args(tmp_path / "run", optim, steps=2 * n), train_dataset=data)
+    second.train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{n}"))
+    atol, _why = RESUME[optim]
+    for (name, a), (_, b) in zip(full_model.named_parameters(), resumed_model.named_parameters()):
+        torch.testing.assert_close(b, a, atol=atol, rtol=0.0, msg=name)
+    # and the checkpoint's optimizer state loads with weights_only=True
+    torch.load(tmp_path / "run" / f"checkpoint-{n}" / "optimizer.pt", weights_only=True)
