@@ -5,6 +5,7 @@ Importing this package registers the ``hf_eff_*`` names with transformers (when 
 """
 
 from .factory import create_optimizer, optimizer_info
+from .memory import estimate_memory, optimizer_state_bytes
 from .param_groups import build_param_groups, split_parameters
 from .registry import available_optimizers, resolve
 
@@ -12,7 +13,9 @@ __all__ = [
     "available_optimizers",
     "build_param_groups",
     "create_optimizer",
+    "estimate_memory",
     "optimizer_info",
+    "optimizer_state_bytes",
     "resolve",
     "split_parameters",
 ]

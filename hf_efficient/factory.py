@@ -60,6 +60,12 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
                     weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """:func:`create_optimizer` with options as given by ``source`` (text or values), named in errors."""
     spec = get_spec(name)
+    if spec.name == "auto":  # the name comes from the model's predicted footprint; see memory.choose_auto
+        from .memory import choose_auto
+
+        model = model if isinstance(model, nn.Module) else list(model)
+        choice = choose_auto(model, raw_options, source=source)
+        spec, raw_options = get_spec(choice.name), choice.options
     check_hyperparams(lr=lr, betas=betas if spec.uses_betas else None, eps=eps if spec.uses_betas else None,
                       weight_decay=weight_decay)
     options = parse_options(spec.name, spec.options, raw_options, source=source)

@@ -1,0 +1,459 @@
+"""Optimizer memory: bytes measured in a live optimizer, and bytes predicted before one exists.
+
+Measured (:func:`optimizer_state_bytes`): every tensor reachable from ``optimizer.state`` -- quantization
+maps and block scales included, the inner tensors of tensor subclasses (torchao's ``OptimState8bit``,
+DTensor) included, a storage shared by several entries (bitsandbytes' ``qmap1``/``qmap2``) counted once.
+
+Predicted (:func:`estimate_memory`): the same count done on paper, tensor by tensor, by the rule of the
+backend the registry picks for the device -- so 8-bit keeps 32-bit state for embeddings and tensors below
+``min_8bit_size`` exactly where the optimizer will, Adafactor stores row + column statistics of each
+matrix, and ``adamw_bf16`` keeps bf16 buffers. ``MB`` here is 2**20 bytes (the unit of the 502 MB AdamW
+figure for a 65.8M-parameter model).
+
+Without tensor shapes (``estimate_memory(65_783_042, ...)``) the count assumes the parameters are
+2-D matrices of :data:`ASSUMED_COLUMNS` columns cut into tensors of at most 2**20 elements, none an
+embedding and none below ``min_8bit_size``; the result says so in ``assumption``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .backends import TORCHAO_MIN_SIZE
+from .options import parse_options
+from .param_groups import split_parameters
+from .registry import PREFIX, get_spec, resolve
+
+__all__ = ["MB", "optimizer_state_bytes", "estimate_memory", "MemoryEstimate", "choose_auto", "AutoChoice",
+           "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN"]
+
+logger = logging.getLogger(__name__)
+
+MB = 2**20
+ASSUMED_COLUMNS = 1024  # --params N: N elements as matrices of this many columns, 2**20 elements per tensor
+_ASSUMED_TENSOR = ASSUMED_COLUMNS**2
+_STEP = 4  # torch / torchao / our optimizers keep ``step`` as a float32 scalar tensor per parameter
+_QMAP = 256 * 4  # an 8-bit code book: 256 float32 values
+_BLOCK = 256  # elements per absmax / scale of blockwise 8-bit state (bnb, torchao)
+
+
+# ---------------------------------------------------------------------------------------------- measured
+
+def optimizer_state_bytes(optimizer, by: str | None = None) -> int | dict[str, int]:
+    """Bytes held by the tensors in ``optimizer.state``; each storage once.
+
+    Args:
+        optimizer: any torch optimizer (also Accelerate's or Trainer's wrapper of one).
+        by: None for the total; ``"key"`` (state key, e.g. ``exp_avg``), ``"dtype"`` (``"uint8"``, ...) or
+            ``"device"`` for a breakdown. A storage shared by two keys is attributed to the first one seen.
+
+    Returns:
+        The total in bytes, or a dict of bytes per key / dtype / device.
+    """
+    if by not in (None, "key", "dtype", "device"):
+        raise ValueError(f"by={by!r}: use None (total), 'key', 'dtype' or 'device'")
+    while not hasattr(optimizer, "state") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    seen: set = set()
+    out: dict[str, int] = {}
+    for per_param in optimizer.state.values():
+        items = per_param.items() if isinstance(per_param, Mapping) else [("", per_param)]
+        for key, value in items:
+            for t in _leaf_tensors(value):
+                storage = t.untyped_storage()
+                ident = (t.device, storage.data_ptr()) if storage.data_ptr() else ("id", id(storage))
+                if ident in seen:
+                    continue
+                seen.add(ident)
+                label = {None: "total", "key": str(key), "dtype": _dtype_name(t.dtype), "device": str(t.device)}[by]
+                out[label] = out.get(label, 0) + storage.nbytes()
+    return out.get("total", 0) if by is None else out
+
+
+def _leaf_tensors(value) -> Iterable[torch.Tensor]:
+    """Plain tensors inside ``value``: through containers and tensor subclasses' ``__tensor_flatten__``."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                yield from _leaf_tensors(getattr(value, name))
+        else:
+            yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaf_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaf_tensors(v)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def peak_memory(device: torch.device | str) -> tuple[str, int]:
+    """(what, bytes): the peak allocated memory of an accelerator, or this process' peak RSS on CPU."""
+    device = torch.device(device)
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(backend, "max_memory_allocated") and backend.is_available():
+        return f"peak_{device.type}_allocated", int(backend.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return "peak_rss", int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+# --------------------------------------------------------------------------------------------- predicted
+
+@dataclass(frozen=True)
+class _T:
+    """What the rules need of one parameter: size, shape, dtype, and whether it is an embedding matrix."""
+
+    numel: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    embedding: bool = False
+    trainable: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes of one optimizer name for one model, before any step."""
+
+    name: str  # Trainer name that runs (paged_adam8bit off CUDA runs as hf_eff_adam8bit)
+    backend: str
+    device: str
+    num_params: int  # trainable parameters (the ones the optimizer holds)
+    param_dtype: str
+    param_bytes: int  # all parameters, frozen ones included; buffers not counted
+    grad_bytes: int
+    state_bytes: int
+    fp32_adamw_state_bytes: int  # the baseline: torch AdamW with fp32 state for the same parameters
+    options: dict[str, Any] = field(default_factory=dict)
+    assumption: str | None = None  # set when shapes were assumed (a bare parameter count)
+    reason: str = ""  # why this backend (the registry's resolution)
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        return self.state_bytes / max(self.num_params, 1)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.state_bytes
+
+    @property
+    def saving(self) -> float:
+        """Fraction of fp32 AdamW's state bytes saved (0.75: a quarter of its memory)."""
+        return 1.0 - self.state_bytes / self.fp32_adamw_state_bytes if self.fp32_adamw_state_bytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(state_bytes_per_param=self.state_bytes_per_param, total_bytes=self.total_bytes, saving=self.saving,
+                 state_mb=self.state_bytes / MB)
+        return d
+
+
+def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None, backend: str | None = None,
+                    **options) -> MemoryEstimate:
+    """Predict the bytes of parameters, gradients and optimizer state of ``name`` for ``model``.
+
+    Args:
+        model: an ``nn.Module`` (any device, ``meta`` included: nothing is allocated), parameters, a
+            transformers config (built on the meta device), or a parameter count (shapes then assumed, see
+            the module docstring).
+        name: short or Trainer name; ``"auto"`` predicts what ``hf_eff_auto`` would choose.
+        param_dtype: the dtype parameters will have in training (default: as they are; float32 for a count).
+        device: where training runs, deciding the backend (default: the model's device; for a count, a config
+            or a meta model: ``cuda`` when available, else ``cpu``).
+        backend: force a backend, as ``create_optimizer(backend=...)``.
+        **options: the options ``create_optimizer`` / ``optim_args`` take (``embedding_state``, ...).
+
+    Example:
+        >>> est = estimate_memory(model, "adam8bit")
+        >>> print(f"{est.state_bytes / MB:.0f} MB, {est.saving:.0%} less than fp32 AdamW")
+    """
+    tensors, assumption, model_device, resident = _describe(model, param_dtype)
+    dev = torch.device(device) if device is not None else model_device
+    if get_spec(name).name == "auto":
+        if backend is not None:
+            options["backend"] = backend
+        return _choose(tensors, dev, resident and dev == model_device and param_dtype is None, options,
+                       "estimate_memory").chosen
+    return _estimate(tensors, name, dev, backend, options, assumption)
+
+
+def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | None, options: Mapping,
+              assumption: str | None) -> MemoryEstimate:
+    spec = get_spec(name)
+    opts = parse_options(spec.name, spec.options, dict(options, **({"backend": backend} if backend else {})),
+                         source="estimate_memory")
+    res = resolve(spec.name, dev, opts["backend"])
+    if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
+        opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
+                             source="estimate_memory")
+    rule = _RULES.get((res.spec.family, res.backend))
+    if rule is None:
+        raise NotImplementedError(f"hf_efficient.memory has no rule for {PREFIX}{res.name} with backend "
+                                  f"{res.backend!r}: add one to memory._RULES beside the backend's code")
+    train = [t for t in tensors if t.trainable]
+    dtypes = {_dtype_name(t.dtype) for t in train}
+    return MemoryEstimate(
+        name=PREFIX + res.name, backend=res.backend, device=dev.type, num_params=sum(t.numel for t in train),
+        param_dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
+        param_bytes=sum(t.numel * t.dtype.itemsize for t in tensors),
+        grad_bytes=sum(t.numel * t.dtype.itemsize for t in train),
+        state_bytes=rule(train, opts), fp32_adamw_state_bytes=_adamw([_as_fp32(t) for t in train], {}),
+        options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason)
+
+
+def _as_fp32(t: _T) -> _T:
+    return _T(t.numel, t.shape, torch.float32, t.embedding, t.trainable)
+
+
+def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, bool]:
+    """``model``'s parameters as :class:`_T`, the shape assumption made (if any), its device, and whether
+    the parameters really occupy that device (False for a count, a config, a meta model)."""
+    dtype = _as_dtype(param_dtype)
+    default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
+        raise TypeError(f"model={model!r}: pass a module, parameters, a config or an integer parameter count")
+    if isinstance(model, (int, float)):
+        n = int(model)
+        if n <= 0:
+            raise ValueError(f"a parameter count must be positive, got {model!r}")
+        full, rest = divmod(n, _ASSUMED_TENSOR)
+        sizes = [_ASSUMED_TENSOR] * full + ([rest] if rest else [])
+        tensors = [_T(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32) for s in sizes]
+        return tensors, (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
+                         f"{len(sizes)} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small"), default_dev, False
+    if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
+        model = model_from_config(model)
+    if isinstance(model, nn.Module):
+        split = split_parameters(model)
+        embeddings = set(split.embeddings)
+        params = dict(model.named_parameters())
+        tensors = [_T(p.numel(), tuple(p.shape), dtype or p.dtype, n in embeddings, n in split.params)
+                   for n, p in params.items()]
+        devices = {p.device for p in params.values()}
+    else:
+        items = list(model)
+        params = [p for g in items for p in g["params"]] if items and isinstance(items[0], dict) else items
+        params = [p[1] if isinstance(p, tuple) else p for p in params]
+        tensors = [_T(p.numel(), tuple(p.shape), dtype or p.dtype) for p in params]
+        devices = {p.device for p in params}
+    if not tensors:
+        raise ValueError(f"{type(model).__name__} has no parameters to estimate")
+    if len(devices) != 1 or (dev := devices.pop()).type == "meta":
+        return tensors, None, default_dev, False
+    return tensors, None, dev, True
+
+
+def _as_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if str(dtype).removeprefix("torch.") not in names:
+        raise ValueError(f"param_dtype={dtype!r}: use one of {', '.join(names)} or a torch.dtype")
+    return names[str(dtype).removeprefix("torch.")]
+
+
+def model_from_config(config, auto_class: str | None = None, device: torch.device | str = "meta") -> nn.Module:
+    """A transformers model for ``config``, by default on the meta device: shapes and dtypes, no memory.
+
+    The class is ``auto_class`` (e.g. ``"AutoModelForSequenceClassification"``), else the config's first
+    ``architectures`` entry, else ``AutoModel``. Imports transformers lazily (only a config leads here).
+    """
+    import transformers
+
+    cls_name = auto_class or (getattr(config, "architectures", None) or ["AutoModel"])[0]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
+    with torch.device(device):
+        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+
+
+# --------------------------------------------------------------------------------- rules, one per backend
+
+def _keeps_32bit(t: _T, opts: Mapping) -> bool:
+    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state=8bit``."""
+    return t.embedding and opts.get("embedding_state") == "32bit"
+
+
+def _adamw(ts: list[_T], opts: Mapping) -> int:
+    """torch.optim.AdamW: exp_avg and exp_avg_sq shaped and typed like the parameter, and a step."""
+    return sum(2 * t.numel * t.dtype.itemsize + _STEP for t in ts)
+
+
+def _bnb_8bit(ts: list[_T], opts: Mapping) -> int:
+    """bitsandbytes: uint8 state1/state2 + float32 absmax1/absmax2 per 256 elements; else float32 state.
+
+    ``step`` is a Python int; qmap1/qmap2 are one signed and one unsigned code book shared by all params.
+    """
+    total, quantized = 0, False
+    for t in ts:
+        if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
+            total += 2 * 4 * t.numel
+        else:
+            total += 2 * (t.numel + 4 * -(-t.numel // _BLOCK))
+            quantized = True
+    return total + (2 * _QMAP if quantized else 0)
+
+
+def _torchao_8bit(ts: list[_T], opts: Mapping) -> int:
+    """torchao: per state an OptimState8bit (uint8 codes, float32 scale per 256, its own code book) when the
+    tensor is >= 4096 elements and a multiple of 256; else a tensor like the parameter. Step: float32."""
+    if opts["min_8bit_size"] < TORCHAO_MIN_SIZE:  # as backends.build_torchao_adamw8bit refuses it
+        raise ValueError(f"min_8bit_size={opts['min_8bit_size']} is below torchao's fixed threshold of "
+                         f"{TORCHAO_MIN_SIZE} elements: use backend=bnb for a lower threshold")
+    total = 0
+    for t in ts:
+        small = t.numel < opts["min_8bit_size"] or t.numel % _BLOCK
+        if _keeps_32bit(t, opts) or small:
+            total += 2 * t.numel * t.dtype.itemsize
+        else:
+            total += 2 * (t.numel + 4 * (t.numel // _BLOCK) + _QMAP)
+        total += _STEP
+    return total
+
+
+def _adafactor(ts: list[_T], opts: Mapping) -> int:
+    """optim/adafactor.py: float32 row + column statistics of a matrix (full exp_avg_sq for vectors),
+    float32 exp_avg when beta1 is set, a step."""
+    total = 0
+    for t in ts:
+        if len(t.shape) >= 2:
+            lead = math.prod(t.shape[:-2])
+            total += 4 * lead * (t.shape[-2] + t.shape[-1])
+        else:
+            total += 4 * t.numel
+        if opts.get("beta1") is not None:
+            total += 4 * t.numel
+        total += _STEP
+    return total
+
+
+def _adamw_bf16(ts: list[_T], opts: Mapping) -> int:
+    """optim/adamw_bf16.py: bf16 params get bf16 exp_avg, exp_avg_sq and (``compensation=kahan``) kahan_comp;
+    other params plain AdamW state like the parameter. A step each."""
+    total = 0
+    for t in ts:
+        if t.dtype == torch.bfloat16:
+            total += (3 if opts.get("compensation") == "kahan" else 2) * 2 * t.numel + _STEP
+        else:
+            total += 2 * t.numel * t.dtype.itemsize + _STEP
+    return total
+
+
+_RULES = {
+    ("adamw", "torch"): _adamw,
+    ("adamw8bit", "bnb"): _bnb_8bit,
+    ("adamw8bit", "torchao"): _torchao_8bit,
+    ("adafactor", "torch"): _adafactor,
+    ("adamw_bf16", "torch"): _adamw_bf16,
+}
+
+
+# ----------------------------------------------------------------------------------------- hf_eff_auto
+
+AUTO_MARGIN = 0.2  # share of the available memory left for activations, the allocator and the CUDA context
+AUTO_ORDER = ("adamw", "adam8bit", "adafactor")  # most accurate first
+AUTO_ORDER_BF16 = ("adamw_bf16", "adam8bit", "adafactor")  # plain AdamW on bf16 weights loses small updates
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``hf_eff_auto`` chose, from which candidates, against how much memory."""
+
+    name: str
+    options: dict[str, Any]  # the options given, minus those the chosen name does not take
+    available_bytes: int
+    usable_bytes: int
+    source: str  # where available_bytes came from
+    candidates: tuple[MemoryEstimate, ...]
+    fits: bool
+
+    @property
+    def chosen(self) -> MemoryEstimate:
+        return next(c for c in self.candidates if c.name == PREFIX + self.name)
+
+    def summary(self) -> str:
+        rows = "; ".join(f"{c.name} needs {_gb(c.total_bytes)} (params {_gb(c.param_bytes)} + grads "
+                         f"{_gb(c.grad_bytes)} + state {_gb(c.state_bytes)})" for c in self.candidates)
+        verdict = "the first that fits" if self.fits else "the smallest; NONE FITS, expect out-of-memory"
+        return (f"{PREFIX}auto chose {PREFIX}{self.name}, {verdict}: usable {_gb(self.usable_bytes)} = "
+                f"{1 - AUTO_MARGIN:.0%} of {_gb(self.available_bytes)} ({self.source}); {rows}")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.2f} GB"
+
+
+def free_memory_bytes(device: torch.device | str) -> int:
+    """Free memory of ``device``: ``torch.cuda.mem_get_info`` on CUDA, MemAvailable (or psutil) on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().available)
+        except ImportError:
+            pass
+    raise RuntimeError(f"cannot read the free memory of {device}: give it with optim_args='budget_gb=...'")
+
+
+def choose_auto(model, options: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None,
+                param_dtype: torch.dtype | str | None = None, source: str = "options") -> AutoChoice:
+    """Pick the most accurate name whose predicted params + grads + state fit the memory, and log why.
+
+    Candidates, best first: adamw > adam8bit > adafactor; for bf16 models adamw_bf16 replaces adamw (plain
+    AdamW on bf16 weights loses updates below the weights' resolution). The memory is ``budget_gb`` when
+    given, else the device's free memory plus the bytes of the model's parameters already on it;
+    :data:`AUTO_MARGIN` of it is kept free because activations are unknown here. When nothing fits, the
+    smallest is chosen and the warning says so.
+    """
+    tensors, _, model_dev, resident = _describe(model, param_dtype)
+    dev = torch.device(device) if device is not None else model_dev
+    return _choose(tensors, dev, resident and dev == model_dev and param_dtype is None, dict(options or {}), source)
+
+
+def _choose(tensors: list[_T], dev: torch.device, resident: bool, given: dict, source: str) -> AutoChoice:
+    auto = get_spec("auto")
+    opts = parse_options(auto.name, auto.options, given, source=source)
+    if opts["budget_gb"] is not None:
+        available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
+    else:
+        free = free_memory_bytes(dev)
+        held = sum(t.numel * t.dtype.itemsize for t in tensors) if resident else 0
+        available, where = free + held, f"free on {dev} {_gb(free)} + parameters already there {_gb(held)}"
+    usable = int(available * (1 - AUTO_MARGIN))
+    train = [t for t in tensors if t.trainable]
+    bf16 = sum(t.numel for t in train if t.dtype == torch.bfloat16) * 2 > sum(t.numel for t in train)
+    candidates = []
+    for name in AUTO_ORDER_BF16 if bf16 else AUTO_ORDER:
+        mine = {k: v for k, v in given.items() if k in get_spec(name).options}
+        candidates.append(_estimate(tensors, name, dev, None, mine, None))
+    fitting = [c for c in candidates if c.total_bytes <= usable]
+    best = fitting[0] if fitting else min(candidates, key=lambda c: c.total_bytes)
+    name = best.name.removeprefix(PREFIX)
+    choice = AutoChoice(name, {k: v for k, v in given.items() if k in get_spec(name).options}, available, usable,
+                        where, tuple(candidates), bool(fitting))
+    logger.warning("%s", choice.summary())
+    return choice
