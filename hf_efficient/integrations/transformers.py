@@ -11,15 +11,18 @@ Two patches, both idempotent and feature-checked rather than version-pinned (tes
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+from transformers import TrainerCallback
 
 from ..factory import build_optimizer
+from ..memory import MB, peak_memory, state_metrics
 from ..options import parse_optim_args
 from ..registry import PREFIX, SPECS, get_spec
 
-__all__ = ["register", "TrainerOptimizer", "is_hf_eff_name"]
+__all__ = ["register", "TrainerOptimizer", "is_hf_eff_name", "MemoryCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +95,95 @@ def register() -> None:
         return original(args, model)
 
     Trainer.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)
+    _add_memory_callback(Trainer)
+    _allow_numpy_rng_on_resume(Trainer)
+
+
+def _allow_numpy_rng_on_resume(trainer_cls) -> None:
+    """Let transformers < 4.47 resume under torch >= 2.6.
+
+    Those versions read ``rng_state.pth`` (numpy RNG arrays the Trainer itself wrote) with torch.load's
+    default, which torch 2.6 turned into ``weights_only=True``: every resume then fails. Newer versions
+    allowlist exactly these numpy types (``trainer_pt_utils.safe_globals``); do the same for older ones.
+    """
+    import numpy as np
+    from transformers import trainer_pt_utils
+
+    if hasattr(trainer_pt_utils, "safe_globals") or not hasattr(torch.serialization, "safe_globals"):
+        return
+    np_core = getattr(np, "_core", None) or np.core
+    allow = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    original = trainer_cls._load_rng_state
+
+    def _load_rng_state(self, checkpoint):
+        with torch.serialization.safe_globals(allow):
+            return original(self, checkpoint)
+
+    trainer_cls._load_rng_state = _load_rng_state
+
+
+class MemoryCallback(TrainerCallback):
+    """Puts what the optimizer really costs into the Trainer's logs, so TensorBoard / W&B / log_history get it.
+
+    After the first optimizer step: ``hf_eff/optimizer_state_mb`` (measured by
+    :func:`hf_efficient.optimizer_state_bytes`), ``hf_eff/fp32_adamw_state_mb`` and
+    ``hf_eff/optimizer_state_saving`` (the fraction saved against fp32 AdamW for the same parameters).
+    At every log: ``hf_eff/peak_cuda_allocated_mb`` (``torch.cuda.max_memory_allocated``), or
+    ``hf_eff/peak_rss_mb`` (the process' peak resident memory) on CPU. MB = 2**20 bytes.
+
+    Added automatically, first in the list, for ``hf_eff_*`` names; for any other optimizer pass
+    ``Trainer(..., callbacks=[MemoryCallback()])`` (it is moved first there too: the reporting callbacks
+    only see values added before their turn).
+    """
+
+    def __init__(self):
+        self._pending: dict[str, float] = {}
+        self._measured = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._measured = False
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self._measured or optimizer is None:
+            return
+        metrics = state_metrics(optimizer)
+        if metrics is None:  # the step was skipped (e.g. fp16 overflow): no state yet
+            return
+        self._measured = True
+        self._pending = {f"hf_eff/{k}": v for k, v in metrics.items()}
+        logger.info("hf_efficient: optimizer state %.1f MB measured at step %d; fp32 AdamW: %.1f MB (%.0f%% saved)",
+                    metrics["optimizer_state_mb"], state.global_step, metrics["fp32_adamw_state_mb"],
+                    100 * metrics["optimizer_state_saving"])
+        if getattr(args.logging_strategy, "value", args.logging_strategy) != "no":
+            control.should_log = True  # log at this step rather than at the next logging_steps
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if logs is None:
+            return
+        extra, self._pending = self._pending, {}
+        if model is not None:
+            param = next(model.parameters(), None)
+            what, peak = peak_memory(param.device if param is not None else "cpu")
+            extra[f"hf_eff/{what}_mb"] = peak / MB
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)  # Trainer.log appended its copy of logs before calling us
+
+
+def _add_memory_callback(trainer_cls) -> None:
+    """Wrap ``Trainer.__init__``: add a :class:`MemoryCallback` for hf_eff_* names, and put it first."""
+    if getattr(trainer_cls.__init__, "_hf_eff_memory", False):
+        return
+    original = trainer_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        callbacks = self.callback_handler.callbacks
+        mine = [cb for cb in callbacks if isinstance(cb, MemoryCallback)]
+        if not mine and is_hf_eff_name(self.args.optim):
+            mine = [MemoryCallback()]
+        callbacks[:] = mine + [cb for cb in callbacks if not isinstance(cb, MemoryCallback)]
+
+    __init__._hf_eff_memory = True
+    trainer_cls.__init__ = __init__
