@@ -32,7 +32,7 @@ from .options import parse_options
 from .param_groups import split_parameters
 from .registry import PREFIX, get_spec, resolve
 
-__all__ = ["MB", "optimizer_state_bytes", "estimate_memory", "MemoryEstimate", "choose_auto", "AutoChoice",
+__all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "choose_auto", "AutoChoice",
            "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN"]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,21 @@ def optimizer_state_bytes(optimizer, by: str | None = None) -> int | dict[str, i
                 label = {None: "total", "key": str(key), "dtype": _dtype_name(t.dtype), "device": str(t.device)}[by]
                 out[label] = out.get(label, 0) + storage.nbytes()
     return out.get("total", 0) if by is None else out
+
+
+def state_metrics(optimizer) -> dict[str, float] | None:
+    """Measured state MB, fp32 AdamW's MB for the same parameters, and the saving; None while state is empty.
+
+    Only parameters that have state are compared, so a step that skipped some parameters compares like
+    with like.
+    """
+    measured = optimizer_state_bytes(optimizer)
+    if not measured:
+        return None
+    with_state = {id(p): p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)}
+    baseline = _adamw([_T(p.numel(), tuple(p.shape), torch.float32) for p in with_state.values()], {})
+    return {"optimizer_state_mb": measured / MB, "fp32_adamw_state_mb": baseline / MB,
+            "optimizer_state_saving": 1.0 - measured / baseline if baseline else 0.0}
 
 
 def _leaf_tensors(value) -> Iterable[torch.Tensor]:
@@ -394,7 +409,7 @@ class AutoChoice:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GB"
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / MB:.2f} MB"
 
 
 def free_memory_bytes(device: torch.device | str) -> int:

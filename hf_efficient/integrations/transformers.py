@@ -1,12 +1,14 @@
 """The only place that touches transformers internals: registers the ``hf_eff_*`` names with Trainer.
 
-Two patches, both idempotent and feature-checked rather than version-pinned (tested on 4.46 and 5.23):
+Three patches, all idempotent and feature-checked rather than version-pinned (tested on 4.46 and 5.23):
 
 1. ``OptimizerNames`` (an Enum) gets one member per name, so ``TrainingArguments(optim=...)``,
    ``set_optimizer``, ``HfArgumentParser``'s ``--optim`` choices, ``to_dict`` and pickling all accept them;
    an unknown ``hf_eff_*`` name raises our error listing the registered ones.
 2. ``Trainer.get_optimizer_cls_and_kwargs`` answers for our names with :class:`TrainerOptimizer` and the
    model, so our weight-decay groups replace the Trainer's and ``optim_args`` goes through our parser.
+3. ``Trainer.__init__`` adds :class:`MemoryCallback` for our names (and puts any MemoryCallback first), so
+   measured optimizer state and peak memory reach the logs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,275 @@
+"""Measured optimizer state against hand counts, predictions against measurements, the Trainer callback, auto."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+import hf_efficient as hfe
+from hf_efficient import memory
+from hf_efficient.memory import MB, choose_auto, estimate_memory, free_memory_bytes, optimizer_state_bytes
+from hf_efficient.registry import SPECS
+from conftest import ClassificationSet, tiny_bert, tiny_gpt2, tiny_llama
+
+HAS_BF16 = importlib.util.find_spec("hf_efficient.optim.adamw_bf16") is not None
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    """torchao compiles its step (~30 s on 2 cores); the state it allocates before that call is what we count."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+
+class Small(nn.Module):
+    """emb 100x64 (6400, a multiple of 256), big 64->128 (8192), three 128-vectors: 5 tensors, 14,976 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 64)
+        self.big = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+
+    def forward(self, x):
+        return self.norm(self.big(self.emb(x))).square().mean()
+
+
+def one_step(model, name, **options):
+    opt = hfe.create_optimizer(model, name, lr=1e-3, **options)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2  # every parameter gets state, whatever the forward uses
+    opt.step()
+    return opt
+
+
+VECTORS = 3 * 128
+EMB, BIG = 100 * 64, 64 * 128
+STEPS = 5 * 4  # one float32 step tensor per parameter (torch, torchao, Adafactor)
+QMAP = 256 * 4
+
+
+def test_hand_count_torch_adamw():
+    opt = one_step(Small(), "adamw")
+    expected = 2 * 4 * (EMB + BIG + VECTORS) + STEPS
+    assert optimizer_state_bytes(opt) == expected == estimate_memory(Small(), "adamw").state_bytes
+    assert optimizer_state_bytes(opt, by="key") == {"step": STEPS, "exp_avg": expected // 2 - 10,
+                                                    "exp_avg_sq": expected // 2 - 10}
+    assert optimizer_state_bytes(opt, by="dtype") == {"float32": expected}
+
+
+@pytest.mark.parametrize("embedding_state", ["32bit", "8bit"])
+def test_hand_count_bitsandbytes(embedding_state):
+    opt = one_step(Small(), "adam8bit", backend="bnb", embedding_state=embedding_state)
+    big = 2 * BIG + 2 * 4 * (BIG // 256)  # uint8 state1/state2 + float32 absmax1/absmax2 per 256 elements
+    emb = 2 * 4 * EMB if embedding_state == "32bit" else 2 * EMB + 2 * 4 * (EMB // 256)
+    expected = big + emb + 2 * 4 * VECTORS + 2 * QMAP  # small tensors 32-bit; step is an int; qmaps shared
+    assert optimizer_state_bytes(opt) == expected
+    assert estimate_memory(Small(), "adam8bit", backend="bnb", embedding_state=embedding_state).state_bytes == expected
+    by_key = optimizer_state_bytes(opt, by="key")
+    assert by_key["qmap1"] == by_key["qmap2"] == QMAP  # one code book for every parameter: counted once
+    assert optimizer_state_bytes(opt, by="dtype")["uint8"] == 2 * BIG + (2 * EMB if embedding_state == "8bit" else 0)
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed")
+def test_hand_count_torchao_counts_subclass_inner_tensors(eager_torchao):
+    opt = one_step(Small(), "adam8bit", backend="torchao")
+    assert type(opt.state[opt.param_groups[0]["params"][1]]["exp_avg"]).__name__ == "OptimState8bit"
+    big = 2 * (BIG + 4 * (BIG // 256) + QMAP)  # codes + scale per 256 + a code book, for each of the two states
+    expected = big + 2 * 4 * (EMB + VECTORS) + STEPS  # embedding kept 32-bit (default), vectors too small
+    assert optimizer_state_bytes(opt) == expected
+    assert estimate_memory(Small(), "adam8bit", backend="torchao").state_bytes == expected
+    assert optimizer_state_bytes(opt, by="dtype")["uint8"] == 2 * BIG
+
+
+@pytest.mark.parametrize("beta1", [None, 0.9])
+def test_hand_count_adafactor(beta1):
+    opt = one_step(Small(), "adafactor", beta1=beta1)
+    expected = 4 * ((100 + 64) + (128 + 64) + VECTORS) + STEPS  # row + column statistics of each matrix
+    if beta1 is not None:
+        expected += 4 * (EMB + BIG + VECTORS)
+    assert optimizer_state_bytes(opt) == expected == estimate_memory(Small(), "adafactor", beta1=beta1).state_bytes
+
+
+def test_shared_storage_and_views_counted_once():
+    p, q = nn.Parameter(torch.zeros(10)), nn.Parameter(torch.zeros(10))
+    opt = torch.optim.SGD([p, q], lr=0.1)
+    buf = torch.zeros(100)
+    opt.state[p] = {"a": buf, "nested": [buf[:10], {"x": torch.zeros(3, dtype=torch.float16)}]}
+    opt.state[q] = {"a": buf[50:], "n": 3}
+    assert optimizer_state_bytes(opt) == 400 + 6
+    assert optimizer_state_bytes(opt, by="key") == {"a": 400, "nested": 6}
+    with pytest.raises(ValueError, match="by='size'"):
+        optimizer_state_bytes(opt, by="size")
+
+
+def _cases():
+    """Every (name, backend, options) that can run on CPU here: each backend of each spec, plus the 8-bit
+    policy variants; the paged name resolves to adam8bit off CUDA."""
+    out = []
+    for spec in SPECS.values():
+        if not spec.backends:
+            continue
+        backends = [b for b, be in spec.backends.items() if be.why_not("cpu") is None] or [None]
+        for b in backends:
+            out.append((spec.name, b, {}))
+            if "embedding_state" in spec.options and b != "torchao":
+                out.append((spec.name, b, {"embedding_state": "8bit", "min_8bit_size": 1}))
+    out.append(("adafactor", None, {"beta1": 0.9}))
+    out.append(("adamw_bf16", None, {"compensation": "none"}))
+    return out
+
+
+@pytest.mark.parametrize("make", [tiny_bert, tiny_gpt2, tiny_llama], ids=["bert", "gpt2", "llama"])
+def test_prediction_matches_measurement_within_3_percent(make, eager_torchao):
+    rows = []
+    for name, backend, options in _cases():
+        if name == "adamw_bf16" and not HAS_BF16:
+            continue
+        if backend == "torchao" and make is not tiny_bert:
+            continue  # one model is enough for the slowest backend
+        model = make()
+        if name == "adamw_bf16":
+            model = model.to(torch.bfloat16)
+        predicted = estimate_memory(model, name, backend=backend, **options)
+        measured = optimizer_state_bytes(one_step(model, name, backend=backend, **options))
+        rows.append((name, backend, options, predicted.state_bytes, measured))
+    assert {r[0] for r in rows} >= {"adamw", "adam8bit", "paged_adam8bit", "adafactor"}
+    for name, backend, options, predicted, measured in rows:
+        assert abs(predicted - measured) <= 0.03 * measured, (name, backend, options, predicted, measured)
+
+
+def test_estimate_for_a_count_states_its_assumption():
+    n = 65_783_042
+    adamw = estimate_memory(n, "adamw", device="cpu")
+    tensors = -(-n // 2**20)
+    assert adamw.state_bytes == 8 * n + 4 * tensors and adamw.saving == 0.0
+    assert round(adamw.state_bytes / MB) == 502
+    assert adamw.param_bytes == adamw.grad_bytes == 4 * n
+    all8 = estimate_memory(n, "adam8bit", device="cpu", embedding_state="8bit", min_8bit_size=1)
+    assert all8.backend == "bnb" and abs(all8.state_bytes / MB - 127.4) < 0.05  # 2 B + 8/256 B absmax, + qmaps
+    assert "1024 columns" in all8.assumption and "no embeddings" in all8.assumption
+    bf16 = estimate_memory(n, "adamw", param_dtype="bf16", device="cpu")
+    assert bf16.param_bytes == 2 * n and bf16.state_bytes == 4 * n + 4 * tensors and bf16.saving == pytest.approx(0.5, abs=1e-6)
+    with pytest.raises(ValueError, match="positive"):
+        estimate_memory(0, "adamw")
+
+
+def test_estimate_for_a_config_builds_on_meta():
+    from transformers import DistilBertConfig
+
+    cfg = DistilBertConfig(vocab_size=28996, architectures=["DistilBertForSequenceClassification"])
+    est = estimate_memory(cfg, "adam8bit", device="cpu")
+    assert est.num_params == 65_783_042 and est.assumption is None
+    emb = 28996 * 768 + 512 * 768  # word + position embeddings keep 32-bit state by default
+    assert est.state_bytes > 8 * emb
+    allq = estimate_memory(cfg, "adam8bit", device="cpu", embedding_state="8bit", min_8bit_size=1)
+    assert 125 < allq.state_bytes / MB < 128  # the reference measured 128 MB with bitsandbytes' defaults
+
+
+def test_frozen_parameters_cost_memory_but_no_state():
+    model = Small()
+    model.emb.weight.requires_grad_(False)
+    est = estimate_memory(model, "adamw")
+    assert est.num_params == BIG + VECTORS and est.param_bytes == 4 * (EMB + BIG + VECTORS)
+    assert est.state_bytes == optimizer_state_bytes(one_step(model, "adamw"))
+
+
+# ------------------------------------------------------------------------------------------------- auto
+
+def _budget_gb(total_bytes: int, slack: float) -> float:
+    return total_bytes * slack / (1 - memory.AUTO_MARGIN) / 2**30
+
+
+def test_auto_picks_by_budget(caplog):
+    model = tiny_bert()
+    est = {n: estimate_memory(model, n).total_bytes for n in ("adamw", "adam8bit", "adafactor")}
+    assert est["adamw"] > est["adam8bit"] > est["adafactor"]
+    picks = {}
+    for expect, budget in [("adamw", _budget_gb(est["adamw"], 1.01)), ("adam8bit", _budget_gb(est["adamw"], 0.99)),
+                           ("adafactor", _budget_gb(est["adam8bit"], 0.99))]:
+        opt = hfe.create_optimizer(model, "hf_eff_auto", lr=1e-3, budget_gb=budget, embedding_state="32bit")
+        picks[expect] = opt.hf_efficient.resolution.name
+        assert estimate_memory(model, "auto", budget_gb=budget).name == "hf_eff_" + expect
+    assert picks == {"adamw": "adamw", "adam8bit": "adam8bit", "adafactor": "adafactor"}
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.memory"):
+        choice = choose_auto(model, {"budget_gb": 1e-6})
+    assert choice.name == "adafactor" and not choice.fits and "NONE FITS" in caplog.text
+    assert "budget_gb=1e-06" in caplog.text and "hf_eff_adamw needs" in caplog.text
+
+
+def test_auto_reads_free_memory_and_refuses_foreign_options():
+    assert free_memory_bytes("cpu") > 0
+    with pytest.raises(RuntimeError, match="budget_gb"):
+        free_memory_bytes("meta")
+    choice = choose_auto(tiny_bert())  # a 100k-parameter model fits any machine running this test
+    assert choice.name == "adamw" and choice.fits and "free on cpu" in choice.source
+    with pytest.raises(ValueError, match="unknown option 'backend' for 'auto'"):
+        hfe.create_optimizer(tiny_bert(), "auto", backend="bnb")
+    with pytest.raises(ValueError, match="no backend of its own"):
+        hfe.resolve("hf_eff_auto")
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="optim/adamw_bf16.py not there yet")
+def test_auto_prefers_adamw_bf16_for_bf16_models():
+    model = tiny_bert().to(torch.bfloat16)
+    assert choose_auto(model, {"budget_gb": 100}).name == "adamw_bf16"
+
+
+# ---------------------------------------------------------------------------------------- Trainer callback
+
+def _trainer(tmp_path, optim, optim_args=None, callbacks=None):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(str(tmp_path), optim=optim, optim_args=optim_args, max_steps=3, logging_steps=50,
+                             per_device_train_batch_size=8, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)
+    return Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet(n=32), callbacks=callbacks)
+
+
+class Recorder(TrainerCallback):
+    """Stands for TensorBoard / W&B: records what on_log hands to callbacks after ours."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs))
+
+
+def test_callback_is_added_for_hf_eff_names_and_logs_measured_state(tmp_path):
+    from hf_efficient.integrations.transformers import MemoryCallback
+
+    rec = Recorder()
+    model_est = estimate_memory(tiny_bert(), "adam8bit")
+    budget = _budget_gb(estimate_memory(tiny_bert(), "adamw").total_bytes, 0.99)  # too little for adamw
+    trainer = _trainer(tmp_path, "hf_eff_auto", f"budget_gb={budget}", callbacks=[rec])
+    assert isinstance(trainer.callback_handler.callbacks[0], MemoryCallback)
+    trainer.train()
+    assert hfe.optimizer_info(trainer.optimizer).resolution.name == "adam8bit"
+    first = trainer.state.log_history[0]
+    assert first["step"] == 1 and "loss" in first
+    measured = optimizer_state_bytes(trainer.optimizer)
+    assert first["hf_eff/optimizer_state_mb"] == pytest.approx(measured / MB)
+    assert abs(measured - model_est.state_bytes) <= 0.03 * measured
+    assert first["hf_eff/optimizer_state_saving"] == pytest.approx(model_est.saving, abs=0.01) and model_est.saving > 0.3
+    assert first["hf_eff/peak_rss_mb"] > 0
+    assert all("hf_eff/peak_rss_mb" in entry for entry in trainer.state.log_history)
+    assert rec.seen[0]["hf_eff/optimizer_state_mb"] == first["hf_eff/optimizer_state_mb"]
+
+
+def test_callback_on_its_own_with_a_transformers_optimizer(tmp_path):
+    from hf_efficient.integrations.transformers import MemoryCallback
+
+    rec = Recorder()
+    trainer = _trainer(tmp_path, "adamw_torch", callbacks=[rec, MemoryCallback()])
+    assert isinstance(trainer.callback_handler.callbacks[0], MemoryCallback)  # moved before the reporters
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert first["hf_eff/optimizer_state_saving"] == 0.0  # fp32 AdamW is the baseline itself
+    assert rec.seen[0]["hf_eff/fp32_adamw_state_mb"] == first["hf_eff/optimizer_state_mb"]
+    assert not any(isinstance(cb, MemoryCallback) for cb in _trainer(tmp_path, "adamw_torch").callback_handler.callbacks)
