@@ -1,0 +1,112 @@
+"""The ``hf-efficient`` console script, run in-process (its import costs as much as the rest of the test)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+
+from hf_efficient import cli
+
+N = 65_783_042  # DistilBERT (cased vocabulary) with a 2-label classification head
+TENSORS = -(-N // 2**20)  # --params assumes tensors of at most 2**20 elements
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def rows_by_label(out: str) -> dict:
+    return {r["label"]: r for r in json.loads(out)["rows"]}
+
+
+def test_console_script_is_declared():
+    eps = importlib.metadata.entry_points(group="console_scripts")
+    assert any(ep.name == "hf-efficient" and ep.value == "hf_efficient.cli:main" for ep in eps)
+
+
+def test_list_names_backends_and_reasons(capsys):
+    rc, out, _ = run(capsys, "list")
+    assert rc == 0
+    for name in ("hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_paged_adam8bit", "hf_eff_adafactor", "hf_eff_auto"):
+        assert name in out
+    rc, out, _ = run(capsys, "list", "--json")
+    rows = {(r["name"], r["device"]): r for r in json.loads(out)}
+    assert rows[("hf_eff_adam8bit", "cpu")]["backend"] == "bnb"
+    assert "bitsandbytes" in rows[("hf_eff_adam8bit", "cpu")]["reason"]
+    assert rows[("hf_eff_paged_adam8bit", "cpu")]["runs_as"] == "hf_eff_adam8bit"
+    assert rows[("hf_eff_auto", "cpu")]["backend"] is None
+
+
+def test_estimate_params_table(capsys):
+    rc, out, _ = run(capsys, "estimate", "--params", str(N), "--device", "cpu")
+    assert rc == 0
+    assert "assumed: 65,783,042 parameters counted as 2-D matrices of 1024 columns" in out
+    lines = {line.split("  ")[0]: line for line in out.splitlines()}
+    adamw, all8 = lines["hf_eff_adamw"], lines["hf_eff_adam8bit, every tensor 8-bit"]
+    assert "65,783,042" in adamw and " 8.000 " in adamw and " 501.9 " in adamw and " 0.0% " in adamw
+    assert " 2.031 " in all8 and " 127.4 " in all8 and " 74.6% " in all8
+    assert "hf_eff_adam8bit (default: 32-bit embeddings)" in lines and "hf_eff_auto here would choose" in out
+
+
+def test_estimate_params_json(capsys):
+    rc, out, _ = run(capsys, "estimate", "--params", str(N), "--device", "cpu", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["num_params"] == N and "no embeddings" in data["assumption"]
+    rows = rows_by_label(out)
+    assert rows["hf_eff_adamw"]["state_bytes"] == 8 * N + 4 * TENSORS
+    all8 = rows["hf_eff_adam8bit, every tensor 8-bit"]
+    # uint8 m and v, a float32 absmax per 256 elements for each, and the two 256-entry code books
+    assert all8["state_bytes"] == 2 * N + 2 * 4 * sum(-(-s // 256) for s in [2**20] * (TENSORS - 1) + [N % 2**20]) + 2048
+    assert all8["backend"] == "bnb" and all8["saving"] == pytest.approx(0.746, abs=1e-3)
+    assert rows["hf_eff_adam8bit (default: 32-bit embeddings)"]["state_bytes"] == all8["state_bytes"]  # none assumed
+    assert rows["hf_eff_paged_adam8bit"]["name"] == "hf_eff_adam8bit"  # runs as adam8bit off CUDA
+    assert rows["hf_eff_adafactor"]["state_bytes"] < N / 100
+
+
+def test_estimate_local_config_directory(capsys, tmp_path):
+    from transformers import DistilBertConfig
+
+    DistilBertConfig(vocab_size=28996, architectures=["DistilBertForSequenceClassification"]).save_pretrained(tmp_path)
+    rc, out, _ = run(capsys, "estimate", str(tmp_path), "--device", "cpu", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["num_params"] == N and data["assumption"] is None and "DistilBertForSequenceClassification" in data["model"]
+    rows = rows_by_label(out)
+    assert round(rows["hf_eff_adamw"]["state_mb"]) == 502
+    all8, default = rows["hf_eff_adam8bit, every tensor 8-bit"], rows["hf_eff_adam8bit (default: 32-bit embeddings)"]
+    assert 125 < all8["state_mb"] < 128  # the reference: 125 MB at 2 B/param, 128 MB measured with bitsandbytes
+    emb = 28996 * 768 + 512 * 768  # word + position embeddings: 32-bit state by default
+    assert default["state_bytes"] - all8["state_bytes"] == pytest.approx(6 * emb, rel=0.01)
+    rc, out, _ = run(capsys, "estimate", str(tmp_path), "--device", "cpu")
+    assert "DistilBertForSequenceClassification): 65,783,042 trainable parameters" in out and " 501.9 " in out
+
+
+def test_estimate_measure_agrees_on_a_small_model(capsys, tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=2, n_positions=64,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    rc, out, _ = run(capsys, "estimate", str(tmp_path), "--device", "cpu", "--measure", "--json")
+    assert rc == 0
+    for row in json.loads(out)["rows"]:
+        if "unavailable" in row:
+            continue
+        assert abs(row["measured_state_bytes"] - row["state_bytes"]) <= 0.03 * row["state_bytes"], row["label"]
+
+
+def test_estimate_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main(["estimate"])
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "x", "--params", "10"])
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--params", "10", "--measure"])
+    rc, _, err = run(capsys, "estimate", str(tmp_path / "missing"))
+    assert rc == 2 and "cannot load a config" in err and "--params N" in err
+    rc, _, err = run(capsys, "estimate", "--params", "-5")
+    assert rc == 2 and "positive" in err
