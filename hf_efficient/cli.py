@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype in training (default: "
                        "the model's)")
     p_est.add_argument("--device", help="device the backends are chosen for (default: cuda if available, else cpu)")
+    p_est.add_argument("--budget-gb", type=float, help="memory for hf_eff_auto's choice (default: free memory)")
     p_est.add_argument("--measure", action="store_true", help="also build the model on --device and measure the "
                        "state after one step of each optimizer (allocates the model: needs its memory)")
     p_est.add_argument("--json", action="store_true", help="machine-readable output")
@@ -140,7 +141,8 @@ def _estimate(args, parser) -> int:
             unavailable[row.label] = str(e)
     measured = _measure(config, args.auto_class, estimates, dtype, device) if args.measure else {}
     try:
-        auto = choose_auto(source, param_dtype=dtype, device=device)
+        budget = {"budget_gb": args.budget_gb} if args.budget_gb is not None else {}
+        auto = choose_auto(source, budget, param_dtype=dtype, device=device, source="--budget-gb")
     except RuntimeError as e:  # no free-memory reading for this device here
         auto = f"cannot tell: {e}"
     if args.json:

@@ -415,7 +415,7 @@ def _gb(n: int) -> str:
 def free_memory_bytes(device: torch.device | str) -> int:
     """Free memory of ``device``: ``torch.cuda.mem_get_info`` on CUDA, MemAvailable (or psutil) on CPU."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type == "cpu":
         try:

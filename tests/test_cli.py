@@ -110,3 +110,11 @@ def test_estimate_errors(capsys, tmp_path):
     assert rc == 2 and "cannot load a config" in err and "--params N" in err
     rc, _, err = run(capsys, "estimate", "--params", "-5")
     assert rc == 2 and "positive" in err
+
+
+def test_estimate_budget_decides_auto(capsys):
+    picks = {}
+    for budget in ("100", "12", "10"):  # 1e9 fp32 params: adamw needs 14.9 GB, adam8bit 9.3 GB, adafactor 7.5 GB
+        rc, out, _ = run(capsys, "estimate", "--params", "1000000000", "--device", "cpu", "--budget-gb", budget, "--json")
+        picks[budget] = json.loads(out)["auto"]["name"]
+    assert picks == {"100": "hf_eff_adamw", "12": "hf_eff_adam8bit", "10": "hf_eff_adafactor"}
