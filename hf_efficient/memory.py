@@ -357,14 +357,12 @@ def _adafactor(ts: list[_T], opts: Mapping) -> int:
 
 
 def _adamw_bf16(ts: list[_T], opts: Mapping) -> int:
-    """optim/adamw_bf16.py: bf16 params get bf16 exp_avg, exp_avg_sq and (``compensation=kahan``) kahan_comp;
-    other params plain AdamW state like the parameter. A step each."""
+    """optim/adamw_bf16.py: exp_avg, exp_avg_sq (and, for bf16/fp16 params with ``compensation=kahan``,
+    kahan_comp) shaped and typed like the parameter; a float32 step."""
     total = 0
     for t in ts:
-        if t.dtype == torch.bfloat16:
-            total += (3 if opts.get("compensation") == "kahan" else 2) * 2 * t.numel + _STEP
-        else:
-            total += 2 * t.numel * t.dtype.itemsize + _STEP
+        buffers = 3 if opts.get("compensation") == "kahan" and t.dtype in (torch.bfloat16, torch.float16) else 2
+        total += buffers * t.numel * t.dtype.itemsize + _STEP
     return total
 
 

@@ -120,7 +120,7 @@ def _cases():
             if "embedding_state" in spec.options and b != "torchao":
                 out.append((spec.name, b, {"embedding_state": "8bit", "min_8bit_size": 1}))
     out.append(("adafactor", None, {"beta1": 0.9}))
-    out.append(("adamw_bf16", None, {"compensation": "none"}))
+    out.append(("adamw_bf16", None, {"compensation": "stochastic"}))
     return out
 
 
@@ -225,10 +225,10 @@ def test_auto_prefers_adamw_bf16_for_bf16_models():
 def _trainer(tmp_path, optim, optim_args=None, callbacks=None):
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(str(tmp_path), optim=optim, optim_args=optim_args, max_steps=3, logging_steps=50,
+    args = TrainingArguments(str(tmp_path), optim=optim, optim_args=optim_args, max_steps=2, logging_steps=50,
                              per_device_train_batch_size=8, report_to=[], save_strategy="no", use_cpu=True,
                              disable_tqdm=True)
-    return Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet(n=32), callbacks=callbacks)
+    return Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet(n=16), callbacks=callbacks)
 
 
 class Recorder(TrainerCallback):
