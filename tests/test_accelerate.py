@@ -1,0 +1,478 @@
+"""Accelerate plugin: config precedence and errors, exact gradient accumulation, schedules, exact resume,
+and the distributed refusal rules (one process; tests/test_accelerate_distributed.py runs two)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_efficient import optimizer_info
+from hf_efficient.integrations.accelerate import (
+    EfficientOptimPlugin, accumulation_windows, check_distributed_support, choose_backend, summed_token_loss)
+from hf_efficient.registry import SPECS
+
+IGNORE = -100
+
+
+# ------------------------------------------------------------------------------------------ helpers
+# (also imported by tests/test_accelerate_distributed.py)
+
+def tiny_mlm(seed: int = 0, dropout: float = 0.0, dtype=torch.float32):
+    """A 1-layer BERT masked LM whose matrices are all 64x64 (4096 elements: just big enough for 8-bit state;
+    one shape, so torchao compiles its step once), decoder tied to the embeddings as in the real MiniLM."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
+    return BertForMaskedLM(cfg).to(dtype)
+
+
+def variable_batches(n_batches: int = 4, per_batch: int = 2, seed: int = 0) -> list[dict]:
+    """Micro-batches of sequences whose lengths (3-24) and target counts (1 to all) differ a lot."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n_batches * per_batch):
+        n = int(torch.randint(3, 25, (1,), generator=g))
+        ids = torch.randint(1, 100, (n,), generator=g)
+        rate = 0.1 if i % 2 else 0.9  # sparse and dense targets alternate, so token counts differ per batch
+        labels = torch.where(torch.rand(n, generator=g) < rate, torch.randint(1, 100, (n,), generator=g), IGNORE)
+        labels[0] = int(ids[0])  # at least one target
+        seqs.append((ids, labels))
+    return [collate(seqs[i:i + per_batch]) for i in range(0, len(seqs), per_batch)]
+
+
+def collate(seqs) -> dict:
+    width = max(len(ids) for ids, _ in seqs)
+    batch = {"input_ids": torch.zeros(len(seqs), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(seqs), width, dtype=torch.long),
+             "labels": torch.full((len(seqs), width), IGNORE)}
+    for i, (ids, labels) in enumerate(seqs):
+        batch["input_ids"][i, :len(ids)], batch["attention_mask"][i, :len(ids)] = ids, 1
+        batch["labels"][i, :len(ids)] = labels
+    return batch
+
+
+def merge(batches: list[dict]) -> dict:
+    """One big batch from micro-batches (re-padded to the widest)."""
+    seqs = [(b["input_ids"][i][b["attention_mask"][i] == 1], b["labels"][i][b["attention_mask"][i] == 1])
+            for b in batches for i in range(len(b["input_ids"]))]
+    return collate(seqs)
+
+
+def logits_of(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def reference_grads(batch: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients of the big batch's token-mean loss."""
+    model = tiny_mlm(seed)
+    F.cross_entropy(logits_of(model, batch).flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def accumulated_grads(accelerator, model, batches: list[dict], naive: bool = False) -> dict[str, torch.Tensor]:
+    """Gradients after one window through accelerate.accumulate: token-counted, or the naive mean of means."""
+    for window in accumulation_windows(accelerator, batches):
+        for batch in window:
+            with accelerator.accumulate(model):
+                logits = logits_of(model, batch)
+                if naive:
+                    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+                else:
+                    loss = window.scale(summed_token_loss(logits, batch["labels"]))
+                accelerator.backward(loss)
+    unwrapped = accelerator.unwrap_model(model)
+    return {n: p.grad.clone() for n, p in unwrapped.named_parameters() if p.grad is not None}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """Largest per-tensor relative difference; the floor keeps gradients that are exactly zero in exact math
+    (attention's key bias: softmax ignores a per-query constant) from turning rounding noise into a ratio."""
+    assert a.keys() == b.keys()
+    floor = 1e-4 * torch.stack([v.norm() for v in b.values()]).norm()
+    return max(((a[k] - b[k]).norm() / torch.maximum(b[k].norm(), floor)).item() for k in a)
+
+
+def reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No HF_EFF_* / accelerate variables from the outside; accelerate's singletons reset after each test."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith("HF_EFF_") or var == "ACCELERATE_GRADIENT_ACCUMULATION_STEPS":
+            monkeypatch.delenv(var)
+    yield
+    reset_accelerate()
+
+
+# ------------------------------------------------------------------------------------ config sources
+
+def write_yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "optim.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_match_training_arguments():
+    p = EfficientOptimPlugin()
+    assert (p.optim, p.lr, p.weight_decay, p.betas, p.eps) == ("adamw", 5e-5, 0.0, (0.9, 0.999), 1e-8)
+    assert (p.gradient_accumulation_steps, p.lr_scheduler_type, p.warmup_steps, p.backend) == (1, "linear", 0, None)
+    assert set(p.sources.values()) == {"default"}
+
+
+def test_precedence_defaults_yaml_env_kwargs(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path, "optim: adafactor\nlr: 1e-3\nweight_decay: 0.1\nwarmup_steps: 5\n"
+                                "optim_args: {clip_threshold: 2.0, decay_rate: -0.5}\n")
+    monkeypatch.setenv("HF_EFF_CONFIG", path)
+    monkeypatch.setenv("HF_EFF_LR", "2e-3")
+    monkeypatch.setenv("HF_EFF_WARMUP_STEPS", "7")
+    monkeypatch.setenv("HF_EFF_OPTIM_ARGS", "clip_threshold=3.0")
+    p = EfficientOptimPlugin(warmup_steps=9)
+    assert p.optim == "adafactor" and p.sources["optim"] == f"{path}: optim"            # YAML over default
+    assert p.weight_decay == 0.1 and p.sources["weight_decay"] == f"{path}: weight_decay"
+    assert p.lr == 2e-3 and p.sources["lr"] == "HF_EFF_LR"                              # env over YAML
+    assert p.warmup_steps == 9 and p.sources["warmup_steps"] == "EfficientOptimPlugin(warmup_steps=...)"
+    assert p.eps == 1e-8 and p.sources["eps"] == "default"
+    assert p.optim_args == {"clip_threshold": "3.0", "decay_rate": -0.5}                  # merged key by key
+    assert p.config_file == path
+
+
+def test_config_file_argument_beats_env_path(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("optim: adafactor\n")
+    b.write_text("optim: hf_eff_adam8bit\n")
+    monkeypatch.setenv("HF_EFF_CONFIG", str(a))
+    assert EfficientOptimPlugin().optim == "adafactor"
+    assert EfficientOptimPlugin(config_file=str(b)).optim == "adam8bit"
+
+
+def test_accelerate_launch_gradient_accumulation_is_honoured(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "6")
+    p = EfficientOptimPlugin()
+    assert p.gradient_accumulation_steps == 6 and p.sources["gradient_accumulation_steps"] == \
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+    assert EfficientOptimPlugin(gradient_accumulation_steps=2).gradient_accumulation_steps == 2
+    monkeypatch.setenv("HF_EFF_GRADIENT_ACCUMULATION_STEPS", "6")
+    assert EfficientOptimPlugin().gradient_accumulation_steps == 6  # agreeing twice is fine
+    monkeypatch.setenv("HF_EFF_GRADIENT_ACCUMULATION_STEPS", "4")
+    with pytest.raises(ValueError, match="HF_EFF_GRADIENT_ACCUMULATION_STEPS=4 and "
+                                         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=6 disagree"):
+        EfficientOptimPlugin()
+
+
+def test_backend_and_decay_embeddings_inside_optim_args(monkeypatch):
+    monkeypatch.setenv("HF_EFF_OPTIM_ARGS", "backend=torchao,decay_embeddings=false,embedding_state=8bit")
+    p = EfficientOptimPlugin(optim="adam8bit")
+    assert (p.backend, p.decay_embeddings, p.optim_args) == ("torchao", False, {"embedding_state": "8bit"})
+    assert p.sources["backend"] == "HF_EFF_OPTIM_ARGS (backend)"
+    assert EfficientOptimPlugin(optim="adam8bit", backend="auto").backend is None  # keyword wins, 'auto' = None
+    monkeypatch.setenv("HF_EFF_BACKEND", "bnb")
+    with pytest.raises(ValueError, match="HF_EFF_OPTIM_ARGS sets backend='torchao' but HF_EFF_BACKEND sets"):
+        EfficientOptimPlugin(optim="adam8bit")
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("HF_EFF_LR", "fast", "HF_EFF_LR: expected a number, got 'fast'"),
+    ("HF_EFF_LR", "-1", "HF_EFF_LR: Invalid learning rate lr=-1.0"),
+    ("HF_EFF_BETAS", "0.9", "HF_EFF_BETAS: betas must be two numbers"),
+    ("HF_EFF_BETAS", "0.9,1.5", r"HF_EFF_BETAS: Invalid beta2=1.5"),
+    ("HF_EFF_WEIGHT_DECAY", "-0.1", "HF_EFF_WEIGHT_DECAY: Invalid weight_decay"),
+    ("HF_EFF_GRADIENT_ACCUMULATION_STEPS", "0", "HF_EFF_GRADIENT_ACCUMULATION_STEPS: must be an integer >= 1"),
+    ("HF_EFF_GRADIENT_ACCUMULATION_STEPS", "2.5", "HF_EFF_GRADIENT_ACCUMULATION_STEPS: expected an integer"),
+    ("HF_EFF_OPTIM", "adam9bit", "HF_EFF_OPTIM: Unknown hf_efficient optimizer 'adam9bit'. Did you mean"),
+    ("HF_EFF_LR_SCHEDULER_TYPE", "cosin", "HF_EFF_LR_SCHEDULER_TYPE: unknown lr_scheduler_type 'cosin'. Did you mean"),
+    ("HF_EFF_BACKEND", "cuda", "HF_EFF_BACKEND: option 'backend' must be one of"),
+    ("HF_EFF_DECAY_EMBEDDINGS", "maybe", "HF_EFF_DECAY_EMBEDDINGS: option 'decay_embeddings' must be true or false"),
+    ("HF_EFF_WARMUP_RATIO", "1.5", r"HF_EFF_WARMUP_RATIO: warmup_ratio must be in \[0, 1\)"),
+    ("HF_EFF_OPTIM_ARGS", "embedding_state", "HF_EFF_OPTIM_ARGS: optim_args: 'embedding_state' is not of the form"),
+    ("HF_EFF_OPTIM_ARGS", "embeding_state=8bit", "HF_EFF_OPTIM_ARGS \\(optim_args\\): unknown option 'embeding_state' "
+                                                 "for 'adamw'.* Accepted: backend, decay_embeddings"),
+    ("HF_EFF_CONFIG", "/nonexistent.yaml", "HF_EFF_CONFIG: config file '/nonexistent.yaml' does not exist"),
+])
+def test_bad_environment_value_names_the_variable(monkeypatch, var, value, message):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        EfficientOptimPlugin()
+
+
+def test_option_value_checked_by_core_parser_for_the_chosen_name(monkeypatch):
+    monkeypatch.setenv("HF_EFF_OPTIM", "adam8bit")
+    monkeypatch.setenv("HF_EFF_OPTIM_ARGS", "min_8bit_size=0")
+    with pytest.raises(ValueError, match=r"HF_EFF_OPTIM_ARGS \(optim_args\): option 'min_8bit_size' must be > 0"):
+        EfficientOptimPlugin()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: fast\n", "{path}: lr: expected a number, got 'fast'"),
+    ("optim: adam8bit\noptim_args: {embedding_state: 4bit}\n",
+     r"{path}: optim_args \(optim_args\): option 'embedding_state' must be one of"),
+    ("learning_rate: 1e-3\n", "{path}: unknown key 'learning_rate'"),
+    ("gradient_accumulation_steps: [2]\n", "{path}: gradient_accumulation_steps: expected an integer"),
+    ("- optim\n", "{path}: expected a mapping"),
+    ("optim: [\n", "{path}: not valid YAML"),
+])
+def test_bad_yaml_value_names_file_and_key(tmp_path, text, message):
+    path = write_yaml(tmp_path, text)
+    with pytest.raises(ValueError, match=message.format(path=path)):
+        EfficientOptimPlugin(config_file=path)
+
+
+def test_bad_keyword_and_combinations():
+    with pytest.raises(ValueError, match=r"EfficientOptimPlugin\(eps=...\): Invalid eps"):
+        EfficientOptimPlugin(eps=-1.0)
+    with pytest.raises(ValueError, match="are both set: keep one"):
+        EfficientOptimPlugin(warmup_steps=3, warmup_ratio=0.1)
+    with pytest.raises(ValueError, match="use 'constant_with_warmup'"):
+        EfficientOptimPlugin(lr_scheduler_type="constant", warmup_steps=3)
+
+
+def test_unknown_hf_eff_variable_is_reported(monkeypatch, caplog):
+    monkeypatch.setenv("HF_EFF_OPTIN", "adam8bit")
+    EfficientOptimPlugin()
+    assert "HF_EFF_OPTIN (did you mean HF_EFF_OPTIM?)" in caplog.text
+
+
+# ------------------------------------------------------------------------- exact gradient accumulation
+
+def test_accumulation_equals_big_batch_and_naive_mean_does_not():
+    batches = variable_batches(n_batches=4, per_batch=2)
+    counts = [int((b["labels"] != IGNORE).sum()) for b in batches]
+    assert len(set(counts)) > 1, counts  # the case where a mean of means is wrong
+    ref = reference_grads(merge(batches))
+
+    plugin = EfficientOptimPlugin(gradient_accumulation_steps=4)
+    accelerator = plugin.create_accelerator(cpu=True)
+    model = accelerator.prepare(tiny_mlm())
+    exact = accumulated_grads(accelerator, model, batches)
+    assert max_rel_diff(exact, ref) < 1e-5
+
+    model.zero_grad(set_to_none=True)
+    naive = accumulated_grads(accelerator, model, batches, naive=True)
+    assert max_rel_diff(naive, ref) > 1e-2  # the mean of per-micro-batch means is visibly off
+
+
+def test_short_last_window_steps_at_its_own_end():
+    """5 micro-batches with 4 per step: two optimizer steps, the second over the last batch alone."""
+    batches = variable_batches(n_batches=5, per_batch=2)
+    plugin = EfficientOptimPlugin(gradient_accumulation_steps=4, lr=0.1, lr_scheduler_type="constant")
+    accelerator = plugin.create_accelerator(cpu=True)
+    model, optimizer, scheduler = plugin.prepare(accelerator, tiny_mlm())
+    syncs, grads, weights = [], None, None
+    for window in accumulation_windows(accelerator, batches):
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        for batch in window:
+            with accelerator.accumulate(model):
+                accelerator.backward(window.scale(summed_token_loss(logits_of(model, batch), batch["labels"])))
+                syncs.append(accelerator.sync_gradients)
+                if accelerator.sync_gradients:
+                    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                optimizer.step()
+                optimizer.zero_grad()
+    assert syncs == [False, False, False, True, True]
+    assert {int(s["step"]) for s in optimizer.optimizer.state.values()} == {2}
+    # the last window's gradient is its own token mean, at the weights after the first step
+    ref_model = tiny_mlm()
+    ref_model.load_state_dict(weights)
+    F.cross_entropy(logits_of(ref_model, batches[-1]).flatten(0, 1), batches[-1]["labels"].flatten(),
+                    ignore_index=IGNORE).backward()
+    ref = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
+    assert max_rel_diff(grads, ref) < 1e-5
+
+
+def test_windows_refuse_an_accelerator_that_syncs_on_dataloader_end():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="sync_with_dataloader=False"):
+        next(accumulation_windows(accelerator, variable_batches()))
+    with pytest.raises(ValueError, match="sync_with_dataloader=True, .* use plugin.create_accelerator"):
+        EfficientOptimPlugin(gradient_accumulation_steps=2).prepare(accelerator, tiny_mlm())
+
+
+def test_create_accelerator_refuses_its_own_accumulation_setting():
+    with pytest.raises(ValueError, match="set gradient_accumulation_steps on the plugin"):
+        EfficientOptimPlugin().create_accelerator(cpu=True, gradient_accumulation_steps=4)
+
+
+# -------------------------------------------------------------------------------------- schedules
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup"])
+def test_schedule_after_k_optimizer_steps(kind):
+    plugin = EfficientOptimPlugin(lr=1.0, lr_scheduler_type=kind, warmup_steps=2, gradient_accumulation_steps=2)
+    accelerator = plugin.create_accelerator(cpu=True)
+    model, optimizer, scheduler = plugin.prepare(accelerator, tiny_mlm(), num_training_steps=6)
+    lrs = []
+    for window in accumulation_windows(accelerator, variable_batches(n_batches=12)):
+        for batch in window:
+            with accelerator.accumulate(model):
+                accelerator.backward(window.scale(summed_token_loss(logits_of(model, batch), batch["labels"])))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+    expected = {"linear": [0.5, 1.0, 0.75, 0.5, 0.25, 0.0],
+                "cosine": [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(1, 5)],
+                "constant_with_warmup": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]}[kind]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+
+
+def test_schedule_needing_total_steps_says_so():
+    plugin = EfficientOptimPlugin(lr_scheduler_type="cosine")
+    accelerator = plugin.create_accelerator(cpu=True)
+    with pytest.raises(ValueError, match="needs num_training_steps"):
+        plugin.prepare(accelerator, tiny_mlm())
+
+
+def test_fallback_schedules_match_transformers():
+    from transformers import get_scheduler
+
+    from hf_efficient.integrations.accelerate import _lambda_schedule
+
+    for kind in ("linear", "cosine", "constant", "constant_with_warmup"):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        hf = get_scheduler(kind, opt, num_warmup_steps=3, num_training_steps=10).lr_lambdas[0]
+        ours = _lambda_schedule(kind, 3, 10)
+        assert [ours(s) for s in range(12)] == pytest.approx([hf(s) for s in range(12)], abs=1e-12), kind
+
+
+# ------------------------------------------------------------------------------------ exact resume
+
+def _combos():
+    out = []
+    for spec in SPECS.values():
+        for backend in spec.backends.values():
+            if backend.why_not("cpu") is None:
+                out.append((spec.name, backend.name))
+    return out
+
+
+def _train(plugin, windows, model_seed, load_from=None, save_to=None, save_after=None):
+    """Train on `windows` (lists of micro-batches); optionally load state first or save it after `save_after`."""
+    reset_accelerate()
+    accelerator = plugin.create_accelerator(cpu=True)
+    dtype = torch.bfloat16 if plugin.optim == "adamw_bf16" else torch.float32
+    model, optimizer, scheduler = plugin.prepare(accelerator, tiny_mlm(model_seed, dropout=0.1, dtype=dtype),
+                                                 num_training_steps=6)
+    start = 0
+    if load_from is not None:
+        accelerator.load_state(load_from)
+        start = save_after
+    for i in range(start, len(windows)):
+        for window in accumulation_windows(accelerator, windows[i]):
+            for batch in window:
+                with accelerator.accumulate(model):
+                    accelerator.backward(window.scale(summed_token_loss(logits_of(model, batch), batch["labels"])))
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+        if save_to is not None and i + 1 == save_after:
+            accelerator.save_state(save_to)
+            return None
+    return {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).state_dict().items()}, optimizer
+
+
+@pytest.mark.parametrize("name, backend", _combos())
+def test_save_state_load_state_resumes_exactly(tmp_path, name, backend):
+    spec = SPECS[name]
+    try:
+        spec.backends[backend].build.optimizer_cls()
+    except ImportError as e:
+        pytest.skip(f"{name} is not importable here: {e}")
+    batches = variable_batches(n_batches=12, per_batch=2)
+    windows = [batches[i:i + 2] for i in range(0, 12, 2)]  # 6 optimizer steps of 2 micro-batches
+    plugin = EfficientOptimPlugin(optim=name, backend=backend, lr=1e-2, weight_decay=0.01, warmup_steps=2,
+                                  gradient_accumulation_steps=2)
+    straight, opt_a = _train(plugin, windows, model_seed=0)
+    _train(plugin, windows, model_seed=0, save_to=str(tmp_path / "ckpt"), save_after=3)
+    resumed, opt_b = _train(plugin, windows, model_seed=123, load_from=str(tmp_path / "ckpt"), save_after=3)
+    assert optimizer_info(opt_b).resolution.backend == backend
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), f"{name}/{backend}: {k} differs after resume"
+    start = tiny_mlm(0).state_dict()
+    assert any(not torch.equal(start[k].to(straight[k].dtype), straight[k]) for k in straight)  # it did train
+    sa, sb = opt_a.optimizer.state_dict()["state"], opt_b.optimizer.state_dict()["state"]
+    for i in sa:
+        for key, value in sa[i].items():
+            if torch.is_tensor(value):
+                a, b = (v.dequantize() if type(v) is not torch.Tensor else v for v in (value, sb[i][key]))  # torchao
+                assert torch.equal(a, b), f"{name}/{backend}: optimizer state {i}.{key} differs"
+
+
+# ----------------------------------------------------------------------------------- distributed rules
+
+def _fsdp(version=2):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return SimpleNamespace(distributed_type="FSDP", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=version))
+
+
+def _deepspeed(**kwargs):
+    from accelerate.utils import DeepSpeedPlugin
+
+    return SimpleNamespace(distributed_type="DEEPSPEED", deepspeed_plugin=DeepSpeedPlugin(**kwargs))
+
+
+@pytest.mark.parametrize("name, backend, ok", [
+    ("adamw", "torch", True), ("adam8bit", "torchao", True), ("adam8bit", "bnb", False), ("adafactor", "torch", False),
+])
+def test_fsdp2_rules(name, backend, ok):
+    if ok:
+        check_distributed_support(name, backend, {}, _fsdp())
+    else:
+        with pytest.raises(ValueError, match=f"hf_eff_{name} \\(backend={backend}\\) is not supported with FSDP2: "
+                                             ".*Instead: use backend=torchao"):
+            check_distributed_support(name, backend, {}, _fsdp())
+
+
+def test_fsdp2_automatic_choice_skips_bnb_and_fsdp1_is_refused():
+    assert choose_backend("adam8bit", None, {}, _fsdp(), "cpu")[0] == "torchao"
+    assert choose_backend("adam8bit", None, {}, SimpleNamespace(distributed_type="MULTI_CPU"), "cpu")[0] is None
+    with pytest.raises(ValueError, match="FSDP version 1 is not supported.*fsdp_version: 2"):
+        check_distributed_support("adamw", None, {}, _fsdp(version=1))
+
+
+def test_deepspeed_rules():
+    check_distributed_support("adamw", None, {}, _deepspeed(zero_stage=2))
+    check_distributed_support("adam8bit", "bnb", {"embedding_state": "8bit"}, _deepspeed(zero_stage=3))
+    with pytest.raises(ValueError, match="cannot keep 32-bit state.*embedding_state=8bit"):
+        check_distributed_support("adam8bit", "torchao", {}, _deepspeed(zero_stage=2))
+    with pytest.raises(ValueError, match="hf_eff_adafactor .* not supported with DeepSpeed: ZeRO flattens"):
+        check_distributed_support("adafactor", None, {}, _deepspeed(zero_stage=1))
+    with pytest.raises(ValueError, match="optimizer offload \\(cpu\\) is not supported"):
+        check_distributed_support("adamw", None, {}, _deepspeed(zero_stage=2, offload_optimizer_device="cpu"))
+    with pytest.raises(ValueError, match="accumulates 4 micro-batches but gradient_accumulation_steps=2 "
+                                         "\\(HF_EFF_GRADIENT_ACCUMULATION_STEPS\\)"):
+        check_distributed_support("adamw", None, {}, _deepspeed(gradient_accumulation_steps=4),
+                                  plugin_ga=(2, "HF_EFF_GRADIENT_ACCUMULATION_STEPS"))
+    ds = _deepspeed()
+    ds.deepspeed_plugin.deepspeed_config["optimizer"] = {"type": "AdamW"}
+    with pytest.raises(ValueError, match="has an 'optimizer' section"):
+        check_distributed_support("adamw", None, {}, ds)
+
+
+def test_fp32_state_ids_follow_a_parameter_swap():
+    """FSDP2 preparation replaces every parameter in place; the 32-bit-state choice must follow by position."""
+    from hf_efficient.integrations.accelerate import _fp32_state_flags, _restore_fp32_state_ids
+
+    plugin = EfficientOptimPlugin(optim="adam8bit", backend="torchao")
+    optimizer = plugin.create_optimizer(tiny_mlm())
+    flags = _fp32_state_flags(optimizer)
+    assert sum(map(sum, flags)) == 3  # word, position and token-type embeddings
+    for g in optimizer.param_groups:
+        g["params"] = [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]
+    _restore_fp32_state_ids(optimizer, flags)
+    keep = {id(p) for g in optimizer.param_groups for p in g["params"]} & optimizer._fp32_ids
+    assert len(keep) == 3 and _fp32_state_flags(optimizer) == flags

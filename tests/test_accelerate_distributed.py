@@ -1,0 +1,162 @@
+"""Two CPU processes under ``accelerate launch`` (gloo, DDP): exact accumulation across
+processes, every optimizer training in step on both ranks, and the LR schedule independent of process count.
+
+The test launches this file; run as a script, it is the worker and writes what it saw to ``rank{N}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "adamw_bf16")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_EFF_", "ACCELERATE_"))}
+    # `accelerate launch --cpu --num_processes 2` starts ONE process unless MPI is set up (accelerate 1.x's simple
+    # launcher); the torchrun-based launcher with ACCELERATE_USE_CPU gives two gloo processes on any machine.
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           __file__, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_accumulation_across_two_processes_equals_big_batch(ranks):
+    for r in ranks:
+        assert r["exact_vs_big_batch"] < 1e-5, r
+        assert r["naive_vs_big_batch"] > 1e-2, r  # mean of per-micro-batch means: visibly wrong
+        assert r["window_num_items"] == r["big_batch_targets"] > r["local_targets"]  # counted on both ranks
+
+
+def test_every_optimizer_ends_identical_on_both_ranks(ranks):
+    a, b = ranks
+    for name in a["trained"]:
+        ra, rb = a["trained"][name], b["trained"][name]
+        if "skipped" in ra:
+            continue
+        assert ra["sha256"] == rb["sha256"], f"{name}: ranks ended with different parameters"
+        assert ra["changed"], f"{name}: parameters did not move"
+    assert {"adamw", "adam8bit", "adafactor"} <= {n for n in a["trained"] if "skipped" not in a["trained"][n]}
+
+
+def test_two_process_training_matches_one_process_big_batch(ranks):
+    # hf_eff_adamw, 2 ranks x 2 micro-batches per step == 1 process stepping on the merged batch
+    for r in ranks:
+        assert r["trained"]["adamw"]["vs_single_process"] < 1e-5, r["trained"]["adamw"]
+
+
+def test_learning_rate_after_k_steps_does_not_depend_on_process_count(ranks):
+    for r in ranks:
+        for name, t in r["trained"].items():
+            if "skipped" not in t:
+                assert t["lrs"] == pytest.approx([1e-2, 5e-3, 0.0], abs=1e-12), name
+
+
+# ------------------------------------------------------------------------------------------- worker
+
+def worker(out_dir: str) -> None:
+    import hashlib
+
+    import torch
+    import torch.nn.functional as F
+    from accelerate.utils import gather_object
+
+    sys.path.insert(0, HERE)
+    import hf_efficient
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin, accumulation_windows, summed_token_loss
+    from test_accelerate import (IGNORE, accumulated_grads, logits_of, max_rel_diff, merge, reference_grads,
+                                 tiny_mlm, variable_batches)
+
+    accelerator = EfficientOptimPlugin(gradient_accumulation_steps=2).create_accelerator()
+    rank = accelerator.process_index
+    assert accelerator.num_processes == 2 and accelerator.distributed_type.value == "MULTI_CPU"
+    result = {"rank": rank}
+
+    # 1. one window: 4 micro-batches of 2 sequences, 2 per rank, vs the batch of 8 in one process
+    batches = variable_batches(n_batches=4, per_batch=2)
+    mine = batches[2 * rank: 2 * rank + 2]
+    ref = reference_grads(merge(batches))
+    model = accelerator.prepare(tiny_mlm())
+    result["exact_vs_big_batch"] = max_rel_diff(accumulated_grads(accelerator, model, mine), ref)
+    result["window_num_items"] = next(iter(accumulation_windows(accelerator, mine))).num_items
+    accelerator.step = 0
+    model.zero_grad(set_to_none=True)
+    result["naive_vs_big_batch"] = max_rel_diff(accumulated_grads(accelerator, model, mine, naive=True), ref)
+    result["big_batch_targets"] = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+    result["local_targets"] = sum(int((b["labels"] != IGNORE).sum()) for b in mine)
+
+    # 2. three optimizer steps with each optimizer; each rank has its own micro-batches
+    result["trained"] = {}
+    steps = [variable_batches(n_batches=4, per_batch=2, seed=10 + s) for s in range(3)]
+    for name in OPTIMIZERS:
+        spec = hf_efficient.registry.get_spec(name)
+        try:
+            hf_efficient.resolve(name, "cpu").optimizer_cls
+        except (ImportError, RuntimeError) as e:
+            result["trained"][name] = {"skipped": str(e)}
+            continue
+        dtype = torch.bfloat16 if spec.family == "adamw_bf16" else torch.float32
+        plugin = EfficientOptimPlugin(optim=name, lr=1e-2, weight_decay=0.01, warmup_steps=1,
+                                      gradient_accumulation_steps=2)
+        start = tiny_mlm(0, dtype=dtype)
+        model, optimizer, scheduler = plugin.prepare(accelerator, tiny_mlm(0, dtype=dtype), num_training_steps=3)
+        lrs = []
+        for step_batches in steps:
+            for window in accumulation_windows(accelerator, step_batches[2 * rank: 2 * rank + 2]):
+                for batch in window:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(window.scale(summed_token_loss(logits_of(model, batch), batch["labels"])))
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad()
+            lrs.append(scheduler.get_last_lr()[0])
+        final = accelerator.unwrap_model(model)
+        digest = hashlib.sha256()
+        for n, p in sorted(final.named_parameters()):
+            digest.update(p.detach().float().numpy().tobytes())
+        entry = {"sha256": digest.hexdigest(), "lrs": lrs,
+                 "changed": any(not torch.equal(p, q) for p, q in zip(start.parameters(), final.parameters()))}
+        if name == "adamw":  # the same three steps in one process, on the merged batches
+            single = tiny_mlm(0)
+            opt = hf_efficient.create_optimizer(single, "adamw", lr=1e-2, weight_decay=0.01)
+            for k, step_batches in enumerate(steps):
+                for g in opt.param_groups:
+                    g["lr"] = 1e-2 * [0.0, 1.0, 0.5][k]  # linear, 1 warm-up step of 3: lr used by steps 1..3
+                big = merge(step_batches)
+                F.cross_entropy(logits_of(single, big).flatten(0, 1), big["labels"].flatten(),
+                                ignore_index=IGNORE).backward()
+                opt.step()
+                opt.zero_grad()
+            # Attention key biases are left out: their exact gradient is 0 (softmax ignores a per-query constant),
+            # so Adam turns rounding noise into lr-sized steps of either sign; every other tensor must agree.
+            mine_p = dict(final.named_parameters())
+            compared = [n for n, _ in single.named_parameters() if not n.endswith("attention.self.key.bias")]
+            entry["vs_single_process"] = max_rel_diff({n: mine_p[n].detach() for n in compared},
+                                                      {n: dict(single.named_parameters())[n].detach() for n in compared})
+        result["trained"][name] = entry
+    gather_object([0])  # both ranks done before either writes
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
