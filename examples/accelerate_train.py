@@ -1,7 +1,8 @@
 """Fine-tune a pretrained masked LM with Accelerate; the optimizer is chosen in config, not in this code.
 
     HF_EFF_OPTIM=adam8bit HF_EFF_GRADIENT_ACCUMULATION_STEPS=4 accelerate launch examples/accelerate_train.py
-    HF_EFF_CONFIG=optim.yaml accelerate launch --cpu --num_processes 2 examples/accelerate_train.py --max_steps 20
+    HF_EFF_CONFIG=optim.yaml ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
+        examples/accelerate_train.py --max_steps 20        # 2 CPU processes, gloo
     python examples/accelerate_train.py --model bert-base-uncased     # any hub MLM, given a network
 
 Default task (examples/data.py): all-MiniLM-L6-v2 (bundled, offline) learns masked-token prediction on the
@@ -44,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default=None, help="write metrics and per-rank parameter checksums here")
+    p.add_argument("--expect_processes", type=int, default=None,
+                   help="fail unless Accelerate runs this many processes (guards CI against a silent 1-process run)")
     return p.parse_args(argv)
 
 
@@ -64,6 +67,10 @@ def main(argv=None) -> dict:
 
     plugin = EfficientOptimPlugin(config_file=args.config)
     accelerator = plugin.create_accelerator()
+    if args.expect_processes and accelerator.num_processes != args.expect_processes:
+        raise SystemExit(f"expected {args.expect_processes} processes, Accelerate runs {accelerator.num_processes} "
+                         f"({accelerator.distributed_type.value}); on CPU launch with ACCELERATE_USE_CPU=true "
+                         "accelerate launch --multi_gpu --num_processes N")
     set_seed(args.seed)
 
     model, tokenizer = load_model_and_tokenizer(args.model)

@@ -302,6 +302,13 @@ def test_windows_refuse_an_accelerator_that_syncs_on_dataloader_end():
         EfficientOptimPlugin(gradient_accumulation_steps=2).prepare(accelerator, tiny_mlm())
 
 
+def test_processes_launched_but_not_joined_are_refused(monkeypatch):
+    """torchrun without a GPU and without ACCELERATE_USE_CPU: each process would silently train alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2.*train independently.*ACCELERATE_USE_CPU=true"):
+        EfficientOptimPlugin().create_accelerator(cpu=False)
+
+
 def test_create_accelerator_refuses_its_own_accumulation_setting():
     with pytest.raises(ValueError, match="set gradient_accumulation_steps on the plugin"):
         EfficientOptimPlugin().create_accelerator(cpu=True, gradient_accumulation_steps=4)

@@ -70,6 +70,23 @@ def test_learning_rate_after_k_steps_does_not_depend_on_process_count(ranks):
                 assert t["lrs"] == pytest.approx([1e-2, 5e-3, 0.0], abs=1e-12), name
 
 
+def test_fsdp2_support_table_matches_what_runs(ranks):
+    """The refusal table in integrations/accelerate.py against torch's FSDP2 on CPU: a combination runs on
+    DTensor shards exactly when the table allows it (and 8-bit state keeps embeddings in full precision)."""
+    from hf_efficient.integrations.accelerate import _FSDP2_UNSUPPORTED
+
+    probe = ranks[0]["fsdp2"]
+    assert {"adamw/torch", "adam8bit/bnb", "adam8bit/torchao", "adafactor/torch"} <= set(probe)
+    for key, seen in probe.items():
+        if "skipped" in seen:
+            continue
+        allowed = tuple(key.split("/")) not in _FSDP2_UNSUPPORTED
+        assert seen["ok"] == allowed, f"{key}: table says {'supported' if allowed else 'unsupported'}, saw {seen}"
+        if seen["ok"]:
+            assert seen["dtensor"] == "DTensor"
+    assert probe["adam8bit/torchao"]["embedding_state"] == "Tensor"  # not OptimState8bit: the ids were re-taken
+
+
 # ------------------------------------------------------------------------------------------- worker
 
 def worker(out_dir: str) -> None:
@@ -152,10 +169,59 @@ def worker(out_dir: str) -> None:
             entry["vs_single_process"] = max_rel_diff({n: mine_p[n].detach() for n in compared},
                                                       {n: dict(single.named_parameters())[n].detach() for n in compared})
         result["trained"][name] = entry
+    result["fsdp2"] = fsdp2_probe()
     gather_object([0])  # both ranks done before either writes
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     accelerator.end_training()
+
+
+def fsdp2_probe() -> dict:
+    """Each optimizer/backend on torch's FSDP2 (``fully_shard``) DTensor parameters over the 2 gloo ranks, built
+    before sharding and switched after it, as accelerate's FSDP2 preparation does. Records what ran."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_efficient
+    from hf_efficient.integrations.accelerate import (EfficientOptimPlugin, _fp32_state_flags,
+                                                      _restore_fp32_state_ids, summed_token_loss)
+    from test_accelerate import logits_of, tiny_mlm, variable_batches
+
+    mesh = init_device_mesh("cpu", (2,))
+    batch = variable_batches(n_batches=1, per_batch=2)[0]
+    out = {}
+    for spec in hf_efficient.registry.SPECS.values():
+        for backend in spec.backends.values():
+            if backend.why_not("cpu") is not None or (spec.fallback and spec.fallback[0] != "cpu"):
+                continue
+            key = f"{spec.name}/{backend.name}"
+            try:
+                backend.build.optimizer_cls()
+            except ImportError as e:
+                out[key] = {"skipped": str(e)}
+                continue
+            dtype = torch.bfloat16 if spec.family == "adamw_bf16" else torch.float32
+            model = tiny_mlm(0, dtype=dtype)
+            optimizer = EfficientOptimPlugin(optim=spec.name, backend=backend.name, lr=1e-3).create_optimizer(model)
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            flags = _fp32_state_flags(optimizer)
+            fully_shard(model, mesh=mesh)
+            new = dict(model.named_parameters())
+            for g in optimizer.param_groups:
+                g["params"] = [new[name_of[id(p)]] for p in g["params"]]
+            _restore_fp32_state_ids(optimizer, flags)
+            try:
+                for _ in range(2):
+                    summed_token_loss(logits_of(model, batch), batch["labels"]).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                emb = optimizer.state[new["bert.embeddings.word_embeddings.weight"]].get("exp_avg")
+                out[key] = {"ok": True, "embedding_state": None if emb is None else type(emb.to_local()).__name__,
+                            "dtensor": type(new["cls.predictions.bias"]).__name__}
+            except Exception as e:  # what fails is the finding
+                out[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
 
 
 if __name__ == "__main__":

@@ -356,6 +356,12 @@ class EfficientOptimPlugin:
                 f"the Accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches but the plugin "
                 f"says gradient_accumulation_steps={self.gradient_accumulation_steps} "
                 f"({self.sources['gradient_accumulation_steps']}): create it with plugin.create_accelerator()")
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1 and accelerator.num_processes != world:
+            raise RuntimeError(
+                f"launched as {world} processes (WORLD_SIZE={world}) but Accelerate runs this one as "
+                f"{accelerator.num_processes} of {accelerator.distributed_type.value}: the processes would train "
+                "independently. Without a GPU set ACCELERATE_USE_CPU=true (or create_accelerator(cpu=True)).")
         if accelerator.gradient_state.sync_with_dataloader:
             raise ValueError("the Accelerator was made with sync_with_dataloader=True, which steps when the loader "
                              "is exhausted, before a prefetched window is done: use plugin.create_accelerator()")
