@@ -1,0 +1,491 @@
+"""Optimizer step time, parameters per second, state bytes per parameter and share of memory bandwidth
+for every hf_eff name and backend, beside the optimizers a user would pick instead, in one run.
+
+    python scripts/bench_step.py                          # 4 layers of hidden 768 (28M parameters)
+    python scripts/bench_step.py --quick --out /tmp/bench # smoke-test sizes
+
+Writes ``bench_step.md`` (tables, targets, machine and load), ``bench_step.json`` and ``bench_step.png``
+(step time and state bytes bars) into ``--out`` (default ``docs/results``).
+
+Method. One parameter set shaped like transformer layers (fused QKV, output projection, 4x MLP, two
+LayerNorms, biases; weight-decay groups from ``hf_efficient.build_param_groups``) with fixed random
+gradients; every optimizer holds the same parameters of its dtype (fp32, or bf16 for the bf16 family) and
+its own state. After ``--warmup`` steps each, ``--reps`` repetitions run one step of every optimizer in turn,
+starting at a different one each repetition, with a ``--copy-mb`` tensor copy among them that measures the
+memory bandwidth under the same load. Reported: medians, ratios to torch's fused fp32 AdamW.
+
+Physical limit: a step must read each parameter, gradient and state byte once and write each parameter
+and state byte once, so ``bytes = 2 * params + grads + 2 * state`` (fp32 AdamW: 28 B/param) and the step
+cannot be faster than ``bytes / bandwidth``; "% of limit" is that bound over the measured time.
+
+``--trainer-reps`` adds the Trainer overhead of the plugin: the same small BERT trained by Trainer with an
+``hf_eff_*`` name and with the backend's optimizer passed in directly, interleaved, median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import RESULTS, command_line, fmt, machine, machine_md, md_table, median  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import hf_efficient as hfe  # noqa: E402
+from hf_efficient.registry import SPECS  # noqa: E402
+
+LR, WD = 1e-4, 0.01
+BASELINE = "torch AdamW fused"
+FORMATS = {"adamw": "fp32", "adam8bit": "8-bit blockwise", "paged_adam8bit": "8-bit blockwise",
+           "adafactor": "factored", "adamw_bf16": "bf16 + Kahan"}
+FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic"]
+
+
+# ------------------------------------------------------------------------------------------ parameters
+
+class Block(nn.Module):
+    """The parameters of one transformer layer (no forward: only the optimizer step is timed)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.qkv, self.attn_out, self.norm1 = nn.Linear(h, 3 * h), nn.Linear(h, h), nn.LayerNorm(h)
+        self.ff_in, self.ff_out, self.norm2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h), nn.LayerNorm(h)
+
+
+def make_layers(hidden: int, layers: int, dtype: torch.dtype, device: str, seed: int = 0) -> nn.Module:
+    """``layers`` transformer layers of width ``hidden``, with fixed random gradients set."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[Block(hidden) for _ in range(layers)]).to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=g, device=device) * 1e-3).to(dtype)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ candidates
+
+@dataclass
+class Candidate:
+    label: str
+    fmt: str  # state format: rows of one format are alternatives to each other
+    dtype: torch.dtype  # parameter dtype
+    build: Callable[[nn.Module], torch.optim.Optimizer]
+    hf_eff: str | None = None  # our Trainer name
+    backend: str | None = None
+    pick: bool = False  # the backend the registry picks on this device
+    private: bool = False  # writes its gradients (zeroes them): gets its own parameters
+    note: str = ""
+    error: str | None = None
+    opt: torch.optim.Optimizer | None = None
+    times: list[float] = field(default_factory=list)
+    first_step_s: float | None = None
+    params: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    state_bytes: int = 0
+
+
+def _groups(model):
+    return hfe.build_param_groups(model, weight_decay=WD)
+
+
+def peers(device: str) -> list[Candidate]:
+    """The optimizers a user would pick instead of ours (built lazily: a missing package is a row's error)."""
+    def torch_adamw(**kw):
+        return lambda m: torch.optim.AdamW(_groups(m), lr=LR, **kw)
+
+    def bnb(cls):
+        def build(m):
+            import bitsandbytes as bnb_
+            return getattr(bnb_.optim, cls)(_groups(m), lr=LR)
+        return build
+
+    def torchao(cls):
+        def build(m):
+            import torchao.optim
+            return getattr(torchao.optim, cls)(_groups(m), lr=LR)
+        return build
+
+    def hf_adafactor(m):
+        from transformers.optimization import Adafactor
+        return Adafactor(_groups(m), lr=LR, scale_parameter=False, relative_step=False, warmup_init=False)
+
+    def optimi_kahan(m):
+        from optimi import AdamW
+        return AdamW(_groups(m), lr=LR, kahan_sum=True)
+
+    def adamw_bf16_pkg(m):
+        from adamw_bf16 import AdamWBF16
+        return AdamWBF16(_groups(m), lr=LR)
+
+    bf16 = torch.bfloat16
+    return [
+        Candidate("torch AdamW single-tensor", "fp32", torch.float32, torch_adamw(foreach=False, fused=False)),
+        Candidate("torch AdamW foreach", "fp32", torch.float32, torch_adamw(foreach=True)),
+        Candidate(BASELINE, "fp32", torch.float32, torch_adamw(fused=True)),
+        Candidate("bitsandbytes AdamW 32-bit", "fp32", torch.float32, bnb("AdamW32bit")),
+        Candidate("bitsandbytes AdamW8bit", "8-bit blockwise", torch.float32, bnb("AdamW8bit")),
+        Candidate("torchao AdamW8bit", "8-bit blockwise", torch.float32, torchao("AdamW8bit")),
+        Candidate("torchao AdamW4bit", "4-bit blockwise", torch.float32, torchao("AdamW4bit")),
+        Candidate("transformers Adafactor", "factored", torch.float32, hf_adafactor,
+                  note="scale_parameter=False, relative_step=False"),
+        Candidate("torch Adafactor", "factored", torch.float32,
+                  lambda m: torch.optim.Adafactor(_groups(m), lr=LR)),
+        Candidate("torch-optimi AdamW kahan_sum", "bf16 + Kahan", bf16, optimi_kahan),
+        Candidate("adamw-bf16 AdamWBF16", "bf16 + Kahan", bf16, adamw_bf16_pkg, private=True,
+                  note="zeroes the gradients in its step; weight decay applied every ~n steps"),
+    ]
+
+
+def ours(device: str) -> list[Candidate]:
+    """Every hf_eff name with each of its backends (forced), the registry's pick marked, plus option rows."""
+    out = []
+    for spec in SPECS.values():
+        if not spec.backends:  # hf_eff_auto chooses one of the others
+            continue
+        dtype = torch.bfloat16 if spec.name == "adamw_bf16" else torch.float32
+        fmt_ = FORMATS[spec.name]
+
+        def build(name, **kw):
+            return lambda m: hfe.create_optimizer(m, name, lr=LR, weight_decay=WD, **kw)
+
+        if spec.fallback and torch.device(device).type != spec.fallback[0]:
+            res = _resolve(spec.name, device)
+            out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name), spec.trainer_name,
+                                 res.backend if res else None, pick=True,
+                                 note=f"runs hf_eff_{spec.fallback[1]} on {torch.device(device).type}"))
+            continue
+        res = _resolve(spec.name, device)
+        for b in spec.backends:
+            why_not = spec.backends[b].why_not(torch.device(device).type)
+            c = Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=b), spec.trainer_name, b,
+                          pick=res is not None and res.backend == b)
+            if why_not:
+                c.error = why_not
+            out.append(c)
+        if res is not None and "nonfinite" in spec.options:  # the inf/NaN gradient check off, to show its cost
+            out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=res.backend, nonfinite="ignore"),
+                                 spec.trainer_name, res.backend, note="nonfinite=ignore"))
+        if spec.name == "adamw_bf16":
+            out.append(Candidate(spec.trainer_name, "bf16 stochastic", dtype,
+                                 build(spec.name, compensation="stochastic"), spec.trainer_name, "torch",
+                                 note="compensation=stochastic"))
+    return out
+
+
+def _resolve(name, device):
+    try:
+        return hfe.resolve(name, device)
+    except Exception:  # noqa: BLE001  no backend here: the rows say why
+        return None
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(args) -> dict:
+    device = args.device
+    cands = sorted(peers(device) + ours(device), key=lambda c: FORMAT_ORDER.index(c.fmt))
+    shared = {dt: make_layers(args.hidden, args.layers, dt, device) for dt in (torch.float32, torch.bfloat16)}
+    for c in cands:
+        if c.error:
+            continue
+        model = make_layers(args.hidden, args.layers, c.dtype, device) if c.private else shared[c.dtype]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                c.opt = c.build(model)
+                _sync(device)
+                t0 = time.perf_counter()
+                c.opt.step()
+                _sync(device)
+                c.first_step_s = time.perf_counter() - t0
+                for _ in range(args.warmup - 1):
+                    c.opt.step()
+        except Exception as e:  # noqa: BLE001  an optimizer that cannot run here is a row saying why
+            c.error, c.opt = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", None
+            print(f"[bench_step] {c.label} {c.backend or ''} {c.note}: {c.error}", file=sys.stderr)
+            continue
+        params = [p for g in c.opt.param_groups for p in g["params"]]
+        c.params = sum(p.numel() for p in params)
+        c.param_bytes = c.grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        c.state_bytes = hfe.optimizer_state_bytes(c.opt)
+        print(f"[bench_step] ready: {c.label} {c.backend or ''} {c.note} (first step {c.first_step_s:.2f} s)",
+              file=sys.stderr)
+
+    live = [c for c in cands if c.opt is not None]
+    n_copy = args.copy_mb * 2**20 // 4
+    src = torch.randn(n_copy, device=device)
+    dst = torch.empty_like(src)
+    copy_times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for rep in range(args.reps):
+            order = live[rep % len(live):] + live[:rep % len(live)]
+            for i, c in enumerate(order):
+                if i == rep % max(len(order), 1):  # the bandwidth probe sits at a different place each time
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    dst.copy_(src)
+                    _sync(device)
+                    copy_times.append(time.perf_counter() - t0)
+                _sync(device)
+                t0 = time.perf_counter()
+                c.opt.step()
+                _sync(device)
+                c.times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    bandwidth = 2 * src.numel() * src.element_size() / median(copy_times)
+    return {"cands": cands, "bandwidth": bandwidth, "copy_times": copy_times}
+
+
+def rows_of(result: dict) -> list[dict]:
+    cands, bw = result["cands"], result["bandwidth"]
+    base = next((c for c in cands if c.label == BASELINE and c.times), None)
+    base_t = median(base.times) if base else float("nan")
+    rows = []
+    for c in cands:
+        r = {"optimizer": c.label, "backend": c.backend, "pick": c.pick, "note": c.note, "format": c.fmt,
+             "param_dtype": str(c.dtype).removeprefix("torch."), "error": c.error}
+        if c.times:
+            t = median(c.times)
+            moved = 2 * c.param_bytes + c.grad_bytes + 2 * c.state_bytes
+            r.update(step_ms=t * 1e3, q1_ms=_quantile(c.times, 0.25) * 1e3, q3_ms=_quantile(c.times, 0.75) * 1e3,
+                     mparams_per_s=c.params / t / 1e6, state_bytes_per_param=c.state_bytes / c.params,
+                     ratio_to_fused=t / base_t, bytes_moved_per_param=moved / c.params,
+                     limit_ms=moved / bw * 1e3, share_of_limit=moved / bw / t, first_step_s=c.first_step_s,
+                     params=c.params, samples=len(c.times))
+        rows.append(r)
+    return rows
+
+
+def _quantile(xs, q):
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def checks(rows: list[dict]) -> list[str]:
+    """The issue's targets, judged from this run's numbers."""
+    ok = [r for r in rows if "step_ms" in r]
+    by = {(r["optimizer"], r["backend"], r["note"]): r for r in ok}
+    base = next((r for r in ok if r["optimizer"] == BASELINE), None)
+    lines = []
+    for r in ok:
+        if not (r["pick"] and r["optimizer"].startswith("hf_eff_")) or r["note"].startswith("runs "):
+            continue
+        rivals = [x for x in ok if x["format"] == r["format"] and x["note"] != "nonfinite=ignore"
+                  and not x["note"].startswith("runs ")]  # option rows and the paged fallback are not alternatives
+        best = min(rivals, key=lambda x: x["step_ms"])
+        verdict = "fastest" if best is r else (f"NOT fastest: {best['optimizer']} {best['backend'] or ''} "
+                                               f"{best['note']} takes {best['step_ms']:.1f} ms")
+        lines.append(f"- `{r['optimizer']}` ({r['backend']}, registry's pick): {r['step_ms']:.1f} ms, "
+                     f"{r['ratio_to_fused']:.2f}x fused fp32 AdamW; among {len(rivals)} {r['format']} options: {verdict}")
+        off = by.get((r["optimizer"], r["backend"], "nonfinite=ignore"))
+        if off:
+            lines.append(f"  - inf/NaN gradient check: {r['step_ms']:.1f} ms with it, {off['step_ms']:.1f} ms "
+                         f"without (nonfinite=ignore): {100 * (r['step_ms'] / off['step_ms'] - 1):+.1f}% (target < 5%)")
+    if base:
+        for name, target in (("hf_eff_adam8bit", 2.0), ("hf_eff_adamw_bf16", 1.0)):
+            r = next((x for x in ok if x["optimizer"] == name and x["pick"] and not x["note"]), None)
+            if r:
+                lines.append(f"- target `{name}` <= {target:g}x fused fp32 AdamW: {r['ratio_to_fused']:.2f}x -> "
+                             f"{'met' if r['ratio_to_fused'] <= target else 'NOT met'}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ Trainer overhead
+
+def trainer_overhead(args) -> list[dict]:
+    """Median Trainer step with an hf_eff name vs the same backend passed in, interleaved runs."""
+    import tempfile
+
+    from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.marks = []
+
+        def on_step_end(self, *a, **k):
+            self.marks.append(time.perf_counter())
+
+    h = args.trainer_hidden
+    cfg = BertConfig(vocab_size=2048, hidden_size=h, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=4 * h, max_position_embeddings=128)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, cfg.vocab_size, (256, 64), generator=g)
+    data = [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x} for x in ids]
+
+    def new_model():
+        torch.manual_seed(0)
+        return BertForMaskedLM(cfg)
+
+    res8 = hfe.resolve("adam8bit", "cpu")
+    if res8.backend == "bnb":  # the package's own class, as a user would pass it
+        import bitsandbytes
+        cls8 = bitsandbytes.optim.AdamW8bit
+    elif res8.backend == "torchao":
+        import torchao.optim
+        cls8 = torchao.optim.AdamW8bit
+    else:
+        cls8 = res8.optimizer_cls
+    arms = [("hf_eff_adamw", "", None),
+            ("torch AdamW fused, passed in", "", lambda m: torch.optim.AdamW(_groups(m), lr=LR, fused=True)),
+            ("hf_eff_adam8bit", "embedding_state=8bit", None),
+            (f"{res8.backend} {cls8.__name__}, passed in", "", lambda m: cls8(_groups(m), lr=LR, weight_decay=WD))]
+    times = {a[0]: [] for a in arms}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.trainer_reps):
+            for label, optim_args, make in (arms if rep % 2 == 0 else arms[::-1]):
+                model = new_model()
+                targs = TrainingArguments(tmp, optim=label if make is None else "adamw_torch", optim_args=optim_args or None,
+                                          learning_rate=LR, weight_decay=WD, per_device_train_batch_size=16,
+                                          max_steps=args.trainer_steps, save_strategy="no", report_to="none",
+                                          logging_steps=args.trainer_steps, disable_tqdm=True, seed=0,
+                                          dataloader_num_workers=0, use_cpu=True)
+                clock = StepClock()
+                trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[clock],
+                                  optimizers=(make(model), None) if make else (None, None))
+                trainer.train()
+                steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])][2:]  # after 3 warm-up steps
+                times[label] += steps
+    out = []
+    for i in range(0, len(arms), 2):
+        ours_, theirs = arms[i][0], arms[i + 1][0]
+        a, b = median(times[ours_]), median(times[theirs])
+        out.append({"plugin": ours_, "direct": theirs, "plugin_ms": a * 1e3, "direct_ms": b * 1e3,
+                    "overhead": a / b - 1, "steps_each": len(times[ours_]),
+                    "params": sum(p.numel() for p in new_model().parameters())})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def write_results(out: Path, rows: list[dict], overhead: list[dict], result: dict, args, argv, info, load_after):
+    out.mkdir(parents=True, exist_ok=True)
+    params = next((r["params"] for r in rows if "params" in r), 0)
+    headers = ["optimizer", "backend / option", "state format", "params", "step ms (median)", "IQR ms",
+               "M params/s", "state B/param", "x fused fp32", "B moved/param", "limit ms", "% of limit",
+               "first step s"]
+    table = []
+    for r in rows:
+        label = f"**{r['optimizer']}**" if r["optimizer"].startswith("hf_eff_") else r["optimizer"]
+        bk = " ".join(x for x in [r["backend"] or "", "(pick)" if r["pick"] else "", r["note"]] if x)
+        if "step_ms" not in r:
+            table.append([label, bk, r["format"], r["param_dtype"], "not run: " + (r["error"] or "?")] + [""] * 8)
+            continue
+        table.append([label, bk, r["format"], r["param_dtype"], fmt(r["step_ms"], 1),
+                      f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}", fmt(r["mparams_per_s"], 0),
+                      fmt(r["state_bytes_per_param"], 2), fmt(r["ratio_to_fused"], 2),
+                      fmt(r["bytes_moved_per_param"], 1), fmt(r["limit_ms"], 1),
+                      f"{100 * r['share_of_limit']:.0f}%", fmt(r["first_step_s"], 2)])
+    text = [f"# Optimizer step benchmark\n",
+            f"Command: `{command_line(__file__, argv)}`\n",
+            machine_md(info, load_after),
+            f"- Parameters: {args.layers} transformer layers of hidden {args.hidden} ({params:,} parameters in "
+            f"{len(list(make_layers(8, args.layers, torch.float32, 'cpu').parameters()))} tensors: fused QKV, "
+            "output projection, 4x MLP, LayerNorms, biases; no embedding), fixed random gradients, "
+            f"lr={LR}, weight_decay={WD} with hf_efficient's decay groups",
+            f"- Timing: {args.warmup} warm-up steps each, then {args.reps} interleaved repetitions; median and "
+            f"interquartile range of single steps",
+            f"- Memory bandwidth: {result['bandwidth'] / 1e9:.1f} GB/s (median of {len(result['copy_times'])} copies "
+            f"of {args.copy_mb} MiB, interleaved with the steps; 2 bytes moved per byte copied)",
+            "- B moved/param: the least a step must move (read parameter, gradient and state, write parameter and "
+            "state); limit ms = those bytes / bandwidth; % of limit = limit / measured time",
+            "- **bold**: ours; (pick): the backend the registry picks here; a Kahan/bf16 row runs on bf16 parameters\n",
+            md_table(headers, table), "\n## Targets (this run)\n", *(checks(rows) or ["- no rows ran"])]
+    if overhead:
+        text += ["\n## Plugin overhead in a Trainer step\n",
+                 f"BertForMaskedLM ({overhead[0]['params']:,} parameters, hidden {args.trainer_hidden}, 2 layers, batch "
+                 f"16 x 64 tokens) trained by Trainer for {args.trainer_steps} steps per run, {args.trainer_reps} "
+                 "interleaved runs per arm; median step (on_step_end to on_step_end, after 3 warm-up steps).\n",
+                 md_table(["with the plugin", "same backend passed in", "plugin ms", "direct ms", "overhead", "steps"],
+                          [[o["plugin"], o["direct"], fmt(o["plugin_ms"], 1), fmt(o["direct_ms"], 1),
+                            f"{100 * o['overhead']:+.1f}% (target < 2%)", o["steps_each"]] for o in overhead])]
+    (out / "bench_step.md").write_text("\n".join(text) + "\n")
+    (out / "bench_step.json").write_text(json.dumps(
+        {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after,
+         "bandwidth_bytes_per_s": result["bandwidth"], "rows": rows, "trainer_overhead": overhead}, indent=1))
+    plot(out / "bench_step.png", rows, info)
+
+
+def plot(path: Path, rows: list[dict], info: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "step_ms" in r]
+    labels = [" ".join(x for x in [r["optimizer"], r["backend"] or "", "*" if r["pick"] else "", r["note"]] if x)
+              for r in ok]
+    colors = {f: plt.cm.tab10(i) for i, f in enumerate(FORMAT_ORDER)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.38 * len(ok) + 1.8), sharey=True)
+    y = range(len(ok))
+    ax1.barh(y, [r["step_ms"] for r in ok], color=[colors[r["format"]] for r in ok])
+    ax1.scatter([r["limit_ms"] for r in ok], y, marker="|", s=200, color="k", label="bandwidth limit", zorder=3)
+    ax1.set_xlabel("step time, ms (median)")
+    ax1.legend(loc="lower right")
+    ax2.barh(y, [r["state_bytes_per_param"] for r in ok], color=[colors[r["format"]] for r in ok])
+    ax2.set_xlabel("optimizer state, bytes / parameter")
+    ax1.set_yticks(list(y), labels, fontsize=8)
+    ax1.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[f]) for f in FORMAT_ORDER if any(r["format"] == f for r in ok)]
+    ax2.legend(handles, [f for f in FORMAT_ORDER if any(r["format"] == f for r in ok)], loc="lower right", fontsize=8)
+    fig.suptitle(f"Optimizer step, {ok[0]['params'] / 1e6:.1f}M params on {info['cpu']} "
+                 f"({info['torch_threads']} threads, load {info['loadavg_1_5_15'][0]}); * = registry's pick", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--reps", type=int, default=15, help="interleaved timed steps per optimizer")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per optimizer first (compilation happens here)")
+    p.add_argument("--copy-mb", type=int, default=256, help="size of the bandwidth probe's copy")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--trainer-reps", type=int, default=6, help="interleaved Trainer runs per arm (0: skip)")
+    p.add_argument("--trainer-steps", type=int, default=25)
+    p.add_argument("--trainer-hidden", type=int, default=256)
+    p.add_argument("--no-compile", action="store_true",
+                   help="run torch.compile'd optimizers eagerly (smoke tests: skips minutes of compilation)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.reps, args.warmup, args.copy_mb = 64, 1, 3, 1, 8
+        args.trainer_reps, args.trainer_steps, args.trainer_hidden = min(args.trainer_reps, 1), 5, 32
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.no_compile:
+        import torch._dynamo as dynamo
+        dynamo.config.disable = True
+    info = machine(args.device)
+    result = run(args)
+    rows = rows_of(result)
+    overhead = trainer_overhead(args) if args.trainer_reps > 0 and torch.device(args.device).type == "cpu" else []
+    load_after = [round(x, 2) for x in __import__("os").getloadavg()]
+    write_results(args.out, rows, overhead, result, args, argv, info, load_after)
+    print((args.out / "bench_step.md").read_text())
+    return {"rows": rows, "trainer_overhead": overhead, "bandwidth": result["bandwidth"]}
+
+
+if __name__ == "__main__":
+    main()
