@@ -21,14 +21,14 @@ IGNORE = -100
 # ------------------------------------------------------------------------------------------ helpers
 # (also imported by tests/test_accelerate_distributed.py)
 
-def tiny_mlm(seed: int = 0, dropout: float = 0.0, dtype=torch.float32):
+def tiny_mlm(seed: int = 0, dropout: float = 0.0, dtype=torch.float32, intermediate: int = 64):
     """A 1-layer BERT masked LM whose matrices are all 64x64 (4096 elements: just big enough for 8-bit state;
     one shape, so torchao compiles its step once), decoder tied to the embeddings as in the real MiniLM."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=dropout,
+                     intermediate_size=intermediate, max_position_embeddings=32, hidden_dropout_prob=dropout,
                      attention_probs_dropout_prob=dropout)
     return BertForMaskedLM(cfg).to(dtype)
 

@@ -84,7 +84,10 @@ def test_fsdp2_support_table_matches_what_runs(ranks):
         assert seen["ok"] == allowed, f"{key}: table says {'supported' if allowed else 'unsupported'}, saw {seen}"
         if seen["ok"]:
             assert seen["dtensor"] == "DTensor"
-    assert probe["adam8bit/torchao"]["embedding_state"] == "Tensor"  # not OptimState8bit: the ids were re-taken
+    # 8-bit state for a matrix whose shard has 4096 elements (torchao decides per local shard), full precision
+    # for embeddings: the 32-bit choice followed the parameter swap
+    assert probe["adam8bit/torchao"]["matrix_state"] == "OptimState8bit"
+    assert probe["adam8bit/torchao"]["embedding_state"] == "Tensor"
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -202,7 +205,7 @@ def fsdp2_probe() -> dict:
                 out[key] = {"skipped": str(e)}
                 continue
             dtype = torch.bfloat16 if spec.family == "adamw_bf16" else torch.float32
-            model = tiny_mlm(0, dtype=dtype)
+            model = tiny_mlm(0, dtype=dtype, intermediate=128)  # a 128x64 matrix: 4096-element shards
             optimizer = EfficientOptimPlugin(optim=spec.name, backend=backend.name, lr=1e-3).create_optimizer(model)
             name_of = {id(p): n for n, p in model.named_parameters()}
             flags = _fp32_state_flags(optimizer)
@@ -216,8 +219,12 @@ def fsdp2_probe() -> dict:
                     summed_token_loss(logits_of(model, batch), batch["labels"]).backward()
                     optimizer.step()
                     optimizer.zero_grad()
-                emb = optimizer.state[new["bert.embeddings.word_embeddings.weight"]].get("exp_avg")
-                out[key] = {"ok": True, "embedding_state": None if emb is None else type(emb.to_local()).__name__,
+                def state_type(name):
+                    st = optimizer.state[new[name]].get("exp_avg")
+                    return None if st is None else type(st.to_local()).__name__
+
+                out[key] = {"ok": True, "embedding_state": state_type("bert.embeddings.word_embeddings.weight"),
+                            "matrix_state": state_type("bert.encoder.layer.0.intermediate.dense.weight"),
                             "dtensor": type(new["cls.predictions.bias"]).__name__}
             except Exception as e:  # what fails is the finding
                 out[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
