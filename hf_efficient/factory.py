@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from .guard import check_params, protect
 from .options import check_hyperparams, parse_options
 from .param_groups import DecaySplit, build_param_groups, param_device, split_parameters
 from .registry import Resolution, get_spec, resolve
@@ -18,13 +19,15 @@ from .registry import Resolution, get_spec, resolve
 __all__ = ["create_optimizer", "OptimizerInfo", "optimizer_info"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptimizerInfo:
     """What was decided for an optimizer made here; attached to it as ``optimizer.hf_efficient``."""
 
     resolution: Resolution
     options: dict[str, Any]
     split: DecaySplit | None  # None when plain parameters (not a model) were given
+    steps: int = 0  # steps taken (saved in state_dict, so it survives a resume)
+    skipped_steps: int = 0  # steps skipped for a non-finite gradient under nonfinite="skip"
 
 
 def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo | None:
@@ -76,12 +79,20 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
     else:
         split, groups, keep_fp32 = None, _as_groups(model), []
     device = param_device(p for g in groups for p in g["params"])
+    check_params(_named(groups), spec)
     res = resolve(spec.name, device, options["backend"])
     optimizer = res.spec.backends[res.backend].build(
         groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,
         fp32_state_params=keep_fp32, device=device)
     optimizer.hf_efficient = OptimizerInfo(res, options, split)
+    protect(optimizer, optimizer.hf_efficient)
     return optimizer
+
+
+def _named(groups):
+    for gi, g in enumerate(groups):
+        names = g.get("param_names") or [f"group{gi}.param{i}" for i in range(len(g["params"]))]
+        yield from zip(names, g["params"])
 
 
 def _as_groups(params) -> list[dict]:

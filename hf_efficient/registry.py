@@ -63,6 +63,7 @@ class OptimizerSpec:
     prefer: dict[str, tuple[str, ...]]  # device type or "default" -> backend names, best first
     options: tuple[str, ...]
     uses_betas: bool = True
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     fallback: tuple[str, str] | None = None  # (device type it needs, name to run elsewhere)
 
     @property
@@ -93,14 +94,15 @@ _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, b
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor)
 _TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16)
 
-_COMMON = ("backend", "decay_embeddings")
+_COMMON = ("backend", "decay_embeddings", "nonfinite")
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
     for s in [
         OptimizerSpec("adamw", "adamw", 8.0, "fp32 AdamW; torch's fused kernel where the device has one, else foreach",
-                      {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON),
+                      {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON,
+                      dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)),
         OptimizerSpec("adam8bit", "adamw8bit", 2.03,
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT}, {"default": ("bnb", "torchao")}, _8BIT),

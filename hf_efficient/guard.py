@@ -1,0 +1,140 @@
+"""Protections installed on every optimizer :func:`create_optimizer` builds, whatever its backend.
+
+- ``nonfinite``: an inf/NaN gradient is checked for before the step touches any state. One inf poisons a
+  whole block's scale of quantized state forever, so the default is ``"raise"``; ``"skip"`` skips the step
+  for all parameters and counts it; ``"ignore"`` is torch's behaviour.
+- ``add_param_group`` validates hyperparameters, dtypes and device before the group is added.
+- ``state_dict`` writes the canonical, tagged layout of :mod:`hf_efficient.checkpoint`; ``load_state_dict``
+  validates and converts before the backend sees anything.
+
+The methods are wrapped on the instance, not the class: bitsandbytes overrides ``state_dict`` and
+``load_state_dict`` without torch's hooks, so instance wrappers are the one place that covers all backends.
+torch's step pre/post hooks still run (inside the original ``step``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import checkpoint
+from .options import check_hyperparams
+
+__all__ = ["protect", "check_params", "first_nonfinite"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_params(params, spec, device: torch.device | None = None) -> None:
+    """Refuse parameters of a dtype ``spec`` cannot train, or on another device than ``device``."""
+    for name, p in params:
+        if p.dtype not in spec.dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in spec.dtypes)
+            raise TypeError(f"{spec.trainer_name} cannot train parameter {name!r} of dtype "
+                            f"{str(p.dtype).replace('torch.', '')}: it takes {allowed}")
+        if device is not None and p.device != device:
+            raise ValueError(f"parameter {name!r} is on {p.device}, the optimizer's other parameters on {device}: "
+                             "one optimizer steps parameters of one device")
+
+
+def _names(optimizer) -> list[str]:
+    out = []
+    for gi, g in enumerate(optimizer.param_groups):
+        names = g.get("param_names") or [f"group{gi}.param{i}" for i in range(len(g["params"]))]
+        out += list(names)
+    return out
+
+
+def first_nonfinite(optimizer) -> str | None:
+    """Name of the first parameter whose gradient holds an inf or NaN, else None (one read of the grads)."""
+    named = [(n, p.grad) for n, p in zip(_names(optimizer), (p for g in optimizer.param_groups for p in g["params"]))
+             if p.grad is not None and not p.grad.is_sparse]
+    if not named:
+        return None
+    grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # FSDP2 shards: check ours
+    maxabs = torch._foreach_norm(grads, float("inf"))  # NaN propagates through max
+    finite = torch.cat([m.reshape(1).float() for m in maxabs]).isfinite()
+    bad = (~finite).any()
+    if len(grads) != len(named) or any(hasattr(g, "to_local") for _, g in named):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # every rank must take the same decision
+            flag = bad.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            bad = flag.bool()
+    if not bool(bad):
+        return None
+    local_bad = (~finite).nonzero()
+    return named[int(local_bad[0])][0] if len(local_bad) else "(a parameter on another rank)"
+
+
+def protect(optimizer, info) -> None:
+    """Install the wrappers described in the module docstring on ``optimizer``."""
+    spec, backend = info.resolution.spec, info.resolution.backend
+    policy = info.options.get("nonfinite", "ignore")
+    step, add_group = optimizer.step, optimizer.add_param_group
+    state_dict, load_state_dict = optimizer.state_dict, optimizer.load_state_dict
+    device = next(p.device for g in optimizer.param_groups for p in g["params"])
+
+    def guarded_step(closure=None):
+        loss = None
+        if closure is not None:  # gradients exist only after the closure: run it, then check
+            with torch.enable_grad():
+                loss = closure()
+        if policy != "ignore":
+            bad = first_nonfinite(optimizer)
+            if bad is not None:
+                if policy == "raise":
+                    raise FloatingPointError(
+                        f"{spec.trainer_name}: non-finite gradient (inf or NaN) in parameter {bad!r} at step "
+                        f"{info.steps + 1}; nothing was updated. Find the cause (learning rate, loss scale, bad "
+                        f"data), or set optim_args='nonfinite=skip' to skip such steps")
+                info.skipped_steps += 1
+                logger.warning("%s: step %d skipped, non-finite gradient in %r (%d skipped so far)",
+                               spec.trainer_name, info.steps + 1, bad, info.skipped_steps)
+                return loss
+        out = step()
+        info.steps += 1
+        return loss if closure is not None else out
+
+    def checked_add_param_group(group: dict) -> None:
+        params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+        if not params:
+            raise ValueError(f"{spec.trainer_name}.add_param_group got a group with no parameters")
+        merged = {**optimizer.defaults, **group}
+        check_hyperparams(lr=merged.get("lr", 0.0), betas=merged.get("betas") if spec.uses_betas else None,
+                          eps=merged.get("eps") if spec.uses_betas else None,
+                          weight_decay=merged.get("weight_decay", 0.0))
+        names = group.get("param_names") or [f"new_group.param{i}" for i in range(len(params))]
+        check_params(zip(names, params), spec, device)
+        add_group(dict(group, params=params))
+
+    def tagged_state_dict() -> dict:
+        sd = state_dict()
+        sd = dict(sd, state=checkpoint.to_canonical(spec.family, backend, sd["state"]))
+        sd[checkpoint._TAG] = {"name": spec.name, "family": spec.family, "backend": backend,
+                               "format": checkpoint.FORMAT, "skipped_steps": info.skipped_steps, "steps": info.steps}
+        return sd
+
+    def checked_load_state_dict(sd: dict) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        tag = checkpoint.tag_of(sd)
+        state = sd.get("state", {})
+        if tag is None:  # written by the bare backend: read it in that backend's own layout
+            state = checkpoint.to_canonical(spec.family, backend, state)
+        checkpoint.validate(dict(sd, state=state), spec.family, spec.name, _names(optimizer), params)
+        by_id = dict(enumerate(params))
+        saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+        state = {pid: st for pid, st in state.items()}
+        native = checkpoint.from_canonical(spec.family, backend, state,
+                                           {pid: by_id[i] for i, pid in enumerate(saved_ids)})
+        plain = {k: v for k, v in sd.items() if k != checkpoint._TAG}
+        load_state_dict(dict(plain, state=native))
+        if tag is not None:
+            info.skipped_steps, info.steps = tag.get("skipped_steps", 0), tag.get("steps", 0)
+
+    optimizer.step = guarded_step
+    optimizer.add_param_group = checked_add_param_group
+    optimizer.state_dict = tagged_state_dict
+    optimizer.load_state_dict = checked_load_state_dict
