@@ -476,6 +476,7 @@ _FSDP2_UNSUPPORTED = {
     ("adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
     ("paged_adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
     ("adafactor", "torch"): "its factored row/column statistics are plain tensors that cannot mix with DTensor shards",
+    ("adamw_bf16", "torch"): "its step uses ops with no DTensor sharding rule (aten._foreach_copy_)",
 }
 _FSDP2_INSTEAD = "use backend=torchao for 8-bit state, hf_eff_adamw, or DDP"
 _DEEPSPEED_UNSUPPORTED = {
