@@ -55,6 +55,9 @@ def _torchao_maps(device) -> tuple[torch.Tensor, torch.Tensor]:
 def _bnb_to_canonical(st: dict) -> dict:
     for key in [k for k, v in st.items() if isinstance(v, dict)]:  # bnb nests quantization state for FSDP
         st = {**{k: v for k, v in st.items() if k != key}, **st[key]}
+    if "state1" not in st:
+        raise ValueError(f"this optimizer state has keys {sorted(st)}, not bitsandbytes' (state1, state2, ...): "
+                         "it was written by another optimizer")
     out = {"step": torch.tensor(float(st["step"]))}
     out["exp_avg"], out["exp_avg_sq"] = st["state1"], st["state2"]
     if "absmax1" in st:
@@ -124,6 +127,22 @@ def from_canonical(family: str, backend: str, state: dict, params: dict[int, tor
     return {k: _CONVERT[backend][1](v, params[k]) for k, v in state.items()}
 
 
+def groups_to_canonical(groups: list[dict]) -> list[dict]:
+    """Param groups with plain-number hyperparameters (torchao keeps ``lr`` as a tensor)."""
+    return [{k: v.item() if torch.is_tensor(v) and v.numel() == 1 else v for k, v in g.items()} for g in groups]
+
+
+def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) -> list[dict]:
+    """Saved groups in the types ``backend`` keeps: a tensor ``lr`` where the live group has one."""
+    out = []
+    for g, live in zip(saved, current):
+        g = dict(g)
+        if torch.is_tensor(live.get("lr")) and not torch.is_tensor(g.get("lr")):
+            g["lr"] = torch.tensor(g["lr"], dtype=live["lr"].dtype, device=live["lr"].device)
+        out.append(g)
+    return out
+
+
 # --- validation before loading -------------------------------------------------------------------------
 
 
@@ -138,6 +157,8 @@ def _allowed_numels(family: str, key: str, p: torch.Tensor) -> set[tuple]:
         return {shape[:-1]}
     if key == "exp_avg_sq_col":
         return {shape[:-2] + shape[-1:]}
+    if family == "adafactor" and key == "exp_avg_sq" and p.dim() >= 2:
+        return set()  # Adafactor factors the second moment of every matrix
     return {shape}
 
 
@@ -172,4 +193,5 @@ def validate(state_dict: dict, family: str, name: str, param_names: list[str], p
         for key, value in st.items():
             if torch.is_tensor(value) and tuple(value.shape) not in _allowed_numels(family, key, p):
                 raise ValueError(f"the state of parameter {pname!r} has {key} of shape {tuple(value.shape)}, but the "
-                                 f"parameter has shape {tuple(p.shape)}: the checkpoint is for another model")
+                                 f"parameter has shape {tuple(p.shape)}: the checkpoint is for another model or "
+                                 f"another optimizer")

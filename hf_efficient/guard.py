@@ -15,6 +15,7 @@ torch's step pre/post hooks still run (inside the original ``step``).
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 
@@ -77,7 +78,7 @@ def protect(optimizer, info) -> None:
     state_dict, load_state_dict = optimizer.state_dict, optimizer.load_state_dict
     device = next(p.device for g in optimizer.param_groups for p in g["params"])
 
-    def guarded_step(closure=None):
+    def guarded_step(self, closure=None):
         loss = None
         if closure is not None:  # gradients exist only after the closure: run it, then check
             with torch.enable_grad():
@@ -98,7 +99,7 @@ def protect(optimizer, info) -> None:
         info.steps += 1
         return loss if closure is not None else out
 
-    def checked_add_param_group(group: dict) -> None:
+    def checked_add_param_group(self, group: dict) -> None:
         params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
         if not params:
             raise ValueError(f"{spec.trainer_name}.add_param_group got a group with no parameters")
@@ -106,18 +107,21 @@ def protect(optimizer, info) -> None:
         check_hyperparams(lr=merged.get("lr", 0.0), betas=merged.get("betas") if spec.uses_betas else None,
                           eps=merged.get("eps") if spec.uses_betas else None,
                           weight_decay=merged.get("weight_decay", 0.0))
-        names = group.get("param_names") or [f"new_group.param{i}" for i in range(len(params))]
+        gi = len(optimizer.param_groups)
+        names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(params))]
         check_params(zip(names, params), spec, device)
-        add_group(dict(group, params=params))
+        named = all("param_names" in g for g in optimizer.param_groups)  # torch: all groups named, or none
+        add_group(dict(group, params=params, **({"param_names": names} if named else {})))
 
-    def tagged_state_dict() -> dict:
+    def tagged_state_dict(self) -> dict:
         sd = state_dict()
-        sd = dict(sd, state=checkpoint.to_canonical(spec.family, backend, sd["state"]))
+        sd = dict(sd, state=checkpoint.to_canonical(spec.family, backend, sd["state"]),
+                  param_groups=checkpoint.groups_to_canonical(sd["param_groups"]))
         sd[checkpoint._TAG] = {"name": spec.name, "family": spec.family, "backend": backend,
                                "format": checkpoint.FORMAT, "skipped_steps": info.skipped_steps, "steps": info.steps}
         return sd
 
-    def checked_load_state_dict(sd: dict) -> None:
+    def checked_load_state_dict(self, sd: dict) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         tag = checkpoint.tag_of(sd)
         state = sd.get("state", {})
@@ -130,11 +134,13 @@ def protect(optimizer, info) -> None:
         native = checkpoint.from_canonical(spec.family, backend, state,
                                            {pid: by_id[i] for i, pid in enumerate(saved_ids)})
         plain = {k: v for k, v in sd.items() if k != checkpoint._TAG}
-        load_state_dict(dict(plain, state=native))
+        load_state_dict(dict(plain, state=native, param_groups=checkpoint.groups_from_canonical(
+            backend, sd["param_groups"], optimizer.param_groups)))
         if tag is not None:
             info.skipped_steps, info.steps = tag.get("skipped_steps", 0), tag.get("steps", 0)
 
-    optimizer.step = guarded_step
-    optimizer.add_param_group = checked_add_param_group
-    optimizer.state_dict = tagged_state_dict
-    optimizer.load_state_dict = checked_load_state_dict
+    # bound methods, as torch's LR schedulers re-wrap ``optimizer.step.__func__``
+    optimizer.step = types.MethodType(guarded_step, optimizer)
+    optimizer.add_param_group = types.MethodType(checked_add_param_group, optimizer)
+    optimizer.state_dict = types.MethodType(tagged_state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(checked_load_state_dict, optimizer)
