@@ -311,7 +311,8 @@ def _adamw(ts: list[_T], opts: Mapping) -> int:
 def _bnb_8bit(ts: list[_T], opts: Mapping) -> int:
     """bitsandbytes: uint8 state1/state2 + float32 absmax1/absmax2 per 256 elements; else float32 state.
 
-    ``step`` is a Python int; qmap1/qmap2 are one signed and one unsigned code book shared by all params.
+    ``step`` is a Python int; qmap1/qmap2 are one signed and one unsigned code book shared by all params
+    (after ``load_state_dict`` each parameter holds its own copies: 2 KB more per 8-bit tensor, measured).
     """
     total, quantized = 0, False
     for t in ts:
