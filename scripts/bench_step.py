@@ -472,15 +472,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.hidden, args.layers, args.reps, args.warmup, args.copy_mb = 64, 1, 3, 1, 8
         args.trainer_reps, args.trainer_steps, args.trainer_hidden = min(args.trainer_reps, 1), 5, 32
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.no_compile:
-        import torch._dynamo as dynamo
-        dynamo.config.disable = True
-    info = machine(args.device)
-    result = run(args)
-    rows = rows_of(result)
-    overhead = trainer_overhead(args) if args.trainer_reps > 0 and torch.device(args.device).type == "cpu" else []
+    import torch._dynamo as dynamo
+
+    threads, dynamo_disabled = torch.get_num_threads(), dynamo.config.disable
+    try:  # called from tests too: leave the process as it was
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if args.no_compile:
+            dynamo.config.disable = True
+        info = machine(args.device)
+        result = run(args)
+        rows = rows_of(result)
+        overhead = trainer_overhead(args) if args.trainer_reps > 0 and torch.device(args.device).type == "cpu" else []
+    finally:
+        torch.set_num_threads(threads)
+        dynamo.config.disable = dynamo_disabled
     load_after = [round(x, 2) for x in __import__("os").getloadavg()]
     write_results(args.out, rows, overhead, result, args, argv, info, load_after)
     print((args.out / "bench_step.md").read_text())

