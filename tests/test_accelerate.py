@@ -219,7 +219,8 @@ def test_option_value_checked_by_core_parser_for_the_chosen_name(monkeypatch):
     ("lr: fast\n", "{path}: lr: expected a number, got 'fast'"),
     ("optim: adam8bit\noptim_args: {embedding_state: 4bit}\n",
      r"{path}: optim_args \(optim_args\): option 'embedding_state' must be one of"),
-    ("learning_rate: 1e-3\n", "{path}: unknown key 'learning_rate'"),
+    ("learning_rate: 1e-3\n", "{path}: unknown key 'learning_rate'. Did you mean 'lr'"),
+    ("weight_decy: 0.1\n", "{path}: unknown key 'weight_decy'. Did you mean 'weight_decay'"),
     ("gradient_accumulation_steps: [2]\n", "{path}: gradient_accumulation_steps: expected an integer"),
     ("- optim\n", "{path}: expected a mapping"),
     ("optim: [\n", "{path}: not valid YAML"),
@@ -241,8 +242,12 @@ def test_bad_keyword_and_combinations():
 
 def test_unknown_hf_eff_variable_is_reported(monkeypatch, caplog):
     monkeypatch.setenv("HF_EFF_OPTIN", "adam8bit")
+    monkeypatch.setenv("HF_EFF_LEARNING_RATE", "1e-3")
+    monkeypatch.setenv("HF_EFF_NB_STEPS", "3")  # another tool's variable: not ours, not a typo of ours
     EfficientOptimPlugin()
     assert "HF_EFF_OPTIN (did you mean HF_EFF_OPTIM?)" in caplog.text
+    assert "HF_EFF_LEARNING_RATE (did you mean HF_EFF_LR?)" in caplog.text
+    assert "HF_EFF_NB_STEPS" not in caplog.text
 
 
 # ------------------------------------------------------------------------- exact gradient accumulation

@@ -168,6 +168,18 @@ def _path(value, where):
     return out
 
 
+# TrainingArguments' names for our fields, so a Trainer user's key gets a precise hint.
+_TRAINER_NAMES = {"learning_rate": "lr", "adam_beta1": "betas", "adam_beta2": "betas", "adam_epsilon": "eps",
+                  "optimizer": "optim", "lr_scheduler": "lr_scheduler_type"}
+
+
+def _suggest(key: str, known: list[str], cutoff: float = 0.6) -> str | None:
+    if key.lower() in _TRAINER_NAMES:
+        return _TRAINER_NAMES[key.lower()]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 def _opt(default, help: str, parse: Callable):
     # Dataclass default None means "not given", so a later source can tell an explicit value from a default.
     return field(default=None, metadata={"help": f"{help} (default: {default!r})", "default": default, "parse": parse})
@@ -265,8 +277,8 @@ class EfficientOptimPlugin:
         known = [f.name for f in fields(EfficientOptimPlugin) if f.name != "config_file"]
         for key in data:
             if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
+                close = _suggest(str(key), known)
+                hint = f" Did you mean {close!r}?" if close else ""
                 raise ValueError(f"{path}: unknown key {key!r}.{hint} Known keys: {', '.join(known)}")
         return {k: (v, f"{path}: {k}") for k, v in data.items()}
 
@@ -278,9 +290,11 @@ class EfficientOptimPlugin:
             if var in known:
                 layer[known[var]] = (value, var)
             elif var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
-                close = difflib.get_close_matches(var, list(known), n=1)
-                logger.warning("hf_efficient: ignoring unknown variable %s%s", var,
-                               f" (did you mean {close[0]}?)" if close else "")
+                # other tools may own HF_EFF_* names too: only a near miss of ours is worth a warning
+                trainer_name = _TRAINER_NAMES.get(var[len(ENV_PREFIX):].lower())
+                close = ENV_PREFIX + trainer_name.upper() if trainer_name else _suggest(var, list(known), cutoff=0.85)
+                if close:
+                    logger.warning("hf_efficient: ignoring unknown variable %s (did you mean %s?)", var, close)
         # `accelerate launch --gradient_accumulation_steps N` exports this; it must agree with ours if both are set.
         if os.environ.get(ACCELERATE_GA_ENV):
             acc = (os.environ[ACCELERATE_GA_ENV], ACCELERATE_GA_ENV)
@@ -396,6 +410,7 @@ class EfficientOptimPlugin:
         if num_training_steps is not None:
             num_training_steps = _at_least(1)(num_training_steps, "num_training_steps")
         warmup = self.warmup_steps or math.ceil(self.warmup_ratio * (num_training_steps or 0))
+        self.resolved_warmup_steps = warmup
         total = None if num_training_steps is None else num_training_steps * steps_per_update
         warmup *= steps_per_update
         if _have_transformers():
@@ -423,10 +438,10 @@ class EfficientOptimPlugin:
         _restore_fp32_state_ids(prepared[1], fp32_flags)
         info = optimizer_info(prepared[1])
         if accelerator.is_main_process:
-            logger.info("hf_efficient: %s%s -> backend %s (%s%s); schedule %s over %s steps, warm-up %s; "
+            logger.info("hf_efficient: %s%s -> backend %s (%s%s); schedule %s over %s steps, %d warm-up; "
                         "gradient accumulation %d x %d processes", PREFIX, info.resolution.name,
                         info.resolution.backend, info.resolution.reason, f"; {why}" if why else "",
-                        self.lr_scheduler_type, num_training_steps, self.warmup_steps or self.warmup_ratio,
+                        self.lr_scheduler_type, num_training_steps, self.resolved_warmup_steps,
                         self.gradient_accumulation_steps, accelerator.num_processes)
         return prepared
 
