@@ -149,3 +149,20 @@ def test_resume_equals_uninterrupted(tmp_path, optim):
         torch.testing.assert_close(b, a, atol=atol, rtol=0.0, msg=name)
     # and the checkpoint's optimizer state loads with weights_only=True
     torch.load(tmp_path / "run" / f"checkpoint-{n}" / "optimizer.pt", weights_only=True)
+
+
+def test_adamw_bf16_trains_a_bf16_model_with_warmup_and_no_autocast(tmp_path):
+    model = tiny_bert().to(torch.bfloat16)
+    args = _args(tmp_path, "hf_eff_adamw_bf16", steps=16, warmup_steps=4, lr_scheduler_type="linear")
+    assert not args.bf16 and not args.fp16  # no autocast, no grad scaler: the weights themselves are bf16
+    trainer = Trainer(model=model, args=args, train_dataset=ClassificationSet())
+    trainer.train()
+    losses = _losses(trainer)
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert lrs[0] < lrs[3] and lrs[-1] < lrs[4]  # warm-up, then decay: the scheduler drives the optimizer
+    p = model.bert.encoder.layer[0].intermediate.dense.weight
+    state = trainer.optimizer.state[p]
+    assert p.dtype == torch.bfloat16
+    assert {k: v.dtype for k, v in state.items() if k != "step"} == {
+        "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "kahan_comp": torch.bfloat16}
