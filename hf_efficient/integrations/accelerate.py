@@ -40,7 +40,7 @@ from ..options import OPTIONS, check_hyperparams, parse_optim_args, parse_option
 from ..registry import PREFIX, get_spec, resolve
 
 __all__ = ["EfficientOptimPlugin", "AccumulationWindow", "accumulation_windows", "summed_token_loss",
-           "check_distributed_support", "SCHEDULERS"]
+           "check_distributed_support", "choose_backend", "SCHEDULERS"]
 
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "HF_EFF_"
@@ -365,23 +365,23 @@ class EfficientOptimPlugin:
 
     def _check_accelerator(self, accelerator) -> tuple[str | None, str]:
         """Refuse an unsupported set-up; return the backend to force (None: the registry's) and why."""
-        if accelerator.gradient_accumulation_steps != self.gradient_accumulation_steps:
-            raise ValueError(
-                f"the Accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches but the plugin "
-                f"says gradient_accumulation_steps={self.gradient_accumulation_steps} "
-                f"({self.sources['gradient_accumulation_steps']}): create it with plugin.create_accelerator()")
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if world > 1 and accelerator.num_processes != world:
             raise RuntimeError(
                 f"launched as {world} processes (WORLD_SIZE={world}) but Accelerate runs this one as "
                 f"{accelerator.num_processes} of {accelerator.distributed_type.value}: the processes would train "
                 "independently. Without a GPU set ACCELERATE_USE_CPU=true (or create_accelerator(cpu=True)).")
+        chosen = choose_backend(self.optim, self.backend, self._core_options(), accelerator.state, accelerator.device,
+                                plugin_ga=(self.gradient_accumulation_steps, self.sources["gradient_accumulation_steps"]))
+        if accelerator.gradient_accumulation_steps != self.gradient_accumulation_steps:
+            raise ValueError(
+                f"the Accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches but the plugin "
+                f"says gradient_accumulation_steps={self.gradient_accumulation_steps} "
+                f"({self.sources['gradient_accumulation_steps']}): create it with plugin.create_accelerator()")
         if accelerator.gradient_state.sync_with_dataloader:
             raise ValueError("the Accelerator was made with sync_with_dataloader=True, which steps when the loader "
                              "is exhausted, before a prefetched window is done: use plugin.create_accelerator()")
-        return choose_backend(self.optim, self.backend, self._core_options(), accelerator.state,
-                              accelerator.device, plugin_ga=(self.gradient_accumulation_steps,
-                                                             self.sources["gradient_accumulation_steps"]))
+        return chosen
 
     def _core_options(self) -> dict:
         return {**self.optim_args, "decay_embeddings": self.decay_embeddings, "backend": self.backend}
