@@ -1,0 +1,516 @@
+"""AdamW that trains bf16 / fp16 weights directly: no fp32 master copy, and no stale weights.
+
+A bf16 weight near 1.0 moves in steps of 2**-7; an AdamW update of ``lr = 1e-4`` is far below half of
+that, so rounding the new weight to bf16 throws the update away, every step (the "stale weights" of
+Gopher, appendix C2). Two remedies that keep the weights in bf16:
+
+* ``compensation="kahan"`` (default): a bf16 buffer ``kahan_comp`` carries the part of each update
+  that the rounded weight could not absorb into the next step (Kahan summation). 6 bytes of state
+  per parameter (``exp_avg``, ``exp_avg_sq``, ``kahan_comp``), against 8 for fp32 AdamW plus 4 for an
+  fp32 master copy.
+* ``compensation="stochastic"``: round the new weight up or down at random, with the probabilities
+  that make the rounding unbiased. No buffer: 4 bytes per parameter.
+* ``compensation="none"``: round to nearest, i.e. the stale-weights behaviour, for comparison.
+
+Arithmetic inside the step is fp32 whatever the storage; state is stored in bf16 (also for fp16 weights,
+whose range cannot hold a squared gradient). Parameters that are not bf16/fp16 get plain
+``torch.optim.AdamW`` (state in their dtype, no compensation).
+
+``exp_avg_sq`` is stored with stochastic rounding (except under ``"none"``): with beta2 = 0.999 its
+per-step decrease is below half a bf16 ulp, so rounded to nearest it could never decrease (on a tiny
+Llama, 600 steps at lr 1e-4: final loss 1% above fp32 AdamW with nearest, 0.07% with stochastic).
+
+Stochastic rounding needs no random state: its noise is a hash of (parameter position, step, element),
+so a resumed run rounds exactly as the uninterrupted one would, and data-parallel replicas agree.
+
+Speed: on CPU one ``torch.compile``'d (inductor C++) kernel per tensor does the whole step in a single
+pass; tensors below ``_SMALL_NUMEL`` share one call. Without a working compiler it falls back to a
+foreach path (same math, fp32 temporaries in bounded chunks). Inductor is compiled with
+``emulate_precision_casts``: without it inductor elides the bf16 round trip ``new.float()`` that the
+compensation is computed from, and Kahan silently degrades to round-to-nearest (checked by a probe).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as _torch_adamw
+
+from ..options import check_hyperparams
+
+__all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
+
+logger = logging.getLogger(__name__)
+
+COMPENSATIONS = ("kahan", "stochastic", "none")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_SMALL_NUMEL = 1 << 16  # below this a compiled call costs more than gathering the tensor into a shared one
+_FOREACH_CHUNK = 1 << 22  # elements per foreach chunk: bounds the fp32 temporaries (~8 x 16 MiB)
+
+# Stochastic rounding picks the far neighbour by comparing noise with |x - nearest| / spacing. The
+# spacing is found without bit tricks (inductor scalarizes bitcasts): multiplying the nearest value by
+# 1 +- 0.625 ulp lands strictly between half and one and a half neighbour spacings away, so rounding
+# that product to nearest gives the neighbour, including across a power of two.
+_NEIGHBOUR_STEP = {torch.bfloat16: 0.625 * 2.0**-7, torch.float16: 0.625 * 2.0**-10}
+_GOLDEN, _MIX1, _MIX2 = -1640531535, -2048144789, -1028477387  # 0x9E3779B1, murmur3 fmix32 constants, as int32
+_WEIGHT_STREAM = 0x2545F491  # xor-ed into the key: the weights' noise differs from exp_avg_sq's
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels. One set of tensor-level functions is both the single-tensor path (called as is) and the
+# compiled path (torch.compile of the same functions), so the two cannot drift apart.
+# coef = [beta1, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2**t), eps, -lr * wd, lr / (1 - beta1**t)]
+# ----------------------------------------------------------------------------------------------------
+
+
+def _adamw_update(p32: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, noise: Tensor | None) -> Tensor:
+    """Advance the moments (stored in bf16); return the fp32 AdamW update of ``p32``.
+
+    ``noise`` rounds ``exp_avg_sq`` stochastically: with beta2 = 0.999 its largest decrease per step (0.1%)
+    is below half a bf16 ulp (0.2% to 0.4%), so rounded to nearest it could only ever grow; the second
+    moment has its own stale-weights problem. None rounds to nearest (``compensation="none"``).
+    """
+    g32 = g.float()
+    m32 = m.float() * coef[0] + g32 * coef[1]
+    v32 = v.float() * coef[2] + (g32 * g32) * coef[3]
+    m.copy_(m32)
+    v.copy_(v32 if noise is None else _round_stochastic(v32, v.dtype, noise))
+    denom = v32.sqrt() * coef[4] + coef[5]
+    return p32 * coef[6] - (m32 / denom) * coef[7]
+
+
+def _uniform(key: Tensor, idx: Tensor) -> Tensor:
+    """Uniform [0, 1) noise from a counter-based hash (murmur3 fmix32) of element index and ``key``."""
+    h = idx * _GOLDEN + key  # int32 arithmetic wraps; the shifts are masked to make them logical
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _MIX1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _MIX2
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return ((h >> 8) & 0xFFFFFF).float() * 2.0**-24
+
+
+def _round_stochastic(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
+    """``x`` (fp32) rounded to a ``dtype`` neighbour, the far one with probability |x - nearest| / spacing."""
+    near = x.to(dtype).float()
+    err = x - near
+    step = _NEIGHBOUR_STEP[dtype]
+    far = (near * torch.where(err * near >= 0, 1.0 + step, 1.0 - step)).to(dtype).float()
+    return torch.where(noise * (far - near).abs() < err.abs(), far, near)
+
+
+def _index(idx: Tensor | None, p: Tensor) -> Tensor:
+    """Element numbers for the noise: row-major position in ``p`` unless given (pieces, gathered tensors)."""
+    if idx is None:
+        idx = torch.arange(p.numel(), dtype=torch.int32, device=p.device).view(p.shape)
+    return idx
+
+
+def _kahan_(p, g, m, v, c, key, idx, coef):
+    p32 = p.float()
+    update = _adamw_update(p32, g, m, v, coef, _uniform(key, _index(idx, p)))
+    y = update + c.float()  # this step's update plus what earlier steps could not apply
+    new = (p32 + y).to(p.dtype)
+    c.copy_(y - (new.float() - p32))  # the part the rounded weight did not absorb
+    p.copy_(new)
+
+
+def _stochastic_(p, g, m, v, c, key, idx, coef):
+    idx = _index(idx, p)
+    p32 = p.float()
+    x = p32 + _adamw_update(p32, g, m, v, coef, _uniform(key, idx))
+    p.copy_(_round_stochastic(x, p.dtype, _uniform(key ^ _WEIGHT_STREAM, idx)))
+
+
+def _nearest_(p, g, m, v, c, key, idx, coef):
+    p32 = p.float()
+    p.copy_(p32 + _adamw_update(p32, g, m, v, coef, None))
+
+
+_KERNELS = {"kahan": _kahan_, "stochastic": _stochastic_, "none": _nearest_}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Paths. Each takes the tensors of one (step, device, dtype), the int32 noise key of each tensor (None
+# under "none"), and the step's coefficients.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _key(key: int | None, device) -> Tensor | None:
+    return None if key is None else torch.tensor(key, dtype=torch.int32, device=device)
+
+
+def _single_tensor(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    coef_t = torch.tensor(coef, dtype=torch.float32, device=params[0].device)
+    for i, p in enumerate(params):
+        kernel(p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i] if comps else None,
+               _key(keys[i] if keys else None, p.device), None, coef_t)
+
+
+def _foreach(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    """Same operations, in the same order, as the kernels, over lists (bitwise equal to the single-tensor path).
+
+    On CPU torch's foreach ops loop over tensors anyway, and big fp32 temporaries cost more in page faults
+    than in arithmetic, so tensors are cut into cache-sized flat pieces; elsewhere chunks only bound memory.
+    """
+    on_cpu = params[0].device.type == "cpu"
+    piece, limit = (1 << 15, 1 << 18) if on_cpu else (None, _FOREACH_CHUNK)
+    sets = [params, grads, exp_avgs, exp_avg_sqs] + ([comps] if comps else [])
+
+    def run(chunk):  # chunk: (tensor index, start, end), end None for a whole strided tensor
+        cut = [[ts[i] if b is None else ts[i].view(-1)[a:b] for i, a, b in chunk] for ts in sets]
+        noise = None
+        if keys:  # (key, element numbers) per piece, numbered as the kernel numbers them
+            noise = [(_key(keys[i], t.device), _index(None, t) if b is None else
+                      torch.arange(a, b, dtype=torch.int32, device=t.device)) for (i, a, b), t in zip(chunk, cut[0])]
+        _foreach_chunk(mode, *cut[:4], cut[4] if comps else None, noise, coef)
+
+    chunk, total = [], 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        if not all(ts[i].is_contiguous() for ts in sets):
+            bounds = [(0, None)]
+        else:
+            step = piece or max(n, 1)
+            bounds = [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+        for a, b in bounds:
+            chunk.append((i, a, b))
+            total += n if b is None else b - a
+            if total >= limit:
+                run(chunk)
+                chunk, total = [], 0
+    if chunk:
+        run(chunk)
+
+
+def _foreach_chunk(mode, P, G, M, V, C, noise, coef):
+    b1, omb1, b2, omb2, inv_bc2, eps, decay, step_size = coef
+    p32 = [p.float() for p in P]  # torch has no foreach dtype cast
+    g32 = [g.float() for g in G]
+    m32 = [m.float() for m in M]
+    torch._foreach_mul_(m32, b1)
+    torch._foreach_add_(m32, torch._foreach_mul(g32, omb1))
+    v32 = [v.float() for v in V]
+    torch._foreach_mul_(v32, b2)
+    g2 = torch._foreach_mul(g32, g32)
+    torch._foreach_mul_(g2, omb2)
+    torch._foreach_add_(v32, g2)
+    del g32, g2
+    torch._foreach_copy_(M, m32)
+    if noise is None:
+        torch._foreach_copy_(V, v32)
+    else:
+        for v, x, (key, idx) in zip(V, v32, noise):
+            v.copy_(_round_stochastic(x, v.dtype, _uniform(key, idx)))
+    denom = torch._foreach_sqrt(v32)
+    del v32
+    torch._foreach_mul_(denom, inv_bc2)
+    torch._foreach_add_(denom, eps)
+    ratio = torch._foreach_div(m32, denom)
+    del m32, denom
+    torch._foreach_mul_(ratio, step_size)
+    update = torch._foreach_mul(p32, decay)
+    torch._foreach_sub_(update, ratio)
+    del ratio
+    if mode == "kahan":
+        torch._foreach_add_(update, [c.float() for c in C])  # y
+        new = [t.to(p.dtype) for t, p in zip(torch._foreach_add(p32, update), P)]
+        absorbed = [t.float() for t in new]
+        torch._foreach_sub_(absorbed, p32)
+        torch._foreach_sub_(update, absorbed)
+        torch._foreach_copy_(C, update)
+        torch._foreach_copy_(P, new)
+    elif mode == "stochastic":
+        for p, x, (key, idx) in zip(P, torch._foreach_add(p32, update), noise):
+            p.copy_(_round_stochastic(x, p.dtype, _uniform(key ^ _WEIGHT_STREAM, idx)))
+    else:
+        torch._foreach_copy_(P, torch._foreach_add(p32, update))
+
+
+def _compiled(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    """One compiled call per large tensor (flat views); small tensors are gathered into one call."""
+    device = params[0].device
+    coef_t = torch.tensor(coef, dtype=torch.float32, device=device)
+    small = []
+    for i, p in enumerate(params):
+        ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([comps[i]] if comps else [])
+        if p.numel() < _SMALL_NUMEL:
+            small.append(i)
+        elif all(t.is_contiguous() for t in ts):
+            flat = [t.view(-1) for t in ts]
+            _call(kernel, mode, *flat[:4], flat[4] if comps else None, _key(keys[i] if keys else None, device),
+                  None, coef_t)
+        else:  # rare (channels_last, transposed grads): the eager kernel handles any layout
+            _single_tensor(_KERNELS[mode], mode, [p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]],
+                           [comps[i]] if comps else None, [keys[i]] if keys else None, coef)
+    if not small:
+        return
+    sizes = [params[i].numel() for i in small]
+    cat = lambda ts: torch.cat([ts[i].reshape(-1) for i in small])  # noqa: E731
+    P, G, M, V = cat(params), cat(grads), cat(exp_avgs), cat(exp_avg_sqs)
+    C = cat(comps) if comps else None
+    key = idx = None
+    if keys:  # the same noise each element would get from a call of its own
+        counts = torch.tensor(sizes, device=device)
+        key = torch.repeat_interleave(torch.tensor([keys[i] for i in small], dtype=torch.int32, device=device), counts)
+        starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        idx = (torch.arange(P.numel(), device=device) - starts).to(torch.int32)
+    _call(kernel, mode, P, G, M, V, C, key, idx, coef_t)
+    for flat, targets in ((P, params), (M, exp_avgs), (V, exp_avg_sqs), (C, comps)):
+        if flat is not None:
+            dst = [targets[i] for i in small]
+            torch._foreach_copy_(dst, [t.view_as(d) for t, d in zip(flat.split(sizes), dst)])
+
+
+def _call(kernel, mode, *args):
+    """A compiled call; if compiling it fails (before anything ran), the eager kernel does this call instead."""
+    try:
+        with warnings.catch_warnings():  # fp16 weights with bf16 state: inductor notes the mix, harmlessly
+            warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+            kernel(*args)
+    except Exception as e:
+        logger.warning("AdamWBF16: compiled %s kernel failed (%s: %s); continuing without it. Pass compile=False "
+                       "to skip compiling.", mode, type(e).__name__, e)
+        for key, fn in _COMPILED.items():
+            if fn is kernel:
+                _COMPILED[key] = None
+        _KERNELS[mode](*args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------------
+
+_COMPILED: dict = {}  # (mode, device type, dtype) -> compiled kernel, or None where it failed or disagreed
+_LOGGED: set = set()
+
+
+def _log_once(level: int, key, msg: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
+    """The torch.compile'd kernel, after a probe showing it agrees with eager on a sub-ulp update; else None."""
+    key = (mode, device.type, dtype)
+    if key not in _COMPILED:
+        try:
+            fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
+                               options={"emulate_precision_casts": True})
+            gen = torch.Generator().manual_seed(0)
+            n = 37  # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
+            base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+            coef = torch.tensor(_coefficients(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1),
+                                device=device)
+            k = torch.tensor(12345, dtype=torch.int32, device=device)
+            ref, got = ([t.to(device, dtype if j < 2 else torch.bfloat16) for j, t in enumerate(base)]
+                        for _ in range(2))
+            _KERNELS[mode](*ref, k, None, coef)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+                fn(*got, k, None, coef)
+            exact = [torch.equal(r, g_) for r, g_ in zip(ref[:4], got[:4])]
+            if not all(exact) or not torch.allclose(ref[4].float(), got[4].float(), rtol=1e-2, atol=0.0):
+                raise RuntimeError("compiled kernel disagrees with eager on a sub-ulp update (rounding elided?)")
+            _COMPILED[key] = fn
+        except Exception as e:  # no C++ compiler, unsupported Python/platform, numerics: all mean "use foreach"
+            logger.warning("AdamWBF16: no compiled %s kernel for %s %s (%s: %s); using the foreach path. "
+                           "Pass compile=False to skip the attempt.", mode, device.type, dtype, type(e).__name__, e)
+            _COMPILED[key] = None
+    return _COMPILED[key]
+
+
+def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None):
+    """The one dispatch point: (path name, function). Compiled by default on CPU, foreach elsewhere."""
+    if compile is None:
+        compile = foreach is None and device.type == "cpu"
+    kernel = _compiled_kernel(mode, device, dtype) if compile else None
+    if kernel is not None:
+        return "compiled", _compiled, kernel
+    if foreach is False:
+        return "single_tensor", _single_tensor, _KERNELS[mode]
+    return "foreach", _foreach, _KERNELS[mode]
+
+
+def _coefficients(*, lr, beta1, beta2, eps, weight_decay, step) -> list[float]:
+    """Per-step scalars, rounded to fp32 once so every path multiplies by exactly the same numbers."""
+    raw = [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(1.0 - beta2**step), eps,
+           -lr * weight_decay, lr / (1.0 - beta1**step)]
+    return torch.tensor(raw, dtype=torch.float32).tolist()
+
+
+def _mix32(x: int) -> int:
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _noise_key(noise_id: int, step: int) -> int:
+    """int32 key of one tensor's rounding noise at one step."""
+    k = _mix32(_mix32(noise_id + 0x9E3779B9) ^ step)
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               kahan_comps: list[Tensor | None], state_steps: list[Tensor], *, lr: float, beta1: float,
+               beta2: float, eps: float, weight_decay: float, compensation: str = "kahan",
+               noise_ids: list[int] | None = None, foreach: bool | None = None, compile: bool | None = None) -> None:
+    """Functional AdamWBF16 step (see :class:`AdamWBF16`); increments ``state_steps``.
+
+    ``kahan_comps`` holds each bf16/fp16 tensor's buffer under ``"kahan"`` (None elsewhere);
+    ``noise_ids`` names each tensor's stochastic-rounding stream (default: its list position).
+    Tensors that are not bf16/fp16 go to ``torch.optim.adamw.adamw`` (fused on CPU when compiling).
+    """
+    _check_compensation(compensation)
+    noise_ids = list(range(len(params))) if noise_ids is None else noise_ids
+    low = [i for i, p in enumerate(params) if p.dtype in _LOW_PRECISION]
+    high = [i for i, p in enumerate(params) if p.dtype not in _LOW_PRECISION]
+    if high:  # torch's own AdamW, mapped path for path: compiled -> fused on CPU, foreach, single tensor
+        on_cpu = params[high[0]].device.type == "cpu"
+        fused = foreach is None and compile is not False and on_cpu
+        pick = lambda xs: [xs[i] for i in high]  # noqa: E731
+        _torch_adamw(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), [], pick(state_steps),
+                     foreach=None if fused else foreach is not False, fused=fused, amsgrad=False,
+                     beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    if not low:
+        return
+    torch._foreach_add_([state_steps[i] for i in low], 1)
+    groups = defaultdict(list)  # tensors sharing step, device and dtype share coefficients and a kernel
+    for i in low:
+        groups[(int(state_steps[i].item()), params[i].device, params[i].dtype)].append(i)
+    for (step, device, dtype), idx in groups.items():
+        name, run, kernel = _choose(compensation, device, dtype, foreach, compile)
+        _log_once(logging.INFO, (name, compensation, device.type, dtype),
+                  "AdamWBF16: %s path for %s %s tensors (compensation=%s)", name, device.type, dtype, compensation)
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        keys = None if compensation == "none" else [_noise_key(noise_ids[i], step) for i in idx]
+        coef = _coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+        run(kernel, compensation, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+            pick(kahan_comps) if compensation == "kahan" else None, keys, coef)
+
+
+def _state_dtype(p: Tensor) -> torch.dtype:
+    """bf16 state for bf16 and fp16 weights (fp16's range underflows (1 - beta2) * grad**2); else the weight's."""
+    return torch.bfloat16 if p.dtype in _LOW_PRECISION else p.dtype
+
+
+def _check_compensation(compensation) -> None:
+    if compensation not in COMPENSATIONS:
+        allowed = ", ".join(map(repr, COMPENSATIONS))
+        raise ValueError(f"Invalid compensation={compensation!r}: expected one of {allowed}")
+
+
+class AdamWBF16(Optimizer):
+    """AdamW for bf16/fp16 weights, with Kahan-compensated or stochastically rounded updates.
+
+    A standard ``torch.optim.Optimizer``: param groups carry ``lr`` (any LR scheduler works), state keys
+    follow torch (``step``, ``exp_avg``, ``exp_avg_sq``, plus ``kahan_comp``), and ``state_dict()`` loads
+    with ``torch.load(weights_only=True)``. float32 parameters get plain AdamW (as ``torch.optim.AdamW``).
+
+    Args:
+        params: parameters or param groups (groups may set any keyword below).
+        lr: learning rate.
+        betas: moment decay rates.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay, ``p -= lr * weight_decay * p``.
+        compensation: ``"kahan"`` (6 bytes/param), ``"stochastic"`` (4) or ``"none"`` (4, stale weights).
+        foreach: True for the foreach path, False for the per-tensor loop; None: automatic.
+        compile: True/None (automatic: CPU only) for the torch.compile'd kernel, with a fallback to
+            foreach when compiling fails; False never compiles.
+
+    Example::
+
+        model = model.to(torch.bfloat16)
+        opt = AdamWBF16(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    fp16 parameters work the same way, but their state is bf16 (same 2 bytes): in fp16,
+    ``exp_avg_sq = (1 - beta2) * grad**2`` underflows to 0 for gradients below ~1e-3 and the update
+    becomes ``lr * exp_avg / eps``; ``kahan_comp`` of small weights would be subnormal.
+    """
+
+    def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, compensation: str = "kahan", foreach: bool | None = None,
+                 compile: bool | None = None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, compensation=compensation,
+                        foreach=foreach, compile=compile)
+        super().__init__(params, defaults)
+        self._report_dtypes()
+
+    def add_param_group(self, param_group: dict) -> None:
+        group = {**self.defaults, **param_group}
+        check_hyperparams(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+        _check_compensation(group["compensation"])
+        if group["foreach"] and group["compile"]:
+            raise ValueError("foreach=True and compile=True are exclusive: pick one path (or leave both None)")
+        super().add_param_group(param_group)
+
+    def _report_dtypes(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        other = [p for p in params if p.dtype not in _LOW_PRECISION]
+        if other and len(other) == len(params):
+            logger.warning("AdamWBF16 got only %s parameters: it runs plain AdamW (state in their dtype, no "
+                           "compensation). Cast the model to bfloat16 to save the memory this optimizer is for.",
+                           sorted({str(p.dtype) for p in other}))
+        elif other:
+            logger.info("AdamWBF16: %d of %d parameter tensors (%d elements) are not bf16/fp16: they get plain "
+                        "AdamW with state in their dtype; compensation applies to the others.",
+                        len(other), len(params), sum(p.numel() for p in other))
+
+    def _init_state(self, p: Tensor, compensation: str) -> dict:
+        state = self.state[p]
+        if not state:
+            dtype = _state_dtype(p)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if compensation == "kahan" and p.dtype in _LOW_PRECISION:
+                state["kahan_comp"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, except that fp16 parameters keep their bf16 state (torch casts state to the param dtype)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i, {})
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+                if key in saved and self.state[p][key].dtype != _state_dtype(p):
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        position = 0  # a parameter's index across groups, as in state_dict(): its noise stream
+        for group in self.param_groups:
+            lists = [[] for _ in range(7)]
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError("AdamWBF16 does not support sparse gradients")
+                    state = self._init_state(p, group["compensation"])
+                    for lst, item in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                                 state.get("kahan_comp"), state["step"], position)):
+                        lst.append(item)
+                position += 1
+            if not lists[0]:
+                continue
+            params, grads, exp_avgs, exp_avg_sqs, comps, steps, noise_ids = lists
+            beta1, beta2 = group["betas"]
+            adamw_bf16(params, grads, exp_avgs, exp_avg_sqs, comps, steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                       eps=group["eps"], weight_decay=group["weight_decay"], compensation=group["compensation"],
+                       noise_ids=noise_ids, foreach=group["foreach"], compile=group["compile"])
+        return loss

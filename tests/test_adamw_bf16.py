@@ -1,0 +1,391 @@
+"""AdamWBF16: stale weights shown and fixed, fp32-AdamW tracking on a tiny Llama, the three paths agreeing,
+exact resume, state bytes and dtypes, fp32 parameters as torch.optim.AdamW, schedulers, errors.
+
+Tolerances, and why:
+- Stale weights (weights in [1, 1.5), updates ~lr far below half an ulp, 200 steps, ~4.4 ulps travelled):
+  "kahan" weights stay within half an ulp of fp32 AdamW (measured 0.42) and weight + compensation within
+  a quarter ulp (0.09), mean error under 2% of the distance (0.6%); "stochastic" is a random walk around
+  the reference (std 1.6 ulps per weight), so only its mean is bounded: 5% of the distance (measured 1%,
+  eight standard errors).
+- Tiny Llama, 100 steps, both optimizers fed the same gradients (so the comparison is about the optimizer,
+  not bf16 forward noise, which alone moves the loss curve ~1.2% even with fp32 master weights): at most 1%
+  of elements outside atol 2e-3 / rtol 2e-2 (torch-optimi's bf16 criterion; measured 0% kahan, 0.2%
+  stochastic), loss of the stored bf16 weights within 1% of fp32 AdamW's (measured 0.25% / 0.5%).
+- Paths: foreach == single tensor bitwise. Compiled vs eager: the moments are bitwise equal; eager fp32
+  sqrt (MKL/Sleef) and inductor's differ by an ulp, which flips a rounding in ~3e-5 of the elements: at
+  most 0.1% of weights differ, by one ulp, and the Kahan sum weight + compensation agrees to 1e-6.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from hf_efficient.optim import adamw_bf16 as mod
+from hf_efficient.optim.adamw_bf16 import COMPENSATIONS, AdamWBF16
+
+HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two threads on a shared 2-core machine are ~10x slower than one (OpenMP barriers); results do not change."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _params(dtype=torch.bfloat16, seed=0):
+    """A mix: a 2-D weight, one >= 2**16 elements (own compiled call), vectors, a non-contiguous one, a scalar."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(48, 40), (70_001,), (33,), (1,)]
+    ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5 + 1).to(dtype)) for s in shapes]
+    ps.append(torch.nn.Parameter((torch.randn(24, 20, generator=g) * 0.5).to(dtype).t()))  # non-contiguous
+    return ps
+
+
+def _run(params, steps, start=0, opt=None, **kw):
+    """Steps ``start`` to ``start + steps`` of a fixed sequence of pseudo-random gradients; returns the optimizer."""
+    opt = opt or AdamWBF16(params, lr=1e-3, **kw)
+    g = torch.Generator().manual_seed(1)
+    for step in range(start + steps):
+        for p in params:
+            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            if step >= start:
+                p.grad = grad
+        if step >= start:
+            opt.step()
+    return opt
+
+
+def _snapshot(opt):
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+def _assert_same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    for x, y in zip(pa, pb):
+        assert torch.equal(x, y)
+    for x, y in zip(sa, sb):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+# ---------------------------------------------------------------------------------------------- stale weights
+
+
+def _quadratic(make_opt, w0, target, dtype, steps=200):
+    w = torch.nn.Parameter(w0.clone().to(dtype))
+    opt = make_opt([w])
+    for _ in range(steps):
+        w.grad = (w.detach().float() - target).to(dtype)
+        opt.step()
+    return w.detach().float(), opt
+
+
+@pytest.mark.parametrize("dtype, lr", [(torch.bfloat16, 2e-4), (torch.float16, 2.5e-5)])
+def test_stale_weights_shown_and_fixed(dtype, lr):
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # spacing of weights in [1, 2)
+    g = torch.Generator().manual_seed(0)
+    w0 = (1 + 0.5 * torch.rand(4096, generator=g)).to(dtype).float()
+    target = w0 - 8 * ulp  # far enough that every step pushes the same way
+    ref, _ = _quadratic(lambda p: torch.optim.AdamW(p, lr=lr), w0, target, torch.float32)
+    travelled = (w0 - ref).mean().item()
+    assert travelled > 3 * ulp  # the fp32 reference moves several ulps...
+
+    plain, _ = _quadratic(lambda p: torch.optim.AdamW(p, lr=lr), w0, target, dtype)
+    assert torch.equal(plain, w0)  # ...bf16/fp16 torch AdamW not at all: every update is rounded away
+    none, _ = _quadratic(lambda p: AdamWBF16(p, lr=lr, compensation="none", compile=False), w0, target, dtype)
+    assert torch.equal(none, w0)
+
+    kahan, opt = _quadratic(lambda p: AdamWBF16(p, lr=lr, compile=False), w0, target, dtype)
+    assert (kahan - ref).abs().max().item() <= ulp / 2  # the stored weight: the reference, rounded
+    comp = opt.state[opt.param_groups[0]["params"][0]]["kahan_comp"].float()
+    err = kahan + comp - ref  # weight + compensation: what an fp32 master copy would hold
+    assert abs(err.mean().item()) <= 0.02 * travelled and err.abs().max().item() <= ulp / 4
+
+    sr, _ = _quadratic(lambda p: AdamWBF16(p, lr=lr, compensation="stochastic", compile=False), w0, target, dtype)
+    assert abs((sr - ref).mean().item()) <= 0.05 * travelled
+    assert (sr - w0).abs().mean().item() > 0.9 * travelled
+
+
+def test_stochastic_rounding_picks_a_neighbour_without_bias():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=g) * torch.exp(torch.randn(200_000, generator=g) * 4)
+    x = torch.cat([x, torch.tensor([0.0, 1.0, 2.0, -1.0 - 2**-9, 2 - 2**-10, float("inf"), 3e38])])
+    idx = torch.arange(x.numel(), dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float16):
+        finite = x.abs() < (60000 if dtype == torch.float16 else 3e38)
+        xs = x[finite & ((x.abs() > 1e-4) | (x == 0))] if dtype == torch.float16 else x  # fp16 normal range
+        y = mod._round_stochastic(xs, dtype, mod._uniform(torch.tensor(7, dtype=torch.int32), idx[: xs.numel()]))
+        near = xs.to(dtype)
+        other = torch.nextafter(near, torch.where(xs >= near.float(), torch.inf, -torch.inf).to(dtype)).float()
+        assert ((y == near.float()) | (y == other)).all()
+        for v in (1.0 + 0.3 * 2**-7, 1.0 - 0.3 * 2**-8, -5.3e-3, 1024.7):
+            n = 100_000
+            mean = mod._round_stochastic(torch.full((n,), v), dtype, mod._uniform(
+                torch.tensor(11, dtype=torch.int32), torch.arange(n, dtype=torch.int32))).double().mean().item()
+            spacing = abs(v) * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
+            assert abs(mean - v) < 5 * 0.5 * spacing / n**0.5  # five standard errors
+
+
+# ---------------------------------------------------------------------------------- against fp32 on a model
+
+
+def test_tracks_fp32_adamw_on_tiny_llama():
+    """Same gradients into fp32 AdamW (fp32 weights) and AdamWBF16 (bf16 copies of the weights), 100 steps."""
+    ref = tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (8, 32), generator=g) for _ in range(4)]
+    runs = {}
+    for mode in COMPENSATIONS:
+        ps = [p.detach().clone().bfloat16() for p in ref.parameters()]
+        runs[mode] = (ps, AdamWBF16(ps, lr=1e-3, compensation=mode, compile=False), [])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_losses = []
+
+    def loss_of(weights, x):  # evaluated in fp32, so only the stored weights differ
+        saved = [p.detach().clone() for p in ref.parameters()]
+        with torch.no_grad():
+            for p, w in zip(ref.parameters(), weights):
+                p.copy_(w)
+            loss = ref(input_ids=x, labels=x).loss.item()
+            for p, s in zip(ref.parameters(), saved):
+                p.copy_(s)
+        return loss
+
+    for step in range(101):
+        x = data[step % len(data)]
+        if step % 20 == 0:
+            ref_losses.append(loss_of(list(ref.parameters()), x))
+            for ps, _, losses in runs.values():
+                losses.append(loss_of(ps, x))
+        if step == 100:
+            break
+        ref(input_ids=x, labels=x).loss.backward()
+        for ps, opt, _ in runs.values():
+            for p, q in zip(ps, ref.parameters()):
+                p.grad = q.grad.bfloat16()
+            opt.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    assert ref_losses[-1] < 0.5 * ref_losses[0]  # it learned something
+    total = sum(p.numel() for p in ref.parameters())
+    for mode, (ps, _, losses) in runs.items():
+        outside = sum((~torch.isclose(p.float(), q, atol=2e-3, rtol=2e-2)).sum().item()
+                      for p, q in zip(ps, ref.parameters()))
+        loss_gap = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+        if mode == "none":  # the control: stale updates are visible in the loss
+            assert loss_gap > 0.05
+        else:
+            assert outside <= 0.01 * total, mode
+            assert loss_gap <= 0.01, mode
+
+
+# -------------------------------------------------------------------------------------------------- paths
+
+
+@pytest.mark.parametrize("mode", COMPENSATIONS)
+def test_foreach_equals_single_tensor(mode):
+    for dtype in (torch.bfloat16, torch.float16):
+        a = _run(_params(dtype), 4, compensation=mode, foreach=False, compile=False)
+        b = _run(_params(dtype), 4, compensation=mode, foreach=True, compile=False)
+        _assert_same(_snapshot(a), _snapshot(b))
+
+
+@needs_compiler
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_compiled_matches_eager(mode, monkeypatch):
+    monkeypatch.setattr(mod, "_COMPILED", {})  # another test may have replaced torch.compile while caching
+    eager = _run(_params(), 4, compensation=mode, foreach=False, compile=False)
+    compiled = _run(_params(), 4, compensation=mode, compile=True)
+    assert mod._COMPILED[(mode, "cpu", torch.bfloat16)] is not None, "the compiled kernel was rejected"
+    (pe, se), (pc, sc) = _snapshot(eager), _snapshot(compiled)
+    ulp = 2.0**-7 * 2  # weights are within (0, 4)
+    for x, y, a, b in zip(pe, pc, se, sc):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        differ = (x != y).float().mean().item()
+        assert differ <= 1e-3 and (x.float() - y.float()).abs().max().item() <= ulp
+        if mode == "kahan":
+            sum_e, sum_c = x.float() + a["kahan_comp"].float(), y.float() + b["kahan_comp"].float()
+            torch.testing.assert_close(sum_c, sum_e, rtol=1e-6, atol=1e-7)
+
+
+def test_failed_compile_falls_back_to_foreach(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+        fallback = _run(_params(), 3, compile=True)
+    assert "no C++ compiler here" in caplog.text and "foreach" in caplog.text
+    _assert_same(_snapshot(fallback), _snapshot(_run(_params(), 3, foreach=True, compile=False)))
+
+
+def test_probe_rejects_a_kernel_that_loses_the_compensation(monkeypatch, caplog):
+    """What inductor does without emulate_precision_casts: new.float() becomes the unrounded value."""
+
+    def elides_rounding(p, g, m, v, c, key, idx, coef):
+        p32 = p.float()
+        y = mod._adamw_update(p32, g, m, v, coef, mod._uniform(key, mod._index(idx, p))) + c.float()
+        new = p32 + y
+        c.copy_(y - (new - p32))
+        p.copy_(new)
+
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: elides_rounding if fn is mod._kahan_ else fn)
+    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+        assert mod._compiled_kernel("kahan", torch.device("cpu"), torch.bfloat16) is None
+    assert "disagrees with eager" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("path", ["foreach", pytest.param("compiled", marks=needs_compiler)])
+@pytest.mark.parametrize("mode", COMPENSATIONS)
+def test_resume_equals_uninterrupted(mode, path):
+    kw = dict(compensation=mode, compile=path == "compiled")
+    if path == "compiled" and mode != "kahan":
+        pytest.skip("one compiled mode suffices: the state and noise do not depend on the path")
+    whole = _run(_params(), 6, **kw)
+
+    params = _params()
+    first = _run(params, 3, **kw)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = AdamWBF16(params, lr=1e-3, **kw)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    _run(params, 3, start=3, opt=resumed)
+    _assert_same(_snapshot(whole), _snapshot(resumed))
+
+
+def test_fp16_state_stays_bf16_through_save_and_load():
+    params = _params(torch.float16)
+    opt = _run(params, 2, compile=False)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = AdamWBF16(params, lr=1e-3, compile=False)
+    loaded.load_state_dict(torch.load(buf, weights_only=True))
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+            assert loaded.state[p][key].dtype == torch.bfloat16
+            assert torch.equal(loaded.state[p][key], opt.state[p][key])
+
+
+# -------------------------------------------------------------------------------------- state and fp32 params
+
+
+@pytest.mark.parametrize("mode, per_param", [("kahan", 6), ("stochastic", 4), ("none", 4)])
+def test_state_bytes(mode, per_param):
+    for dtype in (torch.bfloat16, torch.float16):
+        params = _params(dtype)
+        opt = _run(params, 1, compensation=mode, compile=False)
+        for p in params:
+            state = opt.state[p]
+            assert state["step"].dtype == torch.float32 and state["step"].item() == 1
+            buffers = {k: v for k, v in state.items() if k != "step"}
+            assert all(v.dtype == torch.bfloat16 for v in buffers.values())
+            assert sum(v.numel() * v.element_size() for v in buffers.values()) == per_param * p.numel()
+            assert ("kahan_comp" in state) == (mode == "kahan")
+
+
+def test_fp32_parameters_get_plain_adamw_and_say_so(caplog):
+    with caplog.at_level(logging.INFO, logger=mod.__name__):
+        opt = _run(_params(torch.float32), 1, compensation="kahan", compile=False)
+    assert "only [\'torch.float32\'] parameters" in caplog.text and "plain AdamW" in caplog.text
+    for p in opt.param_groups[0]["params"]:
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}  # no compensation buffer: pointless
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+    caplog.clear()
+    mixed = _params()[:2] + _params(torch.float32)[:1]
+    with caplog.at_level(logging.INFO, logger=mod.__name__):
+        AdamWBF16(mixed)
+    assert "1 of 3 parameter tensors" in caplog.text
+
+
+@pytest.mark.parametrize("ours, theirs", [({}, {"fused": True}), ({"foreach": True}, {"foreach": True}),
+                                          ({"foreach": False}, {"foreach": False})],
+                         ids=["default-fused", "foreach", "single-tensor"])
+def test_fp32_parameters_equal_torch_adamw(ours, theirs):
+    """fp32 tensors, alone or beside bf16 ones, get exactly torch.optim.AdamW (fused / foreach / for-loop)."""
+    bf16 = _params()[:2]
+    mine = _params(torch.float32)
+    opt = AdamWBF16([{"params": mine}, {"params": bf16, "lr": 2e-3}], lr=1e-3, weight_decay=0.1, **ours)
+    reference = _params(torch.float32)
+    ref_opt = torch.optim.AdamW(reference, lr=1e-3, weight_decay=0.1, **theirs)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for p, q in zip(mine, reference):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        for p in bf16:
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(mine, reference):
+        assert torch.equal(p, q)
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], ref_opt.state[q][k]), k
+
+
+# ------------------------------------------------------------------------------------- schedulers and errors
+
+
+def test_lambdalr_drives_the_learning_rate():
+    def run(schedule: bool):
+        params = _params()
+        opt = AdamWBF16(params, lr=1e-2, compile=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s) if schedule else None
+        g = torch.Generator().manual_seed(5)
+        for step in range(4):
+            if not schedule:
+                opt.param_groups[0]["lr"] = 1e-2 * 0.5**step
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            opt.step()
+            if sched:
+                sched.step()
+        return opt
+
+    scheduled = run(True)
+    assert scheduled.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
+    _assert_same(_snapshot(scheduled), _snapshot(run(False)))
+
+    frozen = _params()
+    before = [p.detach().clone() for p in frozen]
+    opt = AdamWBF16(frozen, lr=1e-2, compile=False)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)  # lr 0: nothing moves
+    _run(frozen, 2, opt=opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, frozen))
+
+
+def test_invalid_arguments_are_named():
+    p = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match="compensation='kahn'.*'kahan', 'stochastic', 'none'"):
+        AdamWBF16(p, compensation="kahn")
+    with pytest.raises(ValueError, match="lr=-1"):
+        AdamWBF16(p, lr=-1)
+    with pytest.raises(ValueError, match="beta2=1.0"):
+        AdamWBF16(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="foreach=True and compile=True"):
+        AdamWBF16(p, foreach=True, compile=True)
+    opt = AdamWBF16(p)
+    with pytest.raises(ValueError, match="compensation='stochastc'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "compensation": "stochastc"})
+    with pytest.raises(TypeError):
+        AdamWBF16(p, 1e-3)  # hyperparameters are keyword-only
