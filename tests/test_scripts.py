@@ -54,9 +54,11 @@ def test_bench_step_quick(tmp_path):
     eight = next(r for r in rows if r["optimizer"] == "hf_eff_adam8bit" and r["pick"] and "step_ms" in r)
     assert eight["state_bytes_per_param"] < 4  # small tensors keep 32-bit state at this size
     assert "## Targets" in md and "Load average" in md
-    overhead = data["trainer_overhead"]
-    assert [o["plugin"] for o in overhead] == ["hf_eff_adamw", "hf_eff_adam8bit"]
-    assert all(o["plugin_ms"] > 0 and o["direct_ms"] > 0 for o in overhead)
+    arms = {o["arm"]: o for o in data["trainer_overhead"]}
+    assert {"hf_eff_adamw", "hf_eff_adam8bit", "torch AdamW fused, passed in"} <= set(arms)
+    assert arms["hf_eff_adamw"]["compared_with"] == "torch AdamW fused, passed in"
+    assert all(o["step_ms"] > 0 and o["steps"] > 0 for o in arms.values())
+    assert f"| {arms['hf_eff_adam8bit']['compared_with']} |" in md
 
 
 def test_bench_checks_name_the_faster_rival():
@@ -68,10 +70,12 @@ def test_bench_checks_name_the_faster_rival():
             dict(row, optimizer="torchao AdamW8bit", backend=None, pick=False, step_ms=12.0)]
     text = "\n".join(bench.checks(rows))
     assert "NOT fastest: torchao AdamW8bit" in text
-    assert "+7.1%" in text  # the check's cost: 15 / 14 - 1
+    assert "+7.1% of the optimizer step" in text  # the check's cost: 15 / 14 - 1
+    assert "then not fastest of its format" in text
     assert "1.50x -> met" in text
     rows[3]["step_ms"] = 16.0
-    assert "fastest" in bench.checks(rows)[0] and "NOT" not in bench.checks(rows)[0]
+    lines = bench.checks(rows)
+    assert "fastest" in lines[0] and "NOT" not in lines[0] and "then fastest of its format" in lines[1]
 
 
 def test_convergence_quick(tmp_path):
