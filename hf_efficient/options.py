@@ -33,7 +33,8 @@ class Option:
     def coerce(self, value: Any, source: str) -> Any:
         """Convert ``value`` (text from optim_args, or a Python value) to this option's type, or raise."""
         where = f"{source}: option {self.name!r}"
-        if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        # "none" is None only where None is allowed; elsewhere it may be a choice (compensation=none)
+        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() == "none"):
             if self.optional:
                 return None
             raise ValueError(f"{where} cannot be None")

@@ -104,6 +104,15 @@ def test_bad_optim_args(text, match):
         parse_options(spec.name, spec.options, parse_optim_args(text), source="optim_args")
 
 
+def test_none_is_a_choice_where_it_is_one():
+    spec = registry.get_spec("adamw_bf16")
+    assert parse_options(spec.name, spec.options, parse_optim_args("compensation=none"))["compensation"] == "none"
+    spec = registry.get_spec("adafactor")
+    assert parse_options(spec.name, spec.options, parse_optim_args("beta1=none"))["beta1"] is None
+    with pytest.raises(ValueError, match="'compensation' cannot be None"):
+        parse_options("adamw_bf16", ("compensation",), {"compensation": None})
+
+
 def test_keywords_and_text_share_validation():
     model = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="create_optimizer: option 'embedding_state' must be one of"):
