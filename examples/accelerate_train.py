@@ -90,8 +90,9 @@ def main(argv=None) -> dict:
 
     def run_eval(step: int) -> dict:
         metrics = evaluate(model, eval_dl, gather=accelerator.gather_for_metrics)
-        accelerator.print(f"step {step}: eval loss {metrics['loss']:.4f}, masked-token accuracy "
-                          f"{metrics['accuracy']:.4f} ({metrics['targets']} targets)")
+        if accelerator.is_main_process:  # tqdm.write keeps the line apart from the progress bar
+            tqdm.write(f"step {step}: eval loss {metrics['loss']:.4f}, masked-token accuracy "
+                       f"{metrics['accuracy']:.4f} ({metrics['targets']} targets)")
         return metrics
 
     history = [{"step": 0, **run_eval(0)}]
