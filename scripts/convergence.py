@@ -51,7 +51,6 @@ class Run:
     name: str | None  # hf_eff short name; None: the torch baseline
     bf16: bool = False
     options: tuple = ()  # (key, value) pairs for create_optimizer
-    direct: bool = False  # build the name's own optimizer class with ``options`` as keywords (an ablation)
     target: float | None = None  # allowed relative excess of final eval loss over the baseline
 
     @property
@@ -77,8 +76,8 @@ def planned_runs(device: str = "cpu") -> tuple[list[Run], list[str]]:
         bf16 = spec.name == "adamw_bf16"
         runs.append(Run(spec.trainer_name, spec.name, bf16, target=TARGETS.get(spec.name)))
         if bf16:
-            runs.append(Run("AdamWBF16 compensation=none (ablation)", spec.name, True, (("compensation", "none"),),
-                            direct=True))
+            runs.append(Run(f"{spec.trainer_name} compensation=none (ablation)", spec.name, True,
+                            (("compensation", "none"),)))
     return runs, notes
 
 
@@ -154,11 +153,6 @@ def train_one(run: Run, cfg: dict) -> dict:
         optimizer = torch.optim.AdamW(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr=cfg["lr"],
                                       fused=True)
         backend = "torch (fused)"
-    elif run.direct:
-        cls = hfe.resolve(run.name, device).optimizer_cls
-        optimizer = cls(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr=cfg["lr"],
-                        weight_decay=cfg["weight_decay"], **run.opts)
-        backend = f"{cls.__name__} directly"
     else:
         optimizer = hfe.create_optimizer(model, run.name, lr=cfg["lr"], weight_decay=cfg["weight_decay"], **run.opts)
         backend = hfe.optimizer_info(optimizer).resolution.backend
