@@ -196,11 +196,14 @@ def test_tracks_fp32_adamw_on_tiny_llama():
 
 
 @pytest.mark.parametrize("mode", COMPENSATIONS)
-def test_foreach_equals_single_tensor(mode):
+def test_foreach_equals_single_tensor(mode, monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
         a = _run(_params(dtype), 4, compensation=mode, foreach=False, compile=False)
         b = _run(_params(dtype), 4, compensation=mode, foreach=True, compile=False)
         _assert_same(_snapshot(a), _snapshot(b))
+    monkeypatch.setattr(mod, "_FOREACH_CHUNK", 1000)  # big tensors go through the kernel in pieces
+    c = _run(_params(), 4, compensation=mode, foreach=False, compile=False)
+    _assert_same(_snapshot(c), _snapshot(_run(_params(), 4, compensation=mode, foreach=True, compile=False)))
 
 
 @needs_compiler

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 COMPENSATIONS = ("kahan", "stochastic", "none")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SMALL_NUMEL = 1 << 16  # below this a compiled call costs more than gathering the tensor into a shared one
-_FOREACH_CHUNK = 1 << 22  # elements per foreach chunk: bounds the fp32 temporaries (~8 x 16 MiB)
+_FOREACH_CHUNK = 1 << 22  # elements per eager chunk: bounds the fp32 temporaries (~10 x 16 MiB)
 
 # Stochastic rounding picks the far neighbour by comparing noise with |x - nearest| / spacing. The
 # spacing is found without bit tricks (inductor scalarizes bitcasts): multiplying the nearest value by
@@ -150,10 +150,19 @@ def _key(key: int | None, device) -> Tensor | None:
 
 
 def _single_tensor(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    """The kernel on each tensor, in flat pieces of ``_FOREACH_CHUNK`` elements to bound its fp32 temporaries."""
     coef_t = torch.tensor(coef, dtype=torch.float32, device=params[0].device)
     for i, p in enumerate(params):
-        kernel(p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i] if comps else None,
-               _key(keys[i] if keys else None, p.device), None, coef_t)
+        ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i] if comps else None]
+        key = _key(keys[i] if keys else None, p.device)
+        n = p.numel()
+        if n <= _FOREACH_CHUNK or not all(t is None or t.is_contiguous() for t in ts):
+            kernel(*ts, key, None, coef_t)
+            continue
+        for a in range(0, n, _FOREACH_CHUNK):
+            b = min(a + _FOREACH_CHUNK, n)
+            idx = torch.arange(a, b, dtype=torch.int32, device=p.device)
+            kernel(*(None if t is None else t.view(-1)[a:b] for t in ts), key, idx, coef_t)
 
 
 def _foreach(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
