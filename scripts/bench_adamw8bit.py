@@ -1,0 +1,90 @@
+"""Step time of this package's 8-bit AdamW (torch backend) beside torch's fused fp32 AdamW and bitsandbytes'
+AdamW8bit (and torchao's, with --torchao), on tensors shaped like a BERT-base layer and its embedding.
+
+    python scripts/bench_adamw8bit.py                     # 768x768, 768x3072, 3072x768, 30522x768
+    python scripts/bench_adamw8bit.py --threads 1 --reps 15
+    python scripts/bench_adamw8bit.py --quick             # 1024x1024 only
+
+Method: one parameter per shape, fixed random gradients, every tensor 8-bit (``min_8bit_size=0``). After
+warm-up (which compiles), each repetition runs one step of every optimizer in turn, starting at a different
+one each time; medians and minima of wall time, ratios to fused fp32 AdamW. The machine may be shared:
+compare the ratios, which are measured side by side, not absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import command_line, fmt, machine, machine_md, md_table, median  # noqa: E402
+
+import torch  # noqa: E402
+
+from hf_efficient.optim.adamw8bit import AdamW8bit  # noqa: E402
+
+SHAPES = [(768, 768), (768, 3072), (3072, 768), (30522, 768)]
+
+
+def _optimizers(shape, torchao: bool) -> dict:
+    def param():
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
+        p.grad = torch.randn(shape, generator=g) * 1e-3
+        return [p]
+
+    out = {"torch fused fp32 AdamW": torch.optim.AdamW(param(), lr=1e-3, fused=True),
+           "hf_efficient AdamW8bit": AdamW8bit(param(), lr=1e-3, min_8bit_size=0)}
+    try:
+        import bitsandbytes as bnb
+
+        out["bitsandbytes AdamW8bit"] = bnb.optim.AdamW8bit(param(), lr=1e-3, min_8bit_size=0)
+    except ImportError:
+        pass
+    if torchao:
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+
+        out["torchao AdamW8bit"] = AoAdamW8bit(param(), lr=1e-3)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one 1024x1024 tensor")
+    ap.add_argument("--torchao", action="store_true", help="also torchao's AdamW8bit (~30 s compile per shape)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = machine()
+    rows = []
+    for shape in [(1024, 1024)] if args.quick else SHAPES:
+        opts = _optimizers(shape, args.torchao)
+        for opt in opts.values():
+            for _ in range(args.warmup):
+                opt.step()
+        times = {name: [] for name in opts}
+        names = list(opts)
+        for r in range(args.reps):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                t = time.perf_counter()
+                opts[name].step()
+                times[name].append(time.perf_counter() - t)
+        base = median(times[names[0]])
+        for name in names:
+            med = median(times[name])
+            rows.append([f"{shape[0]}x{shape[1]}", name, fmt(med * 1e3), fmt(min(times[name]) * 1e3),
+                         fmt(med / base)])
+        del opts
+    print(md_table(["shape", "optimizer", "median ms", "min ms", "x fused fp32"], rows))
+    print()
+    print(machine_md(info))
+    print(f"- Command: `{command_line(__file__, sys.argv[1:] if argv is None else argv)}`")
+
+
+if __name__ == "__main__":
+    main()

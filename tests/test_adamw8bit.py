@@ -1,0 +1,347 @@
+"""AdamW8bit (the torch backend of hf_eff_adam8bit): maps and codes, fp32-AdamW tracking with bitsandbytes'
+tolerances, agreement with bitsandbytes' AdamW8bit, compiled == eager, exact resume, state layout and bytes.
+
+Tolerances, and why:
+- Against torch.optim.AdamW (fp32), bitsandbytes' own protocol for its 8-bit optimizers (tests/test_optim.py,
+  test_optimizer8bit, fp32): 50 steps of 0.01 * randn gradients on 0.1 * randn weights, weights and moments
+  re-synchronised after every step so each step's error is measured, not the drift: fewer than 20
+  dequantized moments outside atol 3e-3 / rtol 1e-3, mean weight error < 6e-5 and mean relative error
+  < 6e-4, and every 10 steps all weights within atol 1e-5 / rtol 1e-3. On a small model trained without
+  re-synchronisation (the drift included), the final loss is within 2% of fp32 AdamW's.
+- Against bitsandbytes' AdamW8bit (CPU), same weights and gradients, 30 steps: both implement the same math,
+  but bnb's CPU quantizer picks a neighbour of the nearest code for ~1 value in 7 (its binary search; its
+  CUDA kernel is nearest, as we are). So: the moments agree to 1e-3 of the block absmax on average
+  (measured 2.5e-4 / 4.7e-4) and 0.05 at most (~3 codes of the top decade; measured 0.032); the weights
+  differ on average by under 10% of either's distance to fp32 AdamW (measured 3.6%), and that distance is
+  the same for both within 5% (measured 0.1%): the same quality.
+- Compiled vs eager: the 8-bit state is bitwise equal; weights may differ by an ulp of the update (eager
+  torch's fp32 sqrt is not always correctly rounded, inductor's is; measured on 0.2-8% of the weights
+  after 4 steps): all within atol 1e-8 (an ulp of an lr=1e-2 update) / rtol 1e-6.
+- Decoded map values are within 2 ulp of bitsandbytes' table; encoding is the nearest value, ties within
+  1.2e-7 (one ulp at 1.0) either way.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+
+import pytest
+import torch
+
+from hf_efficient.optim import adamw8bit as mod
+from hf_efficient.optim.adamw8bit import AdamW8bit, dynamic_map
+
+HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
+KEYS_8BIT = {"step", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two threads on a shared 2-core machine are much slower than one (OpenMP barriers); results do not change."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _bnb():
+    return pytest.importorskip("bitsandbytes")
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """Flat ``x`` padded to whole blocks, as (blocks, 256)."""
+    x = x.reshape(-1)
+    return torch.nn.functional.pad(x, (0, -x.numel() % 256)).view(-1, 256)
+
+
+def _moments(opt: AdamW8bit, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized (exp_avg, exp_avg_sq) of ``p``, in its shape, from the canonical state dict."""
+    params = [q for g in opt.param_groups for q in g["params"]]
+    st = opt.state_dict()["state"][next(i for i, q in enumerate(params) if q is p)]
+    out = []
+    for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        vals = dynamic_map(signed)[st[key].reshape(-1).long()]
+        out.append((_blocks(vals) * st[f"{key}_absmax"][:, None]).reshape(-1)[: p.numel()].view(p.shape))
+    return out[0], out[1]
+
+
+def _params(seed=0):
+    """8-bit (one padded, one non-contiguous), fp32-state (small), and a scalar."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in [(64, 80), (300, 23), (1000,), (1,)]]
+    ps.append(torch.nn.Parameter((torch.randn(90, 60, generator=g) * 0.1).t()))
+    return ps
+
+
+def _run(params, steps, start=0, opt=None, **kw):
+    """Steps ``start`` to ``start + steps`` of a fixed sequence of random gradients; returns the optimizer."""
+    opt = opt or AdamW8bit(params, lr=1e-2, weight_decay=0.1, **kw)
+    g = torch.Generator().manual_seed(1)
+    for step in range(start + steps):
+        for p in params:
+            grad = torch.randn(p.shape, generator=g) * 0.01
+            if step >= start:
+                p.grad = grad
+        if step >= start:
+            opt.step()
+    return opt
+
+
+def _snapshot(params, opt):
+    return [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+# --- maps and codes ----------------------------------------------------------------------------------
+
+
+def test_maps_equal_bitsandbytes():
+    F = _bnb().functional
+    assert torch.equal(dynamic_map(True), F.create_dynamic_map(signed=True))
+    assert torch.equal(dynamic_map(False), F.create_dynamic_map(signed=False))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_decode_is_the_map_and_encode_is_nearest(signed):
+    table = dynamic_map(signed)
+    codes = torch.arange(256, dtype=torch.float32)
+    decoded = mod._decode(codes, signed)
+    ulps = (decoded.view(torch.int32).long() - table.view(torch.int32).long()).abs()
+    assert ulps.max() <= 2
+    assert torch.equal(mod._encode(decoded, signed), codes)  # every value encodes to its own code
+    g = torch.Generator().manual_seed(0)
+    mids = ((decoded[1:].double() + decoded[:-1].double()) / 2).float().view(torch.int32)
+    near = torch.cat([(mids + k).view(torch.float32) for k in range(-2, 3)])  # around every midpoint
+    x = torch.cat([torch.randn(20000, generator=g).clamp(-1, 1), torch.logspace(-12, 0, 5000), near,
+                   torch.tensor([0.0, 1.0, -1.0])])
+    x = torch.cat([x, -x]) if signed else x.abs()
+    got = mod._encode(x, signed).long()
+    best = (x[:, None] - decoded[None]).abs().argmin(1)
+    excess = (x - decoded[got]).abs() - (x - decoded[best]).abs()
+    assert excess.max() <= 1.2e-7
+    assert (got != best).float().mean() < 0.01  # only near-ties
+
+
+# --- against fp32 AdamW and bitsandbytes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1024, 32), (257, 37)])
+def test_tracks_fp32_adamw_like_bitsandbytes_tests(shape):
+    g = torch.Generator().manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.1)  # fp32 AdamW
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    ref = torch.optim.AdamW([p1], lr=1e-3, weight_decay=0.0)
+    opt = AdamW8bit([p2], lr=1e-3, weight_decay=0.0, compile=False)
+    for i in range(50):
+        grad = torch.randn(shape, generator=g) * 0.01
+        p1.grad, p2.grad = grad.clone(), grad.clone()
+        ref.step()
+        opt.step()
+        m, v = _moments(opt, p2)
+        for name, s in (("exp_avg", m), ("exp_avg_sq", v)):
+            assert (~torch.isclose(ref.state[p1][name], s, atol=3e-3, rtol=1e-3)).sum() < 20
+        err = (p1 - p2).abs()
+        assert err.mean() < 6e-5 and (err / (p1.abs() + 1e-9)).mean() < 6e-4
+        if i % 10 == 0 and i > 0:
+            torch.testing.assert_close(p2, p1, atol=1e-5, rtol=1e-3)
+        with torch.no_grad():  # re-synchronise, as bitsandbytes' test does: measure one step's error
+            p1.copy_(p2)
+            ref.state[p1]["exp_avg"].copy_(m)
+            ref.state[p1]["exp_avg_sq"].copy_(v)
+
+
+def test_trains_a_small_model_like_fp32_adamw():
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    y = (x @ torch.randn(64, 10)).argmax(1)
+
+    def train(make):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        opt, losses = make(model.parameters()), []
+        for _ in range(50):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return model, opt, losses
+
+    _, _, ref = train(lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    model, opt, got = train(lambda ps: AdamW8bit(ps, lr=3e-3, compile=False))
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.uint8  # 8192 elements: 8-bit
+    assert opt.state[model[2].weight]["exp_avg"].dtype == torch.float32  # 1280: below min_8bit_size
+    assert got[-1] < 0.5 * got[0]
+    assert abs(got[-1] - ref[-1]) <= 0.02 * ref[-1]
+
+
+def test_agrees_with_bitsandbytes_adamw8bit():
+    bnb = _bnb()
+    F = bnb.functional
+    shape = (300, 70)  # 82 blocks, the last one partial
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(shape, generator=g) * 0.1
+    ours, theirs, ref = (torch.nn.Parameter(p0.clone()) for _ in range(3))
+    opts = [AdamW8bit([ours], lr=1e-3, compile=False), bnb.optim.AdamW8bit([theirs], lr=1e-3),
+            torch.optim.AdamW([ref], lr=1e-3)]
+    for _ in range(30):
+        grad = torch.randn(shape, generator=g) * 0.01
+        for p, opt in zip((ours, theirs, ref), opts):
+            p.grad = grad.clone()
+            opt.step()
+    st = opts[1].state[theirs]
+    for (name, state, absmax, qmap), mine in zip((("exp_avg", "state1", "absmax1", "qmap1"),
+                                                  ("exp_avg_sq", "state2", "absmax2", "qmap2")),
+                                                 _moments(opts[0], ours)):
+        bnb_vals = F.dequantize_blockwise(st[state], absmax=st[absmax], code=st[qmap], blocksize=256)
+        rel = _blocks(mine - bnb_vals) .abs() / opts[0].state[ours][f"{name}_absmax"][:, None]
+        assert rel.mean() < 1e-3 and rel.max() < 0.05, name
+    to_ref = lambda p: (p - ref).abs().mean().item()  # noqa: E731
+    assert (ours - theirs).abs().mean() < 0.1 * to_ref(theirs)
+    assert abs(to_ref(ours) - to_ref(theirs)) < 0.05 * to_ref(theirs)
+
+
+def test_fp32_state_params_are_torch_adamw():
+    ps = _params()
+    ref_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = _run(ps, 5, fp32_state_params=[ps[0], id(ps[1])], min_8bit_size=10**6, compile=False)
+    ref = _run(ref_ps, 5, opt=torch.optim.AdamW(ref_ps, lr=1e-2, weight_decay=0.1, fused=True))
+    for p, r in zip(ps, ref_ps):
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(p, r, atol=0, rtol=0)
+
+
+# --- paths, resume, layout --------------------------------------------------------------------------
+
+
+@needs_compiler
+def test_compiled_equals_eager_and_compiles_once(monkeypatch):
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    torch._dynamo.reset()
+    shapes = [(64, 80), (96, 128)]  # 20 and 48 whole blocks: one graph for both
+    make = lambda: [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)) * 0.1)  # noqa: E731
+                    for i, s in enumerate(shapes)]
+    pe, pc = make(), make()
+    eager, compiled = _run(pe, 4, compile=False), _run(pc, 4, compile=True)
+    assert mod._COMPILED["cpu"] is not None, "the compiled kernel failed"
+    cache = torch._dynamo.eval_frame._debug_get_cache_entry_list(mod._kernel.__code__)
+    assert len(cache) == 1, f"{len(cache)} graphs for one dtype and device: recompiling per shape"
+    for a, b in zip(pe, pc):
+        for key, value in eager.state[a].items():
+            assert torch.equal(value, compiled.state[b][key]), key
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)  # an ulp of an lr=1e-2 update, or of the weight
+
+
+def test_failed_compile_falls_back_to_eager(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        def fail(*a, **k):
+            raise RuntimeError("no C++ compiler here")
+        return fail
+
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+        fallback = _run(ps := _params(), 3, compile=True)
+    assert "no C++ compiler here" in caplog.text and mod._COMPILED["cpu"] is None
+    eager = _run(pe := _params(), 3, compile=False)
+    for a, b in zip(ps, pe):
+        assert torch.equal(a, b)
+        assert all(torch.equal(v, eager.state[b][k]) for k, v in fallback.state[a].items())
+
+
+def test_resume_equals_uninterrupted():
+    ps = _params()
+    full = _run(ps, 6, fp32_state_params=[ps[0]], compile=False)
+    ps2 = _params()
+    first = _run(ps2, 3, fp32_state_params=[ps2[0]], compile=False)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = AdamW8bit(ps2, lr=1.0, weight_decay=0.0, compile=False)  # no fp32_state_params: the state decides
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["lr"] == 1e-2
+    _run(ps2, 3, start=3, opt=resumed)
+    (pa, sa), (pb, sb) = _snapshot(ps, full), _snapshot(ps2, resumed)
+    for a, b, x, y in zip(pa, pb, sa, sb):
+        assert torch.equal(a, b)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) and x[k].dtype == y[k].dtype for k in x)
+
+
+def test_state_kinds_and_bytes():
+    ps = _params()
+    opt = _run(ps, 1, fp32_state_params=[ps[0]], compile=False)
+    big, padded, small, scalar, strided = ps
+    assert opt.state[big]["exp_avg"].dtype == torch.float32  # in fp32_state_params
+    for p in (small, scalar):  # under min_8bit_size
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} and opt.state[p]["exp_avg"].dtype == torch.float32
+    for p in (padded, strided):  # 6900 and 5400 elements: 8-bit, last block partial
+        st = opt.state[p]
+        assert set(st) == KEYS_8BIT and st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.uint8
+        assert st["exp_avg_absmax"].shape == (-(-p.numel() // 256),)
+    p = torch.nn.Parameter(torch.randn(512, 300))
+    opt = AdamW8bit([p], compile=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state_bytes = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
+    assert state_bytes / p.numel() == pytest.approx(2 + 8 / 256)
+
+
+def test_state_dict_is_canonical():
+    """Codes of the parameter's shape in element order: bitsandbytes' dequantizer reads them as we do."""
+    F = _bnb().functional
+    ps = _params()
+    opt = _run(ps, 2, compile=False)
+    sd = opt.state_dict()
+    for i, p in enumerate(ps):
+        st, live = sd["state"][i], opt.state[p]
+        if live["exp_avg"].dtype != torch.uint8:
+            assert st["exp_avg"] is live["exp_avg"]
+            continue
+        blocks = live["exp_avg_absmax"].numel()
+        e = torch.arange(p.numel())
+        stored = (e // 256) * 256 + 4 * (e % 64) + (e % 256) // 64  # where element e lives in memory
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            assert st[key].shape == p.shape and st[key].dtype == torch.uint8
+            assert torch.equal(st[key].reshape(-1), live[key][stored])
+            words = live[key].view(torch.float32).view(blocks, 64)
+            codes = ((words.view(torch.int32).repeat(1, 4) >> (torch.arange(256) // 64 * 8)) & 255).float()
+            ours = (mod._decode(codes, signed) * live[f"{key}_absmax"][:, None]).reshape(-1)[: p.numel()]
+            theirs = F.dequantize_blockwise(st[key].reshape(-1), absmax=st[f"{key}_absmax"], code=dynamic_map(signed),
+                                            blocksize=256)
+            torch.testing.assert_close(ours, theirs, atol=0, rtol=3e-7)
+        for key in KEYS_8BIT - {"exp_avg", "exp_avg_sq"}:
+            assert torch.equal(st[key], live[key])
+
+
+def test_bf16_weights():
+    p = torch.nn.Parameter(torch.randn(64, 80).to(torch.bfloat16))
+    small = torch.nn.Parameter(torch.randn(10).to(torch.bfloat16))
+    ref = torch.nn.Parameter(p.detach().float())
+    opt, ref_opt = AdamW8bit([p, small], lr=1e-2, compile=False), torch.optim.AdamW([ref], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad, ref.grad, small.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16).float(), torch.ones(10).bfloat16()
+        opt.step()
+        ref_opt.step()
+    assert p.dtype == torch.bfloat16 and opt.state[small]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(p.float(), ref, atol=2e-2, rtol=2e-2)  # bf16 weights: ~3 bf16 ulps
+
+
+@pytest.mark.parametrize("kwargs, match", [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "beta2"),
+                                           ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+                                           ({"min_8bit_size": -1}, "min_8bit_size"),
+                                           ({"compile": "yes"}, "compile")])
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_sparse_gradients_refused():
+    p = torch.nn.Parameter(torch.zeros(5, 3))
+    p.grad = torch.zeros(5, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        AdamW8bit([p], compile=False).step()
