@@ -9,8 +9,8 @@ Tolerances, and why:
   < 6e-4, and every 10 steps all weights within atol 1e-5 / rtol 1e-3. On a small model trained without
   re-synchronisation (the drift included), the final loss is within 2% of fp32 AdamW's.
 - Against bitsandbytes' AdamW8bit (CPU), same weights and gradients, 30 steps: both implement the same math,
-  but bnb's CPU quantizer picks a neighbour of the nearest code for ~1 value in 7 (its binary search; its
-  CUDA kernel is nearest, as we are). So: the moments agree to 1e-3 of the block absmax on average
+  but bnb's CPU quantizer picks a neighbour of the nearest code for 7-25% of values (its binary search;
+  its CUDA kernel is nearest, as we are). So: the moments agree to 1e-3 of the block absmax on average
   (measured 2.5e-4 / 4.7e-4) and 0.05 at most (~3 codes of the top decade; measured 0.032); the weights
   differ on average by under 10% of either's distance to fp32 AdamW (measured 3.6%), and that distance is
   the same for both within 5% (measured 0.1%): the same quality.
@@ -196,7 +196,7 @@ def test_agrees_with_bitsandbytes_adamw8bit():
                                                   ("exp_avg_sq", "state2", "absmax2", "qmap2")),
                                                  _moments(opts[0], ours)):
         bnb_vals = F.dequantize_blockwise(st[state], absmax=st[absmax], code=st[qmap], blocksize=256)
-        rel = _blocks(mine - bnb_vals) .abs() / opts[0].state[ours][f"{name}_absmax"][:, None]
+        rel = _blocks(mine - bnb_vals).abs() / opts[0].state[ours][f"{name}_absmax"][:, None]
         assert rel.mean() < 1e-3 and rel.max() < 0.05, name
     to_ref = lambda p: (p - ref).abs().mean().item()  # noqa: E731
     assert (ours - theirs).abs().mean() < 0.1 * to_ref(theirs)
@@ -324,7 +324,8 @@ def test_bf16_weights():
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
         grad = torch.randn(p.shape, generator=g)
-        p.grad, ref.grad, small.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16).float(), torch.ones(10).bfloat16()
+        p.grad, ref.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16).float()
+        small.grad = torch.ones(10, dtype=torch.bfloat16)
         opt.step()
         ref_opt.step()
     assert p.dtype == torch.bfloat16 and opt.state[small]["exp_avg"].dtype == torch.float32
@@ -345,3 +346,13 @@ def test_sparse_gradients_refused():
     p.grad = torch.zeros(5, 3).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         AdamW8bit([p], compile=False).step()
+
+
+def test_chunked_calls_equal_whole_calls(monkeypatch):
+    whole = _run(pw := _params(), 3, compile=False)
+    monkeypatch.setattr(mod, "_CALL_BLOCKS", 7)  # 64x80 = 20 blocks: calls of 7, 7, 6
+    monkeypatch.setattr(mod, "_EAGER_BLOCKS", 3)
+    chunked = _run(pc := _params(), 3, compile=False)
+    for a, b in zip(pw, pc):
+        assert torch.equal(a, b)
+        assert all(torch.equal(v, chunked.state[b][k]) for k, v in whole.state[a].items())

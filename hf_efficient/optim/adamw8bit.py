@@ -3,30 +3,34 @@
 Math: ``torch.optim.AdamW`` (decoupled weight decay, bias correction), fp32 arithmetic inside the step, and
 bitsandbytes' 8-bit state (``bnb.optim.AdamW8bit``): after each step the moments are stored as uint8 codes
 into bitsandbytes' dynamic maps, ``exp_avg`` signed and ``exp_avg_sq`` unsigned, each block of 256 elements
-scaled by its absolute maximum. Every code is the nearest one (bitsandbytes' CPU kernel is off by one code
-for about 1 value in 7; its CUDA kernel and pure-torch reference are nearest, as here).
+scaled by its absolute maximum. Every code is the nearest one (bitsandbytes' CPU kernel picks a neighbour
+of the nearest code for 7-25% of values in our tests, a flaw of its binary search; its CUDA kernel and
+pure-torch reference are nearest, as here).
 
 State per 8-bit parameter: ``step``, ``exp_avg`` / ``exp_avg_sq`` (uint8, one byte per element) and
 ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, one per block): 2 bytes per element + 8 per 256 = 2.03.
 The two maps are module constants (:func:`dynamic_map`), not state: they never change, so storing them
 per tensor would only cost bytes. Tensors under ``min_8bit_size`` elements and ``fp32_state_params`` (the
-embeddings, by default of the registry) keep fp32 moments and get ``torch.optim.AdamW``'s own kernel.
+registry passes the embeddings) keep fp32 moments and get ``torch.optim.AdamW``'s own kernel.
 
 Layout. ``state_dict()`` writes the canonical layout of :mod:`hf_efficient.checkpoint` (codes of the
 parameter's shape, in element order, as bitsandbytes), so a checkpoint moves to and from bnb and torchao.
 In memory the last block is padded and the codes of each block are interleaved: byte ``4 * j + k`` holds
 element ``64 * k + j``, so the kernel reads 32-bit words whose four bytes belong to four contiguous runs of
 elements. Why: inductor's C++ loads 8 bytes at a time through a stack buffer, a store-forwarding stall
-that alone cost more than a whole fp32 AdamW step; 32-bit words read as float32 are plain vector loads.
+that costs as much as a whole fp32 AdamW step; 32-bit words read as float32 are plain vector loads.
 
 Decoding and encoding follow the structure of the maps (a decade per power of ten, linear codes inside
-it) instead of looking codes up in a table: inductor's C++ turns a gather into a scalar loop, three times
-slower than this arithmetic. Decoded values are within 2 ulp of the table's (a relative 2e-7, far below
+it) instead of looking codes up in a table: inductor's C++ turns a gather into a scalar loop, slower than
+this arithmetic. Decoded values are within 2 ulp of the table's (a relative 2e-7, far below
 the 8-bit step); encoding picks the nearest decoded value (ties within an ulp may go either way).
 
-Speed (1024x1024, 1 thread, this repo's 2-core CPU): ~4x torch's fused fp32 AdamW, ~4x faster than
-bitsandbytes' CPU AdamW8bit; see ``scripts/bench_adamw8bit.py``. Without a C++ compiler (or Triton on
-CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, ~10x slower.
+Speed (BERT-base layer shapes, 1 thread, this repo's 2-core CPU; ``scripts/bench_adamw8bit.py``): 5-7x the
+time of torch's fused fp32 AdamW, 4-6x faster than bitsandbytes' CPU AdamW8bit. What bounds it: decoding
+and encoding make the generated loop ~200 vector operations per 8 elements, against ~25 for fp32 AdamW. Large
+tensors go through the kernel 4096 blocks at a time, which bounds its temporaries. Without a C++
+compiler (or Triton on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, ~30x slower
+(~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ BLOCK = 256  # elements per absmax block (bitsandbytes' and torchao's)
 _WORDS = BLOCK // 4  # int32 words per block in memory
 _ZERO_CODE = {True: 127, False: 0}  # code of 0.0 in the signed / unsigned map
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
+_CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -223,10 +228,11 @@ def _step_8bit(p: Tensor, g: Tensor, state: dict, coef: Tensor, kernel) -> None:
     full = n // BLOCK
     words = [state["exp_avg"].view(torch.float32), state["exp_avg_sq"].view(torch.float32)]
     absmax = [state["exp_avg_absmax"], state["exp_avg_sq_absmax"]]
-    if full:
-        args = [flat[:full * BLOCK].view(full, BLOCK), gflat[:full * BLOCK].view(full, BLOCK),
-                words[0][:full * _WORDS].view(full, _WORDS), words[1][:full * _WORDS].view(full, _WORDS),
-                absmax[0][:full], absmax[1][:full]]
+    for a in range(0, full, _CALL_BLOCKS):  # bounded calls: a 30522x768 embedding in one would allocate 190 MB
+        b = min(a + _CALL_BLOCKS, full)
+        args = [flat[a * BLOCK:b * BLOCK].view(-1, BLOCK), gflat[a * BLOCK:b * BLOCK].view(-1, BLOCK),
+                words[0][a * _WORDS:b * _WORDS].view(-1, _WORDS), words[1][a * _WORDS:b * _WORDS].view(-1, _WORDS),
+                absmax[0][a:b], absmax[1][a:b]]
         if kernel is not _eager_kernel:
             for t in args:  # one graph for all block counts
                 torch._dynamo.maybe_mark_dynamic(t, 0)
