@@ -13,7 +13,7 @@ import torch
 
 from .optional import require
 
-__all__ = ["build_torch_adamw", "build_bnb_adamw8bit", "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit",
+__all__ = ["build_torch_adamw", "build_torch_adamw8bit", "build_bnb_adamw8bit", "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit",
            "build_adafactor", "build_adamw_bf16"]
 
 
@@ -113,6 +113,17 @@ def build_torchao_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp
                          f"{TORCHAO_MIN_SIZE} elements: use backend=bnb for a lower threshold")
     return _torchao_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                             fp32_state_params=fp32_state_params, min_8bit_size=options["min_8bit_size"])
+
+
+def _adamw8bit_cls():
+    from .optim.adamw8bit import AdamW8bit
+    return AdamW8bit
+
+
+@_with_cls(_adamw8bit_cls)
+def build_torch_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+    return _adamw8bit_cls()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params)
 
 
 def _adafactor_cls():

@@ -133,10 +133,11 @@ def groups_to_canonical(groups: list[dict]) -> list[dict]:
 
 
 def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) -> list[dict]:
-    """Saved groups in the types ``backend`` keeps: a tensor ``lr`` where the live group has one."""
+    """Saved groups in the form ``backend`` keeps: its own extra keys, a tensor ``lr`` where it has one."""
     out = []
     for g, live in zip(saved, current):
-        g = dict(g)
+        # keys only this backend keeps (our kernel's `compile`, ...) come from the live group
+        g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")}, **g}
         if torch.is_tensor(live.get("lr")) and not torch.is_tensor(g.get("lr")):
             g["lr"] = torch.tensor(g["lr"], dtype=live["lr"].dtype, device=live["lr"].device)
         out.append(g)

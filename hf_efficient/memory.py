@@ -367,8 +367,23 @@ def _adamw_bf16(ts: list[_T], opts: Mapping) -> int:
     return total
 
 
+def _torch_8bit(ts: list[_T], opts: Mapping) -> int:
+    """optim/adamw8bit.py: uint8 codes padded to whole 256-blocks + float32 absmax per block, per moment; else
+    float32 moments. Step: float32. The code books are module constants, not state."""
+    total = 0
+    for t in ts:
+        if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
+            total += 2 * 4 * t.numel
+        else:
+            blocks = -(-t.numel // _BLOCK)
+            total += 2 * (blocks * _BLOCK + 4 * blocks)
+        total += _STEP
+    return total
+
+
 _RULES = {
     ("adamw", "torch"): _adamw,
+    ("adamw8bit", "torch"): _torch_8bit,
     ("adamw8bit", "bnb"): _bnb_8bit,
     ("adamw8bit", "torchao"): _torchao_8bit,
     ("adafactor", "torch"): _adafactor,

@@ -12,6 +12,7 @@ from _kill_train import run
 CHILD = os.path.join(os.path.dirname(__file__), "_kill_train.py")
 CASES = [  # (optim, optim_args, parameter dtype)
     ("hf_eff_adamw", "", "float32"),
+    ("hf_eff_adam8bit", "", "float32"),  # the registry's CPU choice: backend=torch
     ("hf_eff_adam8bit", "backend=bnb", "float32"),
     ("hf_eff_adam8bit", "backend=torchao", "float32"),
     ("hf_eff_adafactor", "", "float32"),

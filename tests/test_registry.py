@@ -20,8 +20,9 @@ def test_names_are_listed():
 @pytest.mark.parametrize("name", ["adam8bit", "hf_eff_adam8bit"])
 def test_short_and_long_names_resolve_alike(name):
     res = hfe.resolve(name, device="cpu")
-    assert (res.name, res.backend) == ("adam8bit", "bnb")  # bnb >= 0.50 serves cpu and comes first
-    assert "bnb" in res.reason and "cpu" in res.reason
+    assert (res.name, res.backend) == ("adam8bit", "torch")  # our compiled kernel: fastest 8-bit on CPU
+    assert "torch > bnb > torchao" in res.reason and "cpu" in res.reason
+    assert hfe.resolve(name, device="cuda").backend == "bnb"  # bitsandbytes' CUDA kernels come first there
 
 
 def test_unknown_name_lists_names_and_suggests():
@@ -43,6 +44,9 @@ def test_missing_backend_names_the_pip_extra(monkeypatch):
 
 
 def test_no_backend_for_device_says_what_would_work(monkeypatch):
+    spec = registry.get_spec("adam8bit")
+    monkeypatch.delitem(spec.backends, "torch")  # leave only the packaged backends
+    monkeypatch.setitem(spec.prefer, "default", ("bnb", "torchao"))
     monkeypatch.setattr(registry, "version_of", lambda pkg: None)  # neither bnb nor torchao installed
     with pytest.raises(RuntimeError, match=r"No backend of hf_eff_adam8bit.*hf_efficient\[bnb\].*What would work"):
         hfe.resolve("adam8bit", "cpu")
@@ -55,8 +59,8 @@ def test_old_bitsandbytes_does_not_serve_cpu(monkeypatch):
 
     real = registry.version_of
     monkeypatch.setattr(registry, "version_of", lambda pkg: Version("0.45.0") if pkg == "bitsandbytes" else real(pkg))
-    res = hfe.resolve("adam8bit", "cpu")
-    assert res.backend == "torchao" and "0.50" in res.reason
+    with pytest.raises(ValueError, match=r"bnb serves cpu from bitsandbytes 0.50, installed is 0.45.0"):
+        hfe.resolve("adam8bit", "cpu", backend="bnb")
     assert hfe.resolve("adam8bit", "cuda").backend == "bnb"
 
 
@@ -153,7 +157,7 @@ class Tiny(nn.Module):
         return self.norm(self.small(torch.relu(self.big(self.emb(x))))).sum()
 
 
-@pytest.mark.parametrize("backend", ["bnb", "torchao"])
+@pytest.mark.parametrize("backend", ["torch", "bnb", "torchao"])
 def test_8bit_state_policy(backend):
     if backend == "torchao":
         pytest.importorskip("torchao")

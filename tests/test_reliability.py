@@ -17,6 +17,7 @@ from hf_efficient import checkpoint
 
 CASES = [  # (name, backend, parameter dtype)
     ("adamw", None, torch.float32),
+    ("adam8bit", "torch", torch.float32),
     ("adam8bit", "bnb", torch.float32),
     ("adam8bit", "torchao", torch.float32),
     ("adafactor", None, torch.float32),
@@ -203,9 +204,9 @@ def test_load_state_of_another_optimizer_or_model_is_refused(name, backend, dtyp
     _train(other_model, other, 1)
     with pytest.raises(ValueError, match=f"written by hf_eff_{other_name}"):
         opt.load_state_dict(other.state_dict())
-    # a plain torch optimizer's state (no tag) of another kind is refused by its keys or shapes. (torchao's
-    # own layout for full-precision state *is* AdamW's, so torchao reads such a state as the AdamW moments it is.)
-    if name not in ("adamw", "adamw_bf16") and backend != "torchao":
+    # a plain torch optimizer's state (no tag) of another kind is refused by its keys or shapes. (torchao's and
+    # our 8-bit layout for full-precision state *is* AdamW's: they read such a state as the AdamW moments it is.)
+    if name not in ("adamw", "adamw_bf16") and backend not in ("torchao", "torch"):
         plain = torch.optim.AdamW(hfe.build_param_groups(model))  # same grouping, another kind of state
         _loss(model).backward()
         plain.step()
@@ -248,7 +249,7 @@ def _canonical_state(opt):
     return {k: {kk: vv for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
 
 
-@pytest.mark.parametrize("src, dst", [("bnb", "torchao"), ("torchao", "bnb")])
+@pytest.mark.parametrize("src, dst", [("bnb", "torchao"), ("torchao", "bnb"), ("bnb", "torch"), ("torch", "torchao")])
 def test_8bit_state_moves_between_backends_exactly(src, dst):
     pytest.importorskip("torchao")
     model, opt = _make("adam8bit", src, torch.float32)

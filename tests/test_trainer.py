@@ -44,12 +44,13 @@ def test_8bit_states_in_trainer(tmp_path):
     trainer = Trainer(model=model, args=_args(tmp_path, "hf_eff_adam8bit", steps=2), train_dataset=ClassificationSet())
     trainer.train()
     state = trainer.optimizer.state
+    assert hfe.optimizer_info(trainer.optimizer).resolution.backend == "torch"  # the CPU default
     big = model.bert.encoder.layer[0].intermediate.dense.weight  # 128 x 64 = 8192 elements
-    assert state[big]["state1"].dtype == torch.uint8 and state[big]["state2"].dtype == torch.uint8
+    assert state[big]["exp_avg"].dtype == torch.uint8 and state[big]["exp_avg_sq"].dtype == torch.uint8
     emb = model.bert.embeddings.word_embeddings.weight  # 256 x 64: large, but an embedding
-    assert state[emb]["state1"].dtype == torch.float32
+    assert state[emb]["exp_avg"].dtype == torch.float32
     small = model.bert.encoder.layer[0].attention.self.query.bias
-    assert state[small]["state1"].dtype == torch.float32
+    assert state[small]["exp_avg"].dtype == torch.float32
 
 
 def test_optim_args_reach_the_optimizer(tmp_path):
@@ -58,7 +59,7 @@ def test_optim_args_reach_the_optimizer(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=ClassificationSet())
     trainer.train()
     emb = model.bert.embeddings.word_embeddings.weight
-    assert trainer.optimizer.state[emb]["state1"].dtype == torch.uint8
+    assert trainer.optimizer.state[emb]["exp_avg"].dtype == torch.uint8
     wd = {n: g["weight_decay"] for g in trainer.optimizer.param_groups for n in g["param_names"]}
     assert wd["bert.embeddings.word_embeddings.weight"] == 0.0
 
@@ -126,7 +127,7 @@ def test_unknown_hf_eff_name_lists_registered_names(tmp_path):
 
 RESUME = {  # name -> (atol, why)
     "hf_eff_adamw": (0.0, "fp32 on CPU is deterministic: exact"),
-    "hf_eff_adam8bit": (0.0, "bnb's CPU kernels are deterministic and the uint8 state round-trips: exact"),
+    "hf_eff_adam8bit": (0.0, "the CPU 8-bit kernel is deterministic and the uint8 state round-trips: exact"),
     "hf_eff_adafactor": (0.0, "fp32 row/column statistics round-trip: exact"),
 }
 
