@@ -115,6 +115,20 @@ def build_torchao_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp
                             fp32_state_params=fp32_state_params, min_8bit_size=options["min_8bit_size"])
 
 
+def compiler_missing(device_type: str) -> str | None:
+    """Why torch.compile cannot build our 8-bit kernel for ``device_type`` here (no C++ compiler on CPU, no
+    Triton on CUDA), or None. Without it the kernel runs eagerly, slower than bitsandbytes: prefer that then."""
+    import importlib.util
+    import shutil
+
+    if device_type == "cpu":
+        found = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+        return None if found else "needs a C++ compiler to compile its kernel (none found)"
+    if device_type == "cuda":
+        return None if importlib.util.find_spec("triton") else "needs Triton to compile its CUDA kernel (not installed)"
+    return None
+
+
 def _adamw8bit_cls():
     from .optim.adamw8bit import AdamW8bit
     return AdamW8bit

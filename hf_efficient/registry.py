@@ -32,6 +32,7 @@ class Backend:
     package: str | None  # pip package providing it; None: torch / this package
     min_version: dict[str, str]  # device type ("cuda", "cpu", "*": any) -> oldest package version serving it
     build: Callable  # backends.build_*(groups, *, hyper..., options, fp32_state_params, device)
+    needs: Callable[[str], str | None] | None = None  # device type -> why it cannot run here, or None
 
     def serves(self, device_type: str) -> bool:
         return device_type in self.min_version or "*" in self.min_version
@@ -40,6 +41,8 @@ class Backend:
         """None if usable on ``device_type`` here, else the reason (not installed, too old, wrong device)."""
         if not self.serves(device_type):
             return f"{self.name} does not serve {device_type} (serves {', '.join(self.min_version)})"
+        if self.needs is not None and (missing := self.needs(device_type)):
+            return f"{self.name} {missing}"
         if self.package is None:
             return None
         have = version_of(self.package)
@@ -90,7 +93,7 @@ _ANY = {"*": None}
 _TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw)
 _BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.43", "cpu": "0.50"}, backends.build_bnb_adamw8bit)
 _BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.43"}, backends.build_bnb_paged_adamw8bit)
-_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit)
+_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, needs=backends.compiler_missing)
 _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit)
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor)
 _TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16)

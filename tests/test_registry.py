@@ -54,6 +54,14 @@ def test_no_backend_for_device_says_what_would_work(monkeypatch):
         hfe.resolve("adam8bit", "mps")
 
 
+def test_8bit_kernel_needs_a_compiler_else_bnb_is_chosen(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    res = hfe.resolve("adam8bit", "cpu")
+    assert res.backend == "bnb" and "needs a C++ compiler" in res.reason
+
+
 def test_old_bitsandbytes_does_not_serve_cpu(monkeypatch):
     from packaging.version import Version
 
