@@ -490,6 +490,8 @@ def _restore_fp32_state_ids(optimizer, flags) -> None:
 _FSDP2_UNSUPPORTED = {
     ("adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
     ("paged_adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
+    ("adam8bit", "torch"): "our compiled 8-bit kernel reshapes each tensor into 256-element blocks, which a "
+                           "DTensor shard does not allow (not run on shards)",
     ("adafactor", "torch"): "its factored row/column statistics are plain tensors that cannot mix with DTensor shards",
     ("adamw_bf16", "torch"): "its step uses ops with no DTensor sharding rule (aten._foreach_copy_)",
 }
