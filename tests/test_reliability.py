@@ -116,6 +116,15 @@ def test_nonfinite_skip_counts_and_training_goes_on(name, backend, dtype, caplog
     assert opt.state_dict()["hf_efficient"]["skipped_steps"] == 1
 
 
+def test_large_finite_gradients_are_not_mistaken_for_overflow():
+    """The check sums each gradient; a sum that overflows on finite values must not count as non-finite."""
+    model, opt = _make("adamw", None, torch.float32)
+    _loss(model).backward()
+    model.fc.weight.grad.fill_(3e38)  # finite, but the sum of 8192 of them overflows fp32
+    opt.step()  # nonfinite=raise must not raise
+    assert torch.isfinite(model.fc.weight).all()
+
+
 def test_nonfinite_ignore_is_torchs_behaviour():
     model, opt = _make("adamw", None, torch.float32, nonfinite="ignore")
     _loss(model).backward()
