@@ -58,8 +58,9 @@ class Run:
         return dict(self.options)
 
 
-def planned_runs(device: str = "cpu") -> tuple[list[Run], list[str]]:
-    """The baseline and every hf_eff name (with the registry's backend); notes for names not run."""
+def planned_runs(device: str = "cpu", all_backends: bool = False) -> tuple[list[Run], list[str]]:
+    """The baseline and every hf_eff name with the registry's backend (and, with ``all_backends``, each other
+    backend that serves the device); notes for names not run."""
     import hf_efficient as hfe
     from hf_efficient.registry import SPECS
 
@@ -75,6 +76,10 @@ def planned_runs(device: str = "cpu") -> tuple[list[Run], list[str]]:
             continue
         bf16 = spec.name == "adamw_bf16"
         runs.append(Run(spec.trainer_name, spec.name, bf16, target=TARGETS.get(spec.name)))
+        for b, backend in spec.backends.items() if all_backends else ():
+            if b != res.backend and backend.why_not(torch.device(device).type) is None:
+                runs.append(Run(f"{spec.trainer_name} backend={b}", spec.name, bf16, (("backend", b),),
+                                target=TARGETS.get(spec.name)))
         if bf16:
             runs.append(Run(f"{spec.trainer_name} compensation=none (ablation)", spec.name, True,
                             (("compensation", "none"),)))
@@ -316,6 +321,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (subprocesses)")
     p.add_argument("--only", default="", help="comma-separated run labels or names to run (baseline always runs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backends", choices=["pick", "all"], default="pick",
+                   help="all: also run each hf_eff name with every other backend installed for the device")
     p.add_argument("--bf16-matmul", choices=["auto", "native", "fp32-accumulate"], default="auto")
     p.add_argument("--in-process", action="store_true", help="run in this process (peak RSS then spans all runs)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
@@ -338,7 +345,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.steps, args.batch_size, args.max_length, args.eval_every, args.eval_examples = 2, 4, 32, 1, 8
     cfg = {k: getattr(args, k) for k in ("steps", "batch_size", "max_length", "lr", "weight_decay", "eval_every",
                                          "eval_examples", "seed", "threads", "jobs", "bf16_matmul", "device")}
-    runs, notes = planned_runs(args.device)
+    runs, notes = planned_runs(args.device, args.backends == "all")
     if args.only:
         wanted = {w.strip() for w in args.only.split(",")}
         runs = [r for r in runs if r.label == BASELINE or r.label in wanted or r.name in wanted
