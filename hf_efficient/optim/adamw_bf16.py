@@ -317,7 +317,9 @@ def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
             fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
                                options={"emulate_precision_casts": True})
             gen = torch.Generator().manual_seed(0)
-            n = 37  # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
+            # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding. The size
+            # is large on purpose: inductor decides from the first call's size whether the loop runs on all threads.
+            n = (1 << 20) + 37
             base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
             coef = torch.tensor(_coefficients(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1),
                                 device=device)
