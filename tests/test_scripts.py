@@ -59,6 +59,9 @@ def test_bench_step_quick(tmp_path):
     assert arms["hf_eff_adamw"]["compared_with"] == "torch AdamW fused, passed in"
     assert all(o["step_ms"] > 0 and o["steps"] > 0 for o in arms.values())
     assert f"| {arms['hf_eff_adam8bit']['compared_with']} |" in md
+    assert all(o["opt_step_ms"] > 0 for o in arms.values())  # optimizer.step was timed inside the Trainer
+    assert isinstance(arms["hf_eff_adamw"]["in_step_overhead"], float)
+    assert "inf/NaN check of `hf_eff_adamw` in a Trainer step" in md
 
 
 def test_bench_checks_name_the_faster_rival():
