@@ -116,13 +116,21 @@ def test_nonfinite_skip_counts_and_training_goes_on(name, backend, dtype, caplog
     assert opt.state_dict()["hf_efficient"]["skipped_steps"] == 1
 
 
-def test_large_finite_gradients_are_not_mistaken_for_overflow():
-    """The check sums each gradient; a sum that overflows on finite values must not count as non-finite."""
-    model, opt = _make("adamw", None, torch.float32)
+@pytest.mark.parametrize("name,dtype,big", [("adamw", torch.float32, 3e38), ("adamw_bf16", torch.bfloat16, 3e38),
+                                             ("adamw_bf16", torch.float16, 6e4)])
+def test_large_finite_gradients_are_not_mistaken_for_overflow(name, dtype, big):
+    """The check sums each gradient (bf16 in its own dtype); a sum that overflows on finite values must not
+    count as non-finite, and a real inf among them still must."""
+    model, opt = _make(name, None, dtype)
     _loss(model).backward()
-    model.fc.weight.grad.fill_(3e38)  # finite, but the sum of 8192 of them overflows fp32
+    model.fc.weight.grad.fill_(big)  # finite, but the sum of 8192 of them overflows the dtype's range
     opt.step()  # nonfinite=raise must not raise
     assert torch.isfinite(model.fc.weight).all()
+    _loss(model).backward()
+    model.fc.weight.grad.fill_(big)
+    model.fc.weight.grad[3, 5] = float("inf")
+    with pytest.raises(FloatingPointError, match="fc.weight"):
+        opt.step()
 
 
 def test_nonfinite_ignore_is_torchs_behaviour():
