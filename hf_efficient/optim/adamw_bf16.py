@@ -28,9 +28,12 @@ pass (compiled on the first step, a few seconds; inductor caches it on disk); te
 ``_SMALL_NUMEL`` share one call. Without a working compiler it falls back to the foreach path (same
 math, eager, much slower). The kernel is compiled with ``emulate_precision_casts``: without it inductor
 elides the bf16 round trip ``new.float()`` that the compensation is computed from, and Kahan silently
-degrades to round-to-nearest (a probe on the first step checks). On an AVX2 CPU without native bf16 the
-step is compute-bound on bf16 <-> fp32 conversions, not memory-bound: per element ~1.5x torch's fused
-fp32 AdamW for "none", ~2.2x for Kahan, ~3.6x for Kahan with the stochastic ``exp_avg_sq`` store.
+degrades to round-to-nearest (a probe on the first step checks). The probe is large because inductor
+decides from the first call's size whether the loop is parallel. On a 2-core AVX-512 CPU, one 28M-element
+tensor (2 threads) takes 0.7x torch's fused fp32 AdamW step for "none" and 1.2x for Kahan with
+``exp_avg_sq`` rounded to nearest. With the default stochastic ``exp_avg_sq`` store it takes ~2.5x, and
+3.2x in ``scripts/bench_step.py``. The extra time goes to the per-element hash and the neighbour search
+of the stochastic rounding, not to memory traffic.
 """
 
 from __future__ import annotations
