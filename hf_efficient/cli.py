@@ -92,7 +92,7 @@ def _list(args) -> int:
                 row.update(backend=None, runs_as=None, reason="chooses one of the names above per model")
             else:
                 try:
-                    res = resolve(spec.name, dev)
+                    res = resolve(spec.name, dev, log=False)
                     row.update(backend=res.backend, runs_as=PREFIX + res.name, reason=res.reason)
                 except (RuntimeError, ValueError, ImportError) as e:
                     row.update(backend=None, runs_as=None, reason=f"unavailable: {e}")

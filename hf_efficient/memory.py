@@ -209,7 +209,7 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
     spec = get_spec(name)
     opts = parse_options(spec.name, spec.options, dict(options, **({"backend": backend} if backend else {})),
                          source="estimate_memory")
-    res = resolve(spec.name, dev, opts["backend"])
+    res = resolve(spec.name, dev, opts["backend"], log=False)
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
         opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")

@@ -160,8 +160,12 @@ def _log_once(res: Resolution) -> None:
         logger.warning("hf_efficient: %s%s on %s -> backend %s (%s)", PREFIX, res.name, res.device, res.backend, res.reason)
 
 
-def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None) -> Resolution:
+def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None, *,
+            log: bool = True) -> Resolution:
     """Pick the backend that runs ``name`` on ``device``, by the table above, and log the choice once.
+
+    ``log=False`` is for questions rather than choices (memory estimates, ``hf-efficient list``): a user
+    should see which backend trains their model, not one for every name an estimate looked at.
 
     Raises:
         ValueError: unknown name, or a forced ``backend`` the name does not have or that cannot serve the device.
@@ -179,7 +183,7 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
         if (spec.name, dev) not in _logged:
             _logged.add((spec.name, dev))
             warnings.warn(msg, stacklevel=2)
-        res = resolve(spec.fallback[1], dev, backend)
+        res = resolve(spec.fallback[1], dev, backend, log=log)
         return Resolution(res.name, res.backend, res.optimizer_cls, f"{msg}; {res.reason}", res.spec, dev)
     if backend is not None:
         if backend not in spec.backends:
@@ -208,7 +212,8 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
         skipped = f"; skipped: {'; '.join(reasons)}" if reasons else ""
         reason = f"first of {' > '.join(spec.order(dev))} usable on {dev} ({pkg}){skipped}"
     res = Resolution(spec.name, chosen.name, chosen.build.optimizer_cls(), reason, spec, dev)
-    _log_once(res)
+    if log:
+        _log_once(res)
     return res
 
 

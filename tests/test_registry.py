@@ -92,6 +92,17 @@ def test_choice_is_logged_once(caplog):
     assert caplog.text.count("hf_eff_adamw on cpu -> backend torch") == 1
 
 
+def test_estimates_do_not_log_a_choice(caplog):
+    """An estimate asks about a name; only building an optimizer is a choice worth a log line."""
+    registry._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.registry"):
+        hfe.estimate_memory(10_000, "adafactor")
+    assert "-> backend" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.registry"):
+        hfe.create_optimizer([torch.nn.Parameter(torch.zeros(4))], "adafactor")
+    assert caplog.text.count("hf_eff_adafactor on cpu -> backend torch") == 1
+
+
 # --- options: one parser for optim_args text and keyword values ---------------------------------------
 
 
