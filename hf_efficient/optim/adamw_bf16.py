@@ -28,8 +28,8 @@ pass (compiled on the first step, a few seconds; inductor caches it on disk); te
 ``_SMALL_NUMEL`` share one call. Without a working compiler it falls back to the foreach path (same
 math, eager, much slower). The kernel is compiled with ``emulate_precision_casts``: without it inductor
 elides the bf16 round trip ``new.float()`` that the compensation is computed from, and Kahan silently
-degrades to round-to-nearest (a probe on the first step checks). The probe is large because inductor
-decides from the first call's size whether the loop is parallel. On a 2-core AVX-512 CPU, one 28M-element
+degrades to round-to-nearest (a probe on the first step checks), and with ``cpp.dynamic_threads``: the loop
+is parallel whatever the size of the first call, the probe's. On a 2-core AVX-512 CPU, one 28M-element
 tensor (2 threads) takes 0.7x torch's fused fp32 AdamW step for "none" and 1.2x for Kahan with
 ``exp_avg_sq`` rounded to nearest. With the default stochastic ``exp_avg_sq`` store it takes ~2.5x, and
 3.2x in ``scripts/bench_step.py``. The extra time goes to the per-element hash and the neighbour search
@@ -317,12 +317,12 @@ def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     key = (mode, device.type, dtype)
     if key not in _COMPILED:
         try:
+            # dynamic_threads: a parallel loop whatever the size of the first call (inductor otherwise decides
+            # from it, and this probe's size would have made every later call run on one thread)
             fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
-                               options={"emulate_precision_casts": True})
+                               options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
             gen = torch.Generator().manual_seed(0)
-            # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding. The size
-            # is large on purpose: inductor decides from the first call's size whether the loop runs on all threads.
-            n = (1 << 20) + 37
+            n = 37  # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
             base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
             coef = torch.tensor(_coefficients(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1),
                                 device=device)
