@@ -23,7 +23,11 @@ Llama, 600 steps at lr 1e-4: final loss 1% above fp32 AdamW with nearest, 0.07% 
 Stochastic rounding needs no random state: its noise is a hash of (parameter position, step, element),
 so a resumed run rounds exactly as the uninterrupted one would, and data-parallel replicas agree.
 
-Speed: on CPU one ``torch.compile``'d (inductor C++) kernel per tensor does the whole step in a single
+Speed: on CPU, bf16 weights go through a small C kernel (``adamw_bf16_cpu.c``, built once per machine
+with the system C compiler, see :mod:`._native`): eager's operations in eager's order, vectorized by the
+compiler, ~2x torch's fused fp32 AdamW step in ``scripts/bench_step.py``. It must pass the same probe as
+the compiled kernel before it is used. ``compile=True`` asks for the compiled kernel instead, and fp16
+weights always get it: one ``torch.compile``'d (inductor C++) kernel per tensor does the whole step in a single
 pass (compiled on the first step, a few seconds; inductor caches it on disk); tensors below
 ``_SMALL_NUMEL`` share one call. Without a working compiler it falls back to the foreach path (same
 math, eager, much slower). The kernel is compiled with ``emulate_precision_casts``: without it inductor
@@ -38,6 +42,7 @@ of the stochastic rounding, not to memory traffic.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import warnings
@@ -49,6 +54,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_hyperparams
+from . import _native as _native_lib
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
@@ -312,29 +318,38 @@ def _log_once(level: int, key, msg: str, *args) -> None:
         logger.log(level, msg, *args)
 
 
+def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run) -> bool:
+    """Probe a fast path: ``run(p, g, m, v, c, key, coef)`` must give eager's weights and moments exactly on a
+    sub-ulp update, and its compensation to 1%: a path that loses the compensation (a rounding elided) fails."""
+    gen = torch.Generator().manual_seed(0)
+    n = 37  # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
+    base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+    coef = _coefficients(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    ref, got = ([t.to(device, dtype if j < 2 else torch.bfloat16) for j, t in enumerate(base)] for _ in range(2))
+    _KERNELS[mode](*ref, torch.tensor(12345, dtype=torch.int32, device=device), None,
+                   torch.tensor(coef, device=device))
+    run(*got, 12345, coef)
+    exact = [torch.equal(r, g_) for r, g_ in zip(ref[:4], got[:4])]
+    return all(exact) and torch.allclose(ref[4].float(), got[4].float(), rtol=1e-2, atol=0.0)
+
+
 def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     """The torch.compile'd kernel, after a probe showing it agrees with eager on a sub-ulp update; else None."""
     key = (mode, device.type, dtype)
     if key not in _COMPILED:
         try:
             # dynamic_threads: a parallel loop whatever the size of the first call (inductor otherwise decides
-            # from it, and this probe's size would have made every later call run on one thread)
+            # from it, and the probe's size would have made every later call run on one thread)
             fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
                                options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
-            gen = torch.Generator().manual_seed(0)
-            n = 37  # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
-            base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
-            coef = torch.tensor(_coefficients(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1),
-                                device=device)
-            k = torch.tensor(12345, dtype=torch.int32, device=device)
-            ref, got = ([t.to(device, dtype if j < 2 else torch.bfloat16) for j, t in enumerate(base)]
-                        for _ in range(2))
-            _KERNELS[mode](*ref, k, None, coef)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
-                fn(*got, k, None, coef)
-            exact = [torch.equal(r, g_) for r, g_ in zip(ref[:4], got[:4])]
-            if not all(exact) or not torch.allclose(ref[4].float(), got[4].float(), rtol=1e-2, atol=0.0):
+
+            def run(p, g, m, v, c, k, coef):
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+                    fn(p, g, m, v, c, torch.tensor(k, dtype=torch.int32, device=device), None,
+                       torch.tensor(coef, device=device))
+
+            if not _agrees_with_eager(mode, device, dtype, run):
                 raise RuntimeError("compiled kernel disagrees with eager on a sub-ulp update (rounding elided?)")
             _COMPILED[key] = fn
         except Exception as e:  # no C++ compiler, unsupported Python/platform, numerics: all mean "use foreach"
@@ -344,8 +359,54 @@ def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     return _COMPILED[key]
 
 
+_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernel's mode numbers
+
+
+def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
+    """The C kernel (``adamw_bf16_cpu.c``) for bf16 weights on CPU, after the probe below; else None."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    key = (mode, "native")
+    if key not in _COMPILED:
+        _COMPILED[key] = None
+        lib = _native_lib.load("adamw_bf16_cpu.c")
+        if lib is not None:
+            fn = lib.adamw_bf16_step
+            ptr = ctypes.c_void_p
+            fn.argtypes = [ptr] * 6 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.restype = None
+            def run(p, g, m, v, c, k, coef):
+                _native(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef)
+
+            if _agrees_with_eager(mode, device, dtype, run):
+                _COMPILED[key] = fn
+            else:
+                logger.warning("AdamWBF16: the C kernel disagrees with eager on the probe; not using it")
+    return _COMPILED[key]
+
+
+def _native(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    """The C kernel on each contiguous tensor, its elements split over torch's threads (the call drops the GIL)."""
+    coef_t = torch.tensor(coef, dtype=torch.float32)
+    for i, p in enumerate(params):
+        ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([comps[i]] if comps else [])
+        key = keys[i] if keys else 0
+        if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):  # rare layouts: eager
+            _single_tensor(_KERNELS[mode], mode, [p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]],
+                           [comps[i]] if comps else None, [keys[i]] if keys else None, coef)
+            continue
+        ptrs = [t.data_ptr() for t in ts] + ([] if comps else [None])
+        args = (*ptrs, coef_t.data_ptr(), key, key ^ _WEIGHT_STREAM)
+        _native_lib.parallel_ranges(lambda a, b: fn(*args, a, b, _MODES[mode]), p.numel())
+
+
 def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None):
-    """The one dispatch point: (path name, function). Compiled by default on CPU, foreach elsewhere."""
+    """The one dispatch point: (path name, function). Automatic on CPU: the C kernel for bf16 weights, else the
+    compiled one; ``compile=True`` asks for inductor's; foreach elsewhere."""
+    if compile is None and foreach is None:
+        native = _native_kernel(mode, device, dtype)
+        if native is not None:
+            return "native", _native, native
     if compile is None:
         compile = foreach is None and device.type == "cpu"
     kernel = _compiled_kernel(mode, device, dtype) if compile else None
