@@ -386,7 +386,15 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
 
 
 def _native(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
-    """The C kernel on each contiguous tensor, its elements split over torch's threads (the call drops the GIL)."""
+    """The C kernel on each contiguous tensor, its elements split over torch's threads (the call drops the GIL).
+
+    Tensor subclasses (FSDP2's DTensor shards) are not memory the kernel may address by ``numel()``: such a
+    group takes the path it would have taken without the C kernel.
+    """
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in (*params, *grads)):
+        compiled = _compiled_kernel(mode, params[0].device, params[0].dtype)
+        run, kernel = (_compiled, compiled) if compiled is not None else (_foreach, _KERNELS[mode])
+        return run(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef)
     coef_t = torch.tensor(coef, dtype=torch.float32)
     for i, p in enumerate(params):
         ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([comps[i]] if comps else [])
