@@ -47,7 +47,8 @@ LR, WD = 1e-4, 0.01
 BASELINE = "torch AdamW fused"
 FORMATS = {"adamw": "fp32", "adam8bit": "8-bit blockwise", "paged_adam8bit": "8-bit blockwise",
            "adafactor": "factored", "adamw_bf16": "bf16 + Kahan"}
-FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic"]
+FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",
+                "bf16 nearest"]
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -123,6 +124,10 @@ def peers(device: str) -> list[Candidate]:
         from optimi import AdamW
         return AdamW(_groups(m), lr=LR, kahan_sum=True)
 
+    def torchao_bf16_sr(m):
+        from torchao.optim import _AdamW
+        return _AdamW(_groups(m), lr=LR, bf16_stochastic_round=True)
+
     def adamw_bf16_pkg(m):
         from adamw_bf16 import AdamWBF16
         return AdamWBF16(_groups(m), lr=LR)
@@ -143,6 +148,9 @@ def peers(device: str) -> list[Candidate]:
         Candidate("torch-optimi AdamW kahan_sum", "bf16 + Kahan", bf16, optimi_kahan),
         Candidate("adamw-bf16 AdamWBF16", "bf16 + Kahan", bf16, adamw_bf16_pkg, private=True,
                   note="zeroes the gradients in its step; weight decay applied every ~n steps"),
+        Candidate("torchao _AdamW bf16_stochastic_round", "bf16 stochastic", bf16, torchao_bf16_sr),
+        Candidate("torch AdamW fused on bf16 params", "bf16 nearest", bf16, torch_adamw(fused=True),
+                  note="stale weights: updates below half a bf16 ulp are lost"),
     ]
 
 
