@@ -208,7 +208,7 @@ def unregistered(device: str) -> list[Candidate]:
 
 def _resolve(name, device):
     try:
-        return hfe.resolve(name, device)
+        return hfe.resolve(name, device, log=False)
     except Exception:  # noqa: BLE001  no backend here: the rows say why
         return None
 
@@ -378,7 +378,7 @@ def trainer_overhead(args) -> list[dict]:
         torch.manual_seed(0)
         return BertForMaskedLM(cfg)
 
-    res8 = hfe.resolve("adam8bit", "cpu")
+    res8 = hfe.resolve("adam8bit", "cpu", log=False)
     if res8.backend == "bnb":  # the package's own class, as a user would pass it
         import bitsandbytes
         cls8 = bitsandbytes.optim.AdamW8bit

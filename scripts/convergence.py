@@ -70,7 +70,7 @@ def planned_runs(device: str = "cpu", all_backends: bool = False) -> tuple[list[
             notes.append(f"`{spec.trainer_name}` is not run: it picks one of the names above from the model's "
                          "predicted footprint")
             continue
-        res = hfe.resolve(spec.name, device)
+        res = hfe.resolve(spec.name, device, log=False)
         if res.name != spec.name:
             notes.append(f"`{spec.trainer_name}` is not run separately: on this device it runs `hf_eff_{res.name}`")
             continue
