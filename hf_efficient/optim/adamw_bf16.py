@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_hyperparams
-from . import _native as _native_lib
+from . import _native
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
@@ -368,14 +368,15 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     key = (mode, "native")
     if key not in _COMPILED:
         _COMPILED[key] = None
-        lib = _native_lib.load("adamw_bf16_cpu.c")
+        lib = _native.load("adamw_bf16_cpu.c")
         if lib is not None:
             fn = lib.adamw_bf16_step
             ptr = ctypes.c_void_p
             fn.argtypes = [ptr] * 6 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = None
+
             def run(p, g, m, v, c, k, coef):
-                _native(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef)
+                _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef)
 
             if _agrees_with_eager(mode, device, dtype, run):
                 _COMPILED[key] = fn
@@ -384,16 +385,8 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     return _COMPILED[key]
 
 
-def _native(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
-    """The C kernel on each contiguous tensor, its elements split over torch's threads (the call drops the GIL).
-
-    Tensor subclasses (FSDP2's DTensor shards) are not memory the kernel may address by ``numel()``: such a
-    group takes the path it would have taken without the C kernel.
-    """
-    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in (*params, *grads)):
-        compiled = _compiled_kernel(mode, params[0].device, params[0].dtype)
-        run, kernel = (_compiled, compiled) if compiled is not None else (_foreach, _KERNELS[mode])
-        return run(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef)
+def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    """The C kernel on each contiguous tensor, its elements split over torch's threads (the call drops the GIL)."""
     coef_t = torch.tensor(coef, dtype=torch.float32)
     for i, p in enumerate(params):
         ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([comps[i]] if comps else [])
@@ -404,16 +397,18 @@ def _native(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
             continue
         ptrs = [t.data_ptr() for t in ts] + ([] if comps else [None])
         args = (*ptrs, coef_t.data_ptr(), key, key ^ _WEIGHT_STREAM)
-        _native_lib.parallel_ranges(lambda a, b: fn(*args, a, b, _MODES[mode]), p.numel())
+        _native.parallel_ranges(lambda a, b: fn(*args, a, b, _MODES[mode]), p.numel())
 
 
-def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None):
+def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None,
+            plain: bool = True):
     """The one dispatch point: (path name, function). Automatic on CPU: the C kernel for bf16 weights, else the
-    compiled one; ``compile=True`` asks for inductor's; foreach elsewhere."""
-    if compile is None and foreach is None:
+    compiled one; ``compile=True`` asks for inductor's; foreach elsewhere. ``plain``: no tensor subclass among
+    the tensors (an FSDP2 DTensor shard is not memory the C kernel may address by its global ``numel()``)."""
+    if compile is None and foreach is None and plain:
         native = _native_kernel(mode, device, dtype)
         if native is not None:
-            return "native", _native, native
+            return "native", _native_path, native
     if compile is None:
         compile = foreach is None and device.type == "cpu"
     kernel = _compiled_kernel(mode, device, dtype) if compile else None
@@ -470,11 +465,12 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     if not low:
         return
     torch._foreach_add_([state_steps[i] for i in low], 1)
-    groups = defaultdict(list)  # tensors sharing step, device and dtype share coefficients and a kernel
+    groups = defaultdict(list)  # tensors sharing step, device, dtype and plainness share coefficients and a kernel
     for i in low:
-        groups[(int(state_steps[i].item()), params[i].device, params[i].dtype)].append(i)
-    for (step, device, dtype), idx in groups.items():
-        name, run, kernel = _choose(compensation, device, dtype, foreach, compile)
+        plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (params[i], grads[i]))
+        groups[(int(state_steps[i].item()), params[i].device, params[i].dtype, plain)].append(i)
+    for (step, device, dtype, plain), idx in groups.items():
+        name, run, kernel = _choose(compensation, device, dtype, foreach, compile, plain)
         _log_once(logging.INFO, (name, compensation, device.type, dtype),
                   "AdamWBF16: %s path for %s %s tensors (compensation=%s)", name, device.type, dtype, compensation)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
