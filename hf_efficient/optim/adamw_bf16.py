@@ -64,11 +64,13 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SMALL_NUMEL = 1 << 16  # below this a compiled call costs more than gathering the tensor into a shared one
 _FOREACH_CHUNK = 1 << 22  # elements per eager chunk: bounds the fp32 temporaries (~10 x 16 MiB)
 
-# Stochastic rounding picks the far neighbour by comparing noise with |x - nearest| / spacing. The
-# spacing is found without bit tricks (inductor scalarizes bitcasts): multiplying the nearest value by
-# 1 +- 0.625 ulp lands strictly between half and one and a half neighbour spacings away, so rounding
-# that product to nearest gives the neighbour, including across a power of two.
-_NEIGHBOUR_STEP = {torch.bfloat16: 0.625 * 2.0**-7, torch.float16: 0.625 * 2.0**-10}
+# Stochastic rounding. To bf16 (an fp32 number's top 16 bits): add 16 random bits below the kept ones and
+# truncate, which carries into the kept bits with probability |x - truncated| / spacing: unbiased, and a few
+# integer operations. To fp16 (not a bit prefix of fp32): pick the far neighbour by comparing noise with
+# |x - nearest| / spacing. Its spacing is found without bit tricks: multiplying the nearest value by
+# 1 +- 0.625 ulp lands strictly between half and one and a half neighbour spacings away, so rounding that
+# product to nearest gives the neighbour, including across a power of two.
+_NEIGHBOUR_STEP = {torch.float16: 0.625 * 2.0**-10}
 _GOLDEN, _MIX1, _MIX2 = -1640531535, -2048144789, -1028477387  # 0x9E3779B1, murmur3 fmix32 constants, as int32
 _WEIGHT_STREAM = 0x2545F491  # xor-ed into the key: the weights' noise differs from exp_avg_sq's
 
@@ -96,24 +98,28 @@ def _adamw_update(p32: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, no
     return p32 * coef[6] - (m32 / denom) * coef[7]
 
 
-def _uniform(key: Tensor, idx: Tensor) -> Tensor:
-    """Uniform [0, 1) noise from a counter-based hash (murmur3 fmix32) of element index and ``key``."""
+def _hash(key: Tensor, idx: Tensor) -> Tensor:
+    """int32 noise from a counter-based hash (murmur3 fmix32) of element index and ``key``."""
     h = idx * _GOLDEN + key  # int32 arithmetic wraps; the shifts are masked to make them logical
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * _MIX1
     h = h ^ ((h >> 13) & 0x7FFFF)
     h = h * _MIX2
-    h = h ^ ((h >> 16) & 0xFFFF)
-    return ((h >> 8) & 0xFFFFFF).float() * 2.0**-24
+    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def _round_stochastic(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
-    """``x`` (fp32) rounded to a ``dtype`` neighbour, the far one with probability |x - nearest| / spacing."""
+    """``x`` (fp32) rounded to one of its two ``dtype`` neighbours, the far one with probability
+    |x - near one| / spacing; ``noise`` from :func:`_hash` (bf16 uses its top 16 bits, fp16 its top 24)."""
+    if dtype == torch.bfloat16:
+        kept = (x.view(torch.int32) + ((noise >> 16) & 0xFFFF)) & -65536  # carries into the kept bits, or not
+        return torch.where(x.isnan(), x, kept.view(torch.float32))
+    uniform = ((noise >> 8) & 0xFFFFFF).float() * 2.0**-24
     near = x.to(dtype).float()
     err = x - near
     step = _NEIGHBOUR_STEP[dtype]
     far = (near * torch.where(err * near >= 0, 1.0 + step, 1.0 - step)).to(dtype).float()
-    return torch.where(noise * (far - near).abs() < err.abs(), far, near)
+    return torch.where(uniform * (far - near).abs() < err.abs(), far, near)
 
 
 def _index(idx: Tensor | None, p: Tensor) -> Tensor:
@@ -125,7 +131,7 @@ def _index(idx: Tensor | None, p: Tensor) -> Tensor:
 
 def _kahan_(p, g, m, v, c, key, idx, coef):
     p32 = p.float()
-    update = _adamw_update(p32, g, m, v, coef, _uniform(key, _index(idx, p)))
+    update = _adamw_update(p32, g, m, v, coef, _hash(key, _index(idx, p)))
     y = update + c.float()  # this step's update plus what earlier steps could not apply
     new = (p32 + y).to(p.dtype)
     c.copy_(y - (new.float() - p32))  # the part the rounded weight did not absorb
@@ -135,8 +141,8 @@ def _kahan_(p, g, m, v, c, key, idx, coef):
 def _stochastic_(p, g, m, v, c, key, idx, coef):
     idx = _index(idx, p)
     p32 = p.float()
-    x = p32 + _adamw_update(p32, g, m, v, coef, _uniform(key, idx))
-    p.copy_(_round_stochastic(x, p.dtype, _uniform(key ^ _WEIGHT_STREAM, idx)))
+    x = p32 + _adamw_update(p32, g, m, v, coef, _hash(key, idx))
+    p.copy_(_round_stochastic(x, p.dtype, _hash(key ^ _WEIGHT_STREAM, idx)))
 
 
 def _nearest_(p, g, m, v, c, key, idx, coef):
@@ -227,7 +233,7 @@ def _foreach_chunk(mode, P, G, M, V, C, noise, coef):
         torch._foreach_copy_(V, v32)
     else:
         for v, x, (key, idx) in zip(V, v32, noise):
-            v.copy_(_round_stochastic(x, v.dtype, _uniform(key, idx)))
+            v.copy_(_round_stochastic(x, v.dtype, _hash(key, idx)))
     denom = torch._foreach_sqrt(v32)
     del v32
     torch._foreach_mul_(denom, inv_bc2)
@@ -248,7 +254,7 @@ def _foreach_chunk(mode, P, G, M, V, C, noise, coef):
         torch._foreach_copy_(P, new)
     elif mode == "stochastic":
         for p, x, (key, idx) in zip(P, torch._foreach_add(p32, update), noise):
-            p.copy_(_round_stochastic(x, p.dtype, _uniform(key ^ _WEIGHT_STREAM, idx)))
+            p.copy_(_round_stochastic(x, p.dtype, _hash(key ^ _WEIGHT_STREAM, idx)))
     else:
         torch._foreach_copy_(P, torch._foreach_add(p32, update))
 
@@ -371,9 +377,10 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
         lib = _native.load("adamw_bf16_cpu.c")
         if lib is not None:
             fn = lib.adamw_bf16_step
-            ptr = ctypes.c_void_p
-            fn.argtypes = [ptr] * 6 + [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                       ctypes.c_int]
             fn.restype = None
+            fn.lib = lib
 
             def run(p, g, m, v, c, k, coef):
                 _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef)
@@ -386,18 +393,23 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
 
 
 def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
-    """The C kernel on each contiguous tensor, its elements split over torch's threads (the call drops the GIL)."""
-    coef_t = torch.tensor(coef, dtype=torch.float32)
-    for i, p in enumerate(params):
-        ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([comps[i]] if comps else [])
-        key = keys[i] if keys else 0
-        if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in ts):  # rare layouts: eager
-            _single_tensor(_KERNELS[mode], mode, [p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]],
-                           [comps[i]] if comps else None, [keys[i]] if keys else None, coef)
-            continue
-        ptrs = [t.data_ptr() for t in ts] + ([] if comps else [None])
-        args = (*ptrs, coef_t.data_ptr(), key, key ^ _WEIGHT_STREAM)
-        _native.parallel_ranges(lambda a, b: fn(*args, a, b, _MODES[mode]), p.numel())
+    """The C kernel over all the tensors at once, their concatenated elements split over torch's threads (see
+    :func:`._native.run_split`): one call, whatever the number of tensors."""
+    sets = [params, grads, exp_avgs, exp_avg_sqs] + ([comps] if comps else [])
+    ok = [i for i in range(len(params)) if all(ts[i].is_contiguous() and ts[i].dtype == torch.bfloat16 for ts in sets)]
+    rest = [i for i in range(len(params)) if i not in set(ok)]
+    if rest:  # rare layouts (channels_last, transposed grads): the eager kernel handles any
+        pick = lambda xs: [xs[i] for i in rest] if xs else None  # noqa: E731
+        _single_tensor(_KERNELS[mode], mode, pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                       pick(comps), pick(keys), coef)
+    if not ok:
+        return
+    pointers = lambda ts: (ctypes.c_void_p * len(ok))(*(ts[i].data_ptr() for i in ok))  # noqa: E731
+    numel = [params[i].numel() for i in ok]
+    both = [k for i in ok for k in ((keys[i], keys[i] ^ _WEIGHT_STREAM) if keys else (0, 0))]
+    args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, (ctypes.c_int64 * len(ok))(*numel),
+            (ctypes.c_int32 * len(both))(*both), (ctypes.c_float * len(coef))(*coef), _MODES[mode])
+    _native.run_split(fn.lib, fn, args, sum(numel))
 
 
 def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None,
