@@ -116,14 +116,16 @@ def build_torchao_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp
 
 
 def compiler_missing(device_type: str) -> str | None:
-    """Why torch.compile cannot build our 8-bit kernel for ``device_type`` here (no C++ compiler on CPU, no
-    Triton on CUDA), or None. Without it the kernel runs eagerly, slower than bitsandbytes: prefer that then."""
+    """Why our 8-bit kernel cannot be built for ``device_type`` here (on CPU: no C compiler for its C kernel and no
+    C++ compiler for torch.compile; on CUDA: no Triton), or None. Without it the kernel runs eagerly, slower
+    than bitsandbytes: prefer that then."""
     import importlib.util
+    import os
     import shutil
 
     if device_type == "cpu":
-        found = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-        return None if found else "needs a C++ compiler to compile its kernel (none found)"
+        found = os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang", "g++", "c++", "clang++"))
+        return None if found else "needs a C or C++ compiler to build its kernel (none found)"
     if device_type == "cuda":
         return None if importlib.util.find_spec("triton") else "needs Triton to compile its CUDA kernel (not installed)"
     return None

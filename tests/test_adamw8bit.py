@@ -16,7 +16,8 @@ Tolerances, and why:
   the same for both within 5% (measured 0.1%): the same quality.
 - Compiled vs eager: the 8-bit state is bitwise equal; weights may differ by an ulp of the update (eager
   torch's fp32 sqrt is not always correctly rounded, inductor's is; measured on 0.2-8% of the weights
-  after 4 steps): all within atol 1e-8 (an ulp of an lr=1e-2 update) / rtol 1e-6.
+  after 4 steps): all within atol 1e-8 (an ulp of an lr=1e-2 update) / rtol 1e-6. The C kernel (the
+  automatic CPU path for fp32 weights) computes as the compiled one: bitwise equal to it, weights included.
 - Decoded map values are within 2 ulp of bitsandbytes' table; encoding is the nearest value, ties within
   1.2e-7 (one ulp at 1.0) either way.
 """
@@ -251,16 +252,92 @@ def test_failed_compile_falls_back_to_eager(monkeypatch, caplog):
         assert all(torch.equal(v, eager.state[b][k]) for k, v in fallback.state[a].items())
 
 
-def test_resume_equals_uninterrupted():
+def _with_big(seed=0):  # _params() and a tensor whose blocks split over 2 threads (2 x 2**16 elements or more)
+    return _params(seed) + [torch.nn.Parameter(torch.randn(300_037, generator=torch.Generator().manual_seed(9)) * 0.1)]
+
+
+def _counting_native(monkeypatch) -> list:
+    calls = []
+    real = mod._native_step
+    monkeypatch.setattr(mod, "_native_step", lambda fn, items: (calls.append(len(items)), real(fn, items)))
+    return calls
+
+
+def _assert_same(pa, oa, pb, ob, weights_exact=True):
+    for a, b in zip(pa, pb):
+        assert all(torch.equal(v, ob.state[b][k]) for k, v in oa.state[a].items())
+        if weights_exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_kernel_equals_compiled_and_eager(threads, monkeypatch):
+    """Automatic mode on CPU runs fp32 weights through the C kernel, all 8-bit tensors of a group in one call."""
+    if mod._native_kernel() is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+    torch.set_num_threads(threads)
+    calls = _counting_native(monkeypatch)
+    native = _run(pn := _with_big(), 4)
+    assert calls == [3] * 4  # 64x80, 300x23 and the big one; the transposed 60x90 takes the compiled kernel
+    compiled = _run(pc := _with_big(), 4, compile=True)
+    eager = _run(pe := _with_big(), 4, compile=False)
+    _assert_same(pn, native, pc, compiled)
+    _assert_same(pn, native, pe, eager, weights_exact=False)
+
+
+def test_native_kernel_without_openmp(monkeypatch, tmp_path):
+    """A compiler without OpenMP: built without it, Python threads split the blocks, same results."""
+    from hf_efficient.optim import _native
+
+    monkeypatch.setattr(_native, "_OPENMP", "-fno-such-openmp-flag")
+    monkeypatch.setenv("HF_EFF_CACHE", str(tmp_path))
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    _native.load.cache_clear()
+    try:
+        lib = _native.load("adamw8bit_cpu.c")
+        if lib is None:
+            pytest.skip("no C compiler: the C kernel is not built here")
+        assert lib.openmp is False
+        torch.set_num_threads(2)
+        calls = _counting_native(monkeypatch)
+        native = _run(pn := _with_big(), 3)
+        assert calls
+        eager = _run(pe := _with_big(), 3, compile=False)
+        _assert_same(pn, native, pe, eager, weights_exact=False)
+    finally:
+        _native.load.cache_clear()
+
+
+def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog):
+    from hf_efficient.optim import _native
+
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("HF_EFF_CACHE", "/nonexistent-hf-eff-cache-dir/x")
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    _native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=_native.__name__):
+            opt = _run(ps := _params(), 2)
+        assert "could not build adamw8bit_cpu.c" in caplog.text and mod._COMPILED["native"] is None
+        _assert_same(ps, opt, pe := _params(), _run(pe, 2, compile=False), weights_exact=False)
+    finally:
+        _native.load.cache_clear()
+
+
+@pytest.mark.parametrize("compile", [False, None])  # eager, and the automatic path (the C kernel where built)
+def test_resume_equals_uninterrupted(compile):
     ps = _params()
-    full = _run(ps, 6, fp32_state_params=[ps[0]], compile=False)
+    full = _run(ps, 6, fp32_state_params=[ps[0]], compile=compile)
     ps2 = _params()
-    first = _run(ps2, 3, fp32_state_params=[ps2[0]], compile=False)
+    first = _run(ps2, 3, fp32_state_params=[ps2[0]], compile=compile)
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    resumed = AdamW8bit(ps2, lr=1.0, weight_decay=0.0, compile=False)  # no fp32_state_params: the state decides
+    resumed = AdamW8bit(ps2, lr=1.0, weight_decay=0.0, compile=compile)  # no fp32_state_params: the state decides
     resumed.load_state_dict(saved)
     assert resumed.param_groups[0]["lr"] == 1e-2
     _run(ps2, 3, start=3, opt=resumed)

@@ -35,8 +35,10 @@ compiler (or Triton on CUDA) the same kernel runs eagerly, in bounded chunks: sa
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -44,6 +46,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_hyperparams
+from . import _native
 
 __all__ = ["AdamW8bit", "dynamic_map", "BLOCK"]
 
@@ -203,11 +206,90 @@ def _run_kernel(kernel, device, *args):
         return _eager_kernel(*args)
 
 
-def _choose(device: torch.device, compile: bool | None):
-    """The one dispatch point: the compiled kernel unless ``compile=False`` or compiling failed earlier."""
+def _choose(p: Tensor, g: Tensor, compile: bool | None):
+    """The one dispatch point: the C kernel for plain contiguous fp32 tensors on CPU (automatic mode only), else
+    the compiled kernel unless ``compile=False`` or compiling failed earlier, else the eager one."""
+    if compile is None and _native_fits(p, g):
+        native = _native_kernel()
+        if native is not None:
+            return native
     if compile is False:
         return _eager_kernel
-    return _compiled_kernel(device) or _eager_kernel
+    return _compiled_kernel(p.device) or _eager_kernel
+
+
+# ----------------------------------------------------------------------------------------------------
+# The C kernel (adamw8bit_cpu.c): the same operations per block, all tensors of a step in one call
+# ----------------------------------------------------------------------------------------------------
+
+
+def _native_fits(p: Tensor, g: Tensor) -> bool:
+    return (p.device.type == "cpu" and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
+            and g.is_contiguous() and all(type(t) in (Tensor, torch.nn.Parameter) for t in (p, g)))
+
+
+@lru_cache(maxsize=None)
+def _maps() -> Tensor:
+    """The C kernel's tables: both maps' decoded values (so its lookups equal ``_decode``), then the thresholds."""
+    codes = torch.arange(256, dtype=torch.float32)
+    return torch.cat([_decode(codes, True), _decode(codes, False)] + [
+        torch.tensor([*_THRESHOLDS[s][0], _THRESHOLDS[s][1]], dtype=torch.float32) for s in (True, False)])
+
+
+def _native_kernel():
+    """The C kernel, after a probe showing it gives the eager kernel's codes and absmaxes exactly; else None."""
+    if "native" not in _COMPILED:
+        _COMPILED["native"] = None
+        lib = _native.load("adamw8bit_cpu.c")
+        if lib is not None:
+            fn = lib.adamw8bit_step
+            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 9 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.restype = None
+            fn.lib = lib
+            if _native_agrees_with_eager(fn):
+                _COMPILED["native"] = fn
+            else:
+                logger.warning("AdamW8bit: the C kernel disagrees with the eager kernel on the probe; not using it")
+    return _COMPILED["native"]
+
+
+def _native_agrees_with_eager(fn) -> bool:
+    """Three steps of a tensor of 3 blocks and a partial one: codes and absmaxes equal, weights within 4 ulp
+    (torch's fp32 sqrt on CPU is not correctly rounded, C's is: the update may differ in its last bit)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * BLOCK + 37
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
+    runs = []
+    for native in (True, False):
+        p = p0.clone()
+        state = {}
+        for t, g in enumerate(grads, 1):
+            if not state:
+                blocks = -(-n // BLOCK)
+                state = {"exp_avg": torch.full((blocks * BLOCK,), _ZERO_CODE[True], dtype=torch.uint8),
+                         "exp_avg_sq": torch.full((blocks * BLOCK,), _ZERO_CODE[False], dtype=torch.uint8),
+                         "exp_avg_absmax": torch.zeros(blocks), "exp_avg_sq_absmax": torch.zeros(blocks)}
+            coef = _coefficients(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=t)
+            if native:
+                _native_step(fn, [(p, g, state, coef)])
+            else:
+                _step_8bit(p, g, state, torch.tensor(coef, dtype=torch.float32), _eager_kernel)
+        runs.append((p, state))
+    (pn, sn), (pe, se) = runs
+    return all(torch.equal(sn[k], se[k]) for k in sn) and torch.allclose(pn, pe, rtol=4 * 2.0**-23, atol=0.0)
+
+
+def _native_step(fn, items) -> None:
+    """``items``: (weight, gradient, state, coefficients) of each tensor; one call, blocks split over threads."""
+    pointers = lambda ts: (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))  # noqa: E731
+    numel = [p.numel() for p, _, _, _ in items]
+    column = lambda key: [st[key] for _, _, st, _ in items]  # noqa: E731
+    coef = [c for _, _, _, cs in items for c in cs]
+    args = (len(items), pointers([p for p, _, _, _ in items]), pointers([g for _, g, _, _ in items]),
+            *map(pointers, map(column, ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"))),
+            (ctypes.c_int64 * len(numel))(*numel), _maps().data_ptr(), (ctypes.c_float * len(coef))(*coef))
+    _native.run_split(fn.lib, fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK)
 
 
 def _coefficients(*, lr, beta1, beta2, eps, weight_decay, step) -> list[float]:
@@ -358,6 +440,7 @@ class AdamW8bit(Optimizer):
                          weight_decay=group["weight_decay"])
             lists = [[] for _ in range(5)]  # fp32-state tensors: params, grads, exp_avgs, exp_avg_sqs, steps
             coefs = {}  # (step, device) -> coefficient tensor
+            native = []  # (p, grad, state, coefficients) of the tensors that go to the C kernel, in one call
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -371,9 +454,14 @@ class AdamW8bit(Optimizer):
                 state["step"] += 1
                 key = (int(state["step"].item()), p.device)
                 if key not in coefs:
-                    coef = _coefficients(step=key[0], **hyper)
-                    coefs[key] = torch.tensor(coef, dtype=torch.float32, device=p.device)
-                _step_8bit(p, p.grad, state, coefs[key], _choose(p.device, group["compile"]))
+                    coefs[key] = _coefficients(step=key[0], **hyper)
+                kernel = _choose(p, p.grad, group["compile"])
+                if kernel is _COMPILED.get("native"):
+                    native.append((p.detach(), p.grad, state, coefs[key]))
+                else:
+                    _step_8bit(p, p.grad, state, torch.tensor(coefs[key], dtype=torch.float32, device=p.device), kernel)
+            if native:
+                _native_step(_COMPILED["native"], native)
             if lists[0]:
                 _step_32bit(*lists, **hyper)
         return loss
