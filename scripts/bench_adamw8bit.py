@@ -1,4 +1,4 @@
-"""Step time of this package's 8-bit AdamW (torch backend) beside torch's fused fp32 AdamW and bitsandbytes'
+"""Step time of this package's 8-bit AdamW (torch backend: its C kernel on CPU, and its compiled kernel) beside torch's fused fp32 AdamW and bitsandbytes'
 AdamW8bit (and torchao's, with --torchao), on tensors shaped like a BERT-base layer and its embedding.
 
     python scripts/bench_adamw8bit.py                     # 768x768, 768x3072, 3072x768, 30522x768
@@ -36,7 +36,8 @@ def _optimizers(shape, torchao: bool) -> dict:
         return [p]
 
     out = {"torch fused fp32 AdamW": torch.optim.AdamW(param(), lr=1e-3, fused=True),
-           "hf_efficient AdamW8bit": AdamW8bit(param(), lr=1e-3, min_8bit_size=0)}
+           "hf_efficient AdamW8bit": AdamW8bit(param(), lr=1e-3, min_8bit_size=0),  # its C kernel on CPU
+           "hf_efficient AdamW8bit, compile=True": AdamW8bit(param(), lr=1e-3, min_8bit_size=0, compile=True)}
     try:
         import bitsandbytes as bnb
 

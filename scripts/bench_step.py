@@ -190,20 +190,19 @@ def ours(device: str) -> list[Candidate]:
     return out
 
 
-def unregistered(device: str) -> list[Candidate]:
-    """This package's own 8-bit AdamW while it is not yet a backend of the registry (a row to decide by)."""
-    try:
-        from hf_efficient.optim.adamw8bit import AdamW8bit
-    except ImportError:
+def inductor_kernels(device: str) -> list[Candidate]:
+    """Our optimizers with ``compile=True``: the torch.compile'd kernel that the C kernels replace on CPU (no inf/NaN
+    check in these rows: compare them with the ``nonfinite=ignore`` ones)."""
+    if torch.device(device).type != "cpu":
         return []
-    for b in SPECS["adam8bit"].backends.values():
-        try:
-            if b.build.optimizer_cls() is AdamW8bit:
-                return []  # registered: its hf_eff_adam8bit row covers it
-        except ImportError:
-            continue
-    return [Candidate("hf_efficient.optim.adamw8bit.AdamW8bit", "8-bit blockwise", torch.float32,
-                      lambda m: AdamW8bit(_groups(m), lr=LR), note="not yet a registry backend")]
+    from hf_efficient.optim.adamw8bit import AdamW8bit
+    from hf_efficient.optim.adamw_bf16 import AdamWBF16
+
+    note = "compile=True (inductor kernel), no check"
+    return [Candidate("hf_efficient AdamW8bit", FORMATS["adam8bit"], torch.float32,
+                      lambda m: AdamW8bit(_groups(m), lr=LR, compile=True), note=note),
+            Candidate("hf_efficient AdamWBF16", FORMATS["adamw_bf16"], torch.bfloat16,
+                      lambda m: AdamWBF16(_groups(m), lr=LR, compile=True), note=note)]
 
 
 def _resolve(name, device):
@@ -222,7 +221,7 @@ def _sync(device: str) -> None:
 
 def run(args) -> dict:
     device = args.device
-    cands = sorted(peers(device) + ours(device) + unregistered(device), key=lambda c: FORMAT_ORDER.index(c.fmt))
+    cands = sorted(peers(device) + ours(device) + inductor_kernels(device), key=lambda c: FORMAT_ORDER.index(c.fmt))
     shared = {dt: make_layers(args.hidden, args.layers, dt, device) for dt in (torch.float32, torch.bfloat16)}
     for c in cands:
         if c.error:

@@ -288,6 +288,42 @@ def test_native_kernel_equals_compiled_and_eager(threads, monkeypatch):
     _assert_same(pn, native, pe, eager, weights_exact=False)
 
 
+def _wide_run(steps=3, **kw):
+    """Gradients spread over 9 decades, so that every decade of both maps is encoded."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(64 * 256 + 77, generator=g) * 0.1)
+    opt = AdamW8bit([p], lr=1e-3, **kw)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=g) * 10.0 ** (-8 * torch.rand(p.shape, generator=g))
+        opt.step()
+    return [p], opt
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]], ids=["as built here", "plain C"])
+def test_native_kernel_every_decade(flags, monkeypatch, tmp_path):
+    """The C kernel's decoding and encoding, in their AVX-512 version where this CPU has it and in plain C, give
+    the compiled kernel's codes for values in every decade of both maps."""
+    from hf_efficient.optim import _native
+
+    monkeypatch.setattr(_native, "_FLAGS", _native._FLAGS + flags)
+    monkeypatch.setenv("HF_EFF_CACHE", str(tmp_path))
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    _native.load.cache_clear()
+    try:
+        if mod._native_kernel() is None:
+            pytest.skip("the C kernel is not built here (no C compiler, or not an x86 one for -mno-avx512f)")
+        calls = _counting_native(monkeypatch)
+        pn, native = _wide_run()
+        assert calls
+        pc, compiled = _wide_run(compile=True)
+        codes = native.state[pn[0]]["exp_avg"]
+        assert len(codes.unique()) > 200  # most of the signed map in use
+        _assert_same(pn, native, pc, compiled)
+    finally:
+        _native.load.cache_clear()
+
+
 def test_native_kernel_without_openmp(monkeypatch, tmp_path):
     """A compiler without OpenMP: built without it, Python threads split the blocks, same results."""
     from hf_efficient.optim import _native

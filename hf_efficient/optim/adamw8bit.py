@@ -1,4 +1,4 @@
-"""Blockwise 8-bit AdamW in plain PyTorch: one ``torch.compile``'d kernel per tensor and step, on CPU or CUDA.
+"""Blockwise 8-bit AdamW in plain PyTorch, with a C kernel for fp32 weights on CPU.
 
 Math: ``torch.optim.AdamW`` (decoupled weight decay, bias correction), fp32 arithmetic inside the step, and
 bitsandbytes' 8-bit state (``bnb.optim.AdamW8bit``): after each step the moments are stored as uint8 codes
@@ -25,12 +25,18 @@ it) instead of looking codes up in a table: inductor's C++ turns a gather into a
 this arithmetic. Decoded values are within 2 ulp of the table's (a relative 2e-7, far below
 the 8-bit step); encoding picks the nearest decoded value (ties within an ulp may go either way).
 
-Speed (BERT-base layer shapes, 1 thread, this repo's 2-core CPU; ``scripts/bench_adamw8bit.py``): 5-7x the
-time of torch's fused fp32 AdamW, 4-6x faster than bitsandbytes' CPU AdamW8bit. What bounds it: decoding
-and encoding make the generated loop ~200 vector operations per 8 elements, against ~25 for fp32 AdamW. Large
-tensors go through the kernel 4096 blocks at a time, which bounds its temporaries. Without a C++
-compiler (or Triton on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, ~30x slower
-(~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
+Kernels, chosen per tensor by :func:`_choose`. On CPU, contiguous fp32 weights and gradients go through a C
+kernel (``adamw8bit_cpu.c``, built once per machine with the system C compiler, see :mod:`._native`): the same
+operations per block, all 8-bit tensors of a group in one call on torch's threads, bitwise equal to the
+compiled kernel (tested); it must give the eager kernel's codes on a probe before it is used. It decodes by
+table lookup (AVX-512 VBMI byte tables where the CPU has them) and finds the decade from the float's exponent,
+which inductor cannot express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.6x
+torch's fused fp32 AdamW step, against 5.2x for the compiled kernel and 21x for bitsandbytes' CPU kernel.
+Everything else (bf16 weights, other layouts, ``compile=True``, CUDA) gets one ``torch.compile``'d kernel
+per tensor and step. What bounds that one: decoding and encoding make the generated loop ~200 vector
+operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks at a time,
+which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
+bounded chunks: same numbers, ~30x slower (~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
 """
 
 from __future__ import annotations
