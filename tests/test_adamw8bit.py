@@ -17,7 +17,9 @@ Tolerances, and why:
 - Compiled vs eager: the 8-bit state is bitwise equal; weights may differ by an ulp of the update (eager
   torch's fp32 sqrt is not always correctly rounded, inductor's is; measured on 0.2-8% of the weights
   after 4 steps): all within atol 1e-8 (an ulp of an lr=1e-2 update) / rtol 1e-6. The C kernel (the
-  automatic CPU path for fp32 weights) computes as the compiled one: bitwise equal to it, weights included.
+  automatic CPU path for fp32 weights) against both: the same tolerances. Its sqrt is correctly rounded;
+  inductor's vectorized loop uses ATen's vector sqrt, which is not, and its scalar tail the C library's, so
+  which weights differ depends on how inductor specialized the kernel.
 - Decoded map values are within 2 ulp of bitsandbytes' table; encoding is the nearest value, ties within
   1.2e-7 (one ulp at 1.0) either way.
 """
@@ -263,13 +265,11 @@ def _counting_native(monkeypatch) -> list:
     return calls
 
 
-def _assert_same(pa, oa, pb, ob, weights_exact=True):
+def _assert_same(pa, oa, pb, ob):
+    """8-bit state bitwise equal; weights within an ulp of the update (the module docstring says why)."""
     for a, b in zip(pa, pb):
         assert all(torch.equal(v, ob.state[b][k]) for k, v in oa.state[a].items())
-        if weights_exact:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-6)
 
 
 @needs_compiler
@@ -285,7 +285,7 @@ def test_native_kernel_equals_compiled_and_eager(threads, monkeypatch):
     compiled = _run(pc := _with_big(), 4, compile=True)
     eager = _run(pe := _with_big(), 4, compile=False)
     _assert_same(pn, native, pc, compiled)
-    _assert_same(pn, native, pe, eager, weights_exact=False)
+    _assert_same(pn, native, pe, eager)
 
 
 def _wide_run(steps=3, **kw):
@@ -342,7 +342,7 @@ def test_native_kernel_without_openmp(monkeypatch, tmp_path):
         native = _run(pn := _with_big(), 3)
         assert calls
         eager = _run(pe := _with_big(), 3, compile=False)
-        _assert_same(pn, native, pe, eager, weights_exact=False)
+        _assert_same(pn, native, pe, eager)
     finally:
         _native.load.cache_clear()
 
@@ -358,7 +358,7 @@ def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING, logger=_native.__name__):
             opt = _run(ps := _params(), 2)
         assert "could not build adamw8bit_cpu.c" in caplog.text and mod._COMPILED["native"] is None
-        _assert_same(ps, opt, pe := _params(), _run(pe, 2, compile=False), weights_exact=False)
+        _assert_same(ps, opt, pe := _params(), _run(pe, 2, compile=False))
     finally:
         _native.load.cache_clear()
 
