@@ -94,15 +94,13 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hf_eff_native")
 
 
-def run_split(lib: ctypes.CDLL, fn, args: tuple, n: int, unit: int = 1, align: int = 64) -> None:
+def run_split(lib: ctypes.CDLL, fn, args: tuple, n: int, unit: int = 1, align: int = 64) -> list:
     """``fn(*args, start, end, threads)`` over ``[0, n)`` (items of ``unit`` elements) on up to torch's thread
     count: one call that splits the range over its OpenMP threads, or (a library without OpenMP) one call per
-    Python thread on disjoint ranges."""
+    Python thread on disjoint ranges. Returns what the calls returned."""
     threads = max(1, min(torch.get_num_threads(), n * unit // _MIN_PER_THREAD))
     if lib.openmp or threads == 1:
-        fn(*args, 0, n, threads)
-        return
+        return [fn(*args, 0, n, threads)]
     per = -(-n // threads // align) * align
     futures = [_pool(threads).submit(fn, *args, a, min(a + per, n), 1) for a in range(0, n, per)]
-    for f in futures:
-        f.result()
+    return [f.result() for f in futures]

@@ -171,8 +171,9 @@ def _kernel(p: Tensor, g: Tensor, wm: Tensor, wv: Tensor, m_absmax: Tensor, v_ab
     v_max = v.amax(1, keepdim=True)
     denom = v.sqrt() * coef[4] + coef[5]
     p.copy_(p.float() * coef[6] - (m / denom) * coef[7])
-    qm = _encode(m / torch.where(m_max > 0, m_max, 1.0), True)
-    qv = _encode(v / torch.where(v_max > 0, v_max, 1.0), False)
+    # normalized by the reciprocal, as bitsandbytes' kernels do: one division per block, not per element
+    qm = _encode(m * (1.0 / torch.where(m_max > 0, m_max, 1.0)), True)
+    qv = _encode(v * (1.0 / torch.where(v_max > 0, v_max, 1.0)), False)
     return _pack(qm), _pack(qv), m_max.flatten(), v_max.flatten()
 
 

@@ -197,10 +197,10 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
         float denom = sqrtf(v[e]) * inv_bc2 + eps;
         p[e] = p[e] * decay - (m[e] / denom) * step_size;
     }
-    const float m_div = m_max > 0.0f ? m_max : 1.0f, v_div = v_max > 0.0f ? v_max : 1.0f;
+    const float m_inv = 1.0f / (m_max > 0.0f ? m_max : 1.0f), v_inv = 1.0f / (v_max > 0.0f ? v_max : 1.0f);
     for (int e = 0; e < BLOCK; e++) {
-        m[e] = m[e] / m_div;
-        v[e] = v[e] / v_div;
+        m[e] = m[e] * m_inv;
+        v[e] = v[e] * v_inv;
     }
     uint32_t qm[BLOCK], qv[BLOCK];
     encode_block(m, &maps[0], qm);
