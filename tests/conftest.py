@@ -70,3 +70,21 @@ def bert():
 @pytest.fixture
 def cls_data():
     return ClassificationSet()
+
+
+@pytest.fixture
+def rebuild_native(monkeypatch, tmp_path):
+    """Build this package's C kernels afresh for one test, in its own cache: ``rebuild(module, **settings)`` sets
+    ``hf_efficient.optim._native`` attributes (``_OPENMP``, ``_FLAGS``) and makes ``module`` forget its kernels."""
+    from hf_efficient.optim import _native
+
+    def rebuild(module, **settings):
+        for name, value in settings.items():
+            monkeypatch.setattr(_native, name, value)
+        monkeypatch.setenv("HF_EFF_CACHE", str(tmp_path))
+        monkeypatch.setattr(module, "_COMPILED", {})
+        _native.load.cache_clear()
+        return _native
+
+    yield rebuild
+    _native.load.cache_clear()

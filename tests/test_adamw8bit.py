@@ -301,66 +301,44 @@ def _wide_run(steps=3, **kw):
 
 @needs_compiler
 @pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]], ids=["as built here", "plain C"])
-def test_native_kernel_every_decade(flags, monkeypatch, tmp_path):
+def test_native_kernel_every_decade(flags, monkeypatch, rebuild_native):
     """The C kernel's decoding and encoding, in their AVX-512 version where this CPU has it and in plain C, give
     the compiled kernel's codes for values in every decade of both maps."""
     from hf_efficient.optim import _native
 
-    monkeypatch.setattr(_native, "_FLAGS", _native._FLAGS + flags)
-    monkeypatch.setenv("HF_EFF_CACHE", str(tmp_path))
-    monkeypatch.setattr(mod, "_COMPILED", {})
-    _native.load.cache_clear()
-    try:
-        if mod._native_kernel() is None:
-            pytest.skip("the C kernel is not built here (no C compiler, or not an x86 one for -mno-avx512f)")
-        calls = _counting_native(monkeypatch)
-        pn, native = _wide_run()
-        assert calls
-        pc, compiled = _wide_run(compile=True)
-        codes = native.state[pn[0]]["exp_avg"]
-        assert len(codes.unique()) > 200  # most of the signed map in use
-        _assert_same(pn, native, pc, compiled)
-    finally:
-        _native.load.cache_clear()
+    rebuild_native(mod, _FLAGS=_native._FLAGS + flags)
+    if mod._native_kernel() is None:
+        pytest.skip("the C kernel is not built here (no C compiler, or not an x86 one for -mno-avx512f)")
+    calls = _counting_native(monkeypatch)
+    pn, native = _wide_run()
+    assert calls
+    pc, compiled = _wide_run(compile=True)
+    codes = native.state[pn[0]]["exp_avg"]
+    assert len(codes.unique()) > 200  # most of the signed map in use
+    _assert_same(pn, native, pc, compiled)
 
 
-def test_native_kernel_without_openmp(monkeypatch, tmp_path):
+def test_native_kernel_without_openmp(monkeypatch, rebuild_native):
     """A compiler without OpenMP: built without it, Python threads split the blocks, same results."""
-    from hf_efficient.optim import _native
-
-    monkeypatch.setattr(_native, "_OPENMP", "-fno-such-openmp-flag")
-    monkeypatch.setenv("HF_EFF_CACHE", str(tmp_path))
-    monkeypatch.setattr(mod, "_COMPILED", {})
-    _native.load.cache_clear()
-    try:
-        lib = _native.load("adamw8bit_cpu.c")
-        if lib is None:
-            pytest.skip("no C compiler: the C kernel is not built here")
-        assert lib.openmp is False
-        torch.set_num_threads(2)
-        calls = _counting_native(monkeypatch)
-        native = _run(pn := _with_big(), 3)
-        assert calls
-        eager = _run(pe := _with_big(), 3, compile=False)
-        _assert_same(pn, native, pe, eager)
-    finally:
-        _native.load.cache_clear()
+    lib = rebuild_native(mod, _OPENMP="-fno-such-openmp-flag").load("adamw8bit_cpu.c")
+    if lib is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+    assert lib.openmp is False
+    torch.set_num_threads(2)
+    calls = _counting_native(monkeypatch)
+    native = _run(pn := _with_big(), 3)
+    assert calls
+    eager = _run(pe := _with_big(), 3, compile=False)
+    _assert_same(pn, native, pe, eager)
 
 
-def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog):
-    from hf_efficient.optim import _native
-
+def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog, rebuild_native):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setenv("HF_EFF_CACHE", "/nonexistent-hf-eff-cache-dir/x")
-    monkeypatch.setattr(mod, "_COMPILED", {})
-    _native.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=_native.__name__):
-            opt = _run(ps := _params(), 2)
-        assert "could not build adamw8bit_cpu.c" in caplog.text and mod._COMPILED["native"] is None
-        _assert_same(ps, opt, pe := _params(), _run(pe, 2, compile=False))
-    finally:
-        _native.load.cache_clear()
+    native = rebuild_native(mod)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        opt = _run(ps := _params(), 2)
+    assert "could not build adamw8bit_cpu.c" in caplog.text and mod._COMPILED["native"] is None
+    _assert_same(ps, opt, pe := _params(), _run(pe, 2, compile=False))
 
 
 @pytest.mark.parametrize("compile", [False, None])  # eager, and the automatic path (the C kernel where built)

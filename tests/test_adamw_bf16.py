@@ -259,24 +259,15 @@ def test_native_kernel_equals_eager(mode, threads, caplog, monkeypatch):
     _assert_native_equals_eager(mode, caplog, monkeypatch)
 
 
-def test_native_kernel_without_openmp(monkeypatch, caplog, tmp_path):
+def test_native_kernel_without_openmp(monkeypatch, caplog, rebuild_native):
     """A compiler without OpenMP (Apple's clang): the library is built without it, Python threads split the
     elements, and the results are the same."""
-    from hf_efficient.optim import _native
-
-    monkeypatch.setattr(_native, "_OPENMP", "-fno-such-openmp-flag")  # what such a compiler says to -fopenmp
-    monkeypatch.setenv("HF_EFF_CACHE", str(tmp_path))
-    monkeypatch.setattr(mod, "_COMPILED", {})
-    _native.load.cache_clear()
-    try:
-        lib = _native.load("adamw_bf16_cpu.c")
-        if lib is None:
-            pytest.skip("no C compiler: the C kernel is not built here")
-        assert lib.openmp is False
-        torch.set_num_threads(2)
-        _assert_native_equals_eager("kahan", caplog, monkeypatch)
-    finally:
-        _native.load.cache_clear()
+    lib = rebuild_native(mod, _OPENMP="-fno-such-openmp-flag").load("adamw_bf16_cpu.c")  # what it says to -fopenmp
+    if lib is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+    assert lib.openmp is False
+    torch.set_num_threads(2)
+    _assert_native_equals_eager("kahan", caplog, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", COMPENSATIONS)
@@ -302,22 +293,15 @@ def test_native_kernel_keeps_nonfinite_values(mode):
         assert torch.equal(a[~a.isnan()], b[~b.isnan()]), name
 
 
-def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog):
+def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog, rebuild_native):
     """No C compiler (or a failing one): a warning, and the optimizer keeps working on another path."""
-    from hf_efficient.optim import _native
-
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setenv("HF_EFF_CACHE", "/nonexistent-hf-eff-cache-dir/x")
-    monkeypatch.setattr(mod, "_COMPILED", {})
-    _native.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=_native.__name__):
-            opt = _run(_params(), 2, compensation="none")
-        assert "could not build adamw_bf16_cpu.c" in caplog.text
-        assert mod._COMPILED[("none", "native")] is None
-        _assert_same(_snapshot(opt), _snapshot(_run(_params(), 2, compensation="none", compile=True)))
-    finally:
-        _native.load.cache_clear()
+    native = rebuild_native(mod)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        opt = _run(_params(), 2, compensation="none")
+    assert "could not build adamw_bf16_cpu.c" in caplog.text
+    assert mod._COMPILED[("none", "native")] is None
+    _assert_same(_snapshot(opt), _snapshot(_run(_params(), 2, compensation="none", compile=True)))
 
 
 def test_failed_compile_falls_back_to_foreach(monkeypatch, caplog):
