@@ -110,7 +110,7 @@ SPECS: dict[str, OptimizerSpec] = {
         OptimizerSpec("adam8bit", "adamw8bit", 2.03,
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
-                      # measured (scripts/bench_step.py): on CPU our C kernel is ~13x faster than
+                      # measured (scripts/bench_step.py): on CPU our C kernel is over 10x faster than
                       # bitsandbytes' CPU kernel; on CUDA bitsandbytes' kernels are the reference
                       {"cuda": ("bnb", "torchao", "torch"), "default": ("torch", "bnb", "torchao")}, _8BIT),
         OptimizerSpec("paged_adam8bit", "adamw8bit", 2.03, "as adam8bit, state paged to host memory (CUDA)",
