@@ -32,9 +32,12 @@ logger = logging.getLogger(__name__)
 
 # -ffp-contract=off: no fused multiply-add, every fp32 operation rounds as torch's eager ops do. -fno-math-errno and
 # -fno-trapping-math (exception flags only, never results) let gcc vectorize sqrtf and floorf.
-# -mprefer-vector-width=512: gcc 12 picks 256-bit vectors on Zen 4, and the bf16 kernel's hash runs 1.4x slower.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno",
-          "-fno-trapping-math", "-shared", "-fPIC"]
+# -mprefer-vector-width=512 (x86 only): gcc 12 picks 256-bit vectors on Zen 4, and the bf16 kernel's hash runs
+# 1.4x slower. The CPU's own instructions: -march=native on x86, -mcpu=native on Arm (its instructions and tuning).
+_X86 = ["-march=native", "-mprefer-vector-width=512"]
+_ARM = ["-mcpu=native"]
+_ARCH = {"x86_64": _X86, "AMD64": _X86, "aarch64": _ARM, "arm64": _ARM}.get(platform.machine(), [])
+_FLAGS = ["-O3", *_ARCH, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 _OPENMP = "-fopenmp"
 _MIN_PER_THREAD = 1 << 16  # elements below which one more thread costs more than it saves
 
