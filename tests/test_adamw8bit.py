@@ -300,10 +300,11 @@ def _wide_run(steps=3, **kw):
 
 
 @needs_compiler
-@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]], ids=["as built here", "plain C"])
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512vbmi"], ["-mno-avx512f"]],
+                         ids=["as built here", "AVX-512 without VBMI", "plain C"])
 def test_native_kernel_every_decade(flags, monkeypatch, rebuild_native):
-    """The C kernel's decoding and encoding, in their AVX-512 version where this CPU has it and in plain C, give
-    the compiled kernel's codes for values in every decade of both maps."""
+    """The C kernel's decoding and encoding, in their AVX-512 version where this CPU has it, with plain decoding
+    (no VBMI) and all in plain C, give the compiled kernel's codes for values in every decade of both maps."""
     from hf_efficient.optim import _native
 
     rebuild_native(mod, _FLAGS=_native._FLAGS + flags)
