@@ -319,6 +319,30 @@ def test_native_kernel_every_decade(flags, monkeypatch, rebuild_native):
     _assert_same(pn, native, pc, compiled)
 
 
+def test_native_kernel_bf16_weights_equal_eager(monkeypatch):
+    """bf16 weights and gradients through the C kernel: the eager kernel's state exactly; weights rounded to bf16
+    as torch's copy_ rounds, so the update's last-bit difference (sqrt) flips a few of them by one bf16 ulp."""
+    if mod._native_kernel() is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+    calls = _counting_native(monkeypatch)
+    runs = []
+    for compile in (None, False):
+        params = [torch.nn.Parameter(t.detach().bfloat16()) for t in _with_big()]
+        opt = AdamW8bit(params, lr=1e-2, weight_decay=0.1, compile=compile)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for q in params:
+                q.grad = (torch.randn(q.shape, generator=g) * 0.01).bfloat16()
+            opt.step()
+        runs.append((params, opt))
+    assert calls == [3] * 3  # 64x80, 300x23 and the big one (the transposed one and the small ones elsewhere)
+    (pn, native), (pe, eager) = runs
+    for a, b in zip(pn, pe):
+        assert all(torch.equal(v, eager.state[b][k]) for k, v in native.state[a].items())
+        assert (a != b).float().mean().item() <= 1e-3
+        torch.testing.assert_close(a.float(), b.float(), rtol=2.0**-7, atol=0.0)
+
+
 def test_native_kernel_without_openmp(monkeypatch, rebuild_native):
     """A compiler without OpenMP: built without it, Python threads split the blocks, same results."""
     lib = rebuild_native(mod, _OPENMP="-fno-such-openmp-flag").load("adamw8bit_cpu.c")
@@ -408,11 +432,12 @@ def test_state_dict_is_canonical():
             assert torch.equal(st[key], live[key])
 
 
-def test_bf16_weights():
+@pytest.mark.parametrize("compile", [False, None])  # eager, and the automatic path (the C kernel where built)
+def test_bf16_weights(compile):
     p = torch.nn.Parameter(torch.randn(64, 80).to(torch.bfloat16))
     small = torch.nn.Parameter(torch.randn(10).to(torch.bfloat16))
     ref = torch.nn.Parameter(p.detach().float())
-    opt, ref_opt = AdamW8bit([p, small], lr=1e-2, compile=False), torch.optim.AdamW([ref], lr=1e-2)
+    opt, ref_opt = AdamW8bit([p, small], lr=1e-2, compile=compile), torch.optim.AdamW([ref], lr=1e-2)
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
         grad = torch.randn(p.shape, generator=g)

@@ -1,4 +1,4 @@
-"""Blockwise 8-bit AdamW in plain PyTorch, with a C kernel for fp32 weights on CPU.
+"""Blockwise 8-bit AdamW in plain PyTorch, with a C kernel for fp32 and bf16 weights on CPU.
 
 Math: ``torch.optim.AdamW`` (decoupled weight decay, bias correction), fp32 arithmetic inside the step, and
 bitsandbytes' 8-bit state (``bnb.optim.AdamW8bit``): after each step the moments are stored as uint8 codes
@@ -25,7 +25,7 @@ it) instead of looking codes up in a table: inductor's C++ turns a gather into a
 this arithmetic. Decoded values are within 2 ulp of the table's (a relative 2e-7, far below
 the 8-bit step); encoding picks the nearest decoded value (ties within an ulp may go either way).
 
-Kernels, chosen per tensor by :func:`_choose`. On CPU, contiguous fp32 weights and gradients go through a C
+Kernels, chosen per tensor by :func:`_choose`. On CPU, contiguous fp32 or bf16 weights and gradients go through a C
 kernel (``adamw8bit_cpu.c``, built once per machine with the system C compiler, see :mod:`._native`): the
 same operations per block, all 8-bit tensors of a group in one call on torch's threads. It gives the compiled
 kernel's codes and absmaxes exactly and weights within an ulp of the update (sqrt: see the tests' docstring),
@@ -33,7 +33,7 @@ and must give the eager kernel's codes on a probe before it is used. It decodes 
 byte tables where the CPU has them) and finds the decade from the float's exponent, which inductor cannot
 express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.45x torch's fused fp32 AdamW
 step, against 5.6x for the compiled kernel and 19x for bitsandbytes' CPU kernel.
-Everything else (bf16 weights, other layouts, ``compile=True``, CUDA) gets one ``torch.compile``'d kernel
+Everything else (fp16 weights, other layouts, ``compile=True``, CUDA) gets one ``torch.compile``'d kernel
 per tensor and step. What bounds that one: decoding and encoding make the generated loop ~200 vector
 operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks at a time,
 which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
@@ -215,7 +215,7 @@ def _run_kernel(kernel, device, *args):
 
 
 def _choose(p: Tensor, g: Tensor, compile: bool | None):
-    """The one dispatch point: the C kernel for plain contiguous fp32 tensors on CPU (automatic mode only), else
+    """The one dispatch point: the C kernel for plain contiguous fp32/bf16 tensors on CPU (automatic mode only), else
     the compiled kernel unless ``compile=False`` or compiling failed earlier, else the eager one."""
     if compile is None and _native_fits(p, g):
         native = _native_kernel()
@@ -242,8 +242,9 @@ def _zero_8bit_state(numel: int, device) -> dict:
 
 
 def _native_fits(p: Tensor, g: Tensor) -> bool:
-    return (p.device.type == "cpu" and p.dtype == g.dtype == torch.float32 and p.is_contiguous()
-            and g.is_contiguous() and all(type(t) in (Tensor, torch.nn.Parameter) for t in (p, g)))
+    plain = all(type(t) in (Tensor, torch.nn.Parameter) for t in (p, g))
+    return (plain and p.device.type == "cpu" and p.dtype == g.dtype and p.dtype in (torch.float32, torch.bfloat16)
+            and p.is_contiguous() and g.is_contiguous())
 
 
 @lru_cache(maxsize=None)
@@ -261,7 +262,7 @@ def _native_kernel():
         lib = _native.load("adamw8bit_cpu.c")
         if lib is not None:
             fn = lib.adamw8bit_step
-            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 9 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
             fn.restype = None
             fn.lib = lib
             if _native_agrees_with_eager(fn):
@@ -299,9 +300,11 @@ def _native_step(fn, items) -> None:
     numel = [p.numel() for p, _, _, _ in items]
     column = lambda key: [st[key] for _, _, st, _ in items]  # noqa: E731
     coef = [c for _, _, _, cs in items for c in cs]
+    bf16 = [p.dtype == torch.bfloat16 for p, _, _, _ in items]
     args = (len(items), pointers([p for p, _, _, _ in items]), pointers([g for _, g, _, _ in items]),
             *map(pointers, map(column, ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"))),
-            (ctypes.c_int64 * len(numel))(*numel), _maps().data_ptr(), (ctypes.c_float * len(coef))(*coef))
+            (ctypes.c_int64 * len(numel))(*numel), (ctypes.c_int32 * len(items))(*bf16), _maps().data_ptr(),
+            (ctypes.c_float * len(coef))(*coef))
     _native.run_split(fn.lib, fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK)
 
 

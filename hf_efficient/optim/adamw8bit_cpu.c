@@ -1,4 +1,4 @@
-/* AdamW8bit's step on CPU for fp32 weights and gradients: adamw8bit._kernel's operations in its order, one
+/* AdamW8bit's step on CPU for fp32 or bf16 weights and gradients: adamw8bit._kernel's operations in its order, one
  * block of 256 elements at a time in plain C that the compiler vectorizes (-O3 -ffp-contract=off: every fp32
  * operation rounds as torch's eager ops do).
  *
@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-#include "native_parallel.h"
+#include "native.h"
 
 #define BLOCK 256
 #define WORDS 64
@@ -215,39 +215,55 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
     *av = v_max;
 }
 
+/* Block i of tensor x (fp32, or bf16 where is_bf16) into 256 floats, zero-padded past `valid` elements. */
+static void load_block(float *restrict out, const void *x, int64_t i, int64_t valid, int is_bf16) {
+    memset(out, 0, BLOCK * sizeof(float));
+    if (is_bf16)
+        for (int64_t e = 0; e < valid; e++)
+            out[e] = bf16_to_f32(((const uint16_t *)x)[i * BLOCK + e]);
+    else
+        memcpy(out, (const float *)x + i * BLOCK, valid * sizeof(float));
+}
+
 /* Blocks [start, end) of the concatenation of `count` tensors' blocks (a tensor of n elements has
- * ceil(n / 256) blocks; its last, partial block is padded with zeros here, as adamw8bit._step_8bit does). */
-static void step_range(int64_t count, float *const *p, const float *const *g, uint32_t *const *wm,
-                       uint32_t *const *wv, float *const *am, float *const *av, const int64_t *numel,
+ * ceil(n / 256) blocks; its last, partial block is padded with zeros here, as adamw8bit._step_8bit does).
+ * Weights and gradients are fp32, or bf16 where bf16[t] (rounded to nearest even on store, as torch's copy_). */
+static void step_range(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, uint32_t *const *wv,
+                       float *const *am, float *const *av, const int64_t *numel, const int32_t *bf16,
                        const map_t *maps, const float *coef, int64_t start, int64_t end) {
     int64_t offset = 0;
     for (int64_t t = 0; t < count && offset < end; t++) {
         int64_t blocks = (numel[t] + BLOCK - 1) / BLOCK;
         int64_t a = start > offset ? start - offset : 0, b = end - offset < blocks ? end - offset : blocks;
         for (int64_t i = a; i < b; i++) {
-            int64_t first = i * BLOCK, valid = numel[t] - first < BLOCK ? numel[t] - first : BLOCK;
-            if (valid == BLOCK) {
-                step_block(p[t] + first, g[t] + first, wm[t] + i * WORDS, wv[t] + i * WORDS, am[t] + i, av[t] + i,
-                           maps, coef + 8 * t);
-            } else {
-                float pp[BLOCK] = {0}, gg[BLOCK] = {0};
-                memcpy(pp, p[t] + first, valid * sizeof(float));
-                memcpy(gg, g[t] + first, valid * sizeof(float));
-                step_block(pp, gg, wm[t] + i * WORDS, wv[t] + i * WORDS, am[t] + i, av[t] + i, maps, coef + 8 * t);
-                memcpy(p[t] + first, pp, valid * sizeof(float));
+            int64_t valid = numel[t] - i * BLOCK < BLOCK ? numel[t] - i * BLOCK : BLOCK;
+            uint32_t *wmi = wm[t] + i * WORDS, *wvi = wv[t] + i * WORDS;
+            if (valid == BLOCK && !bf16[t]) {
+                step_block((float *)p[t] + i * BLOCK, (const float *)g[t] + i * BLOCK, wmi, wvi, am[t] + i,
+                           av[t] + i, maps, coef + 8 * t);
+                continue;
             }
+            float pp[BLOCK], gg[BLOCK];
+            load_block(pp, p[t], i, valid, bf16[t]);
+            load_block(gg, g[t], i, valid, bf16[t]);
+            step_block(pp, gg, wmi, wvi, am[t] + i, av[t] + i, maps, coef + 8 * t);
+            if (bf16[t])
+                for (int64_t e = 0; e < valid; e++)
+                    ((uint16_t *)p[t])[i * BLOCK + e] = f32_to_bf16(pp[e]);
+            else
+                memcpy((float *)p[t] + i * BLOCK, pp, valid * sizeof(float));
         }
         offset += blocks;
     }
 }
 
-/* The step of all the tensors in one call, blocks [start, end) split over `threads` (see native_parallel.h). */
-void adamw8bit_step(int64_t count, float *const *p, const float *const *g, uint32_t *const *wm,
-                    uint32_t *const *wv, float *const *am, float *const *av, const int64_t *numel,
+/* The step of all the tensors in one call, blocks [start, end) split over `threads` (see native.h). */
+void adamw8bit_step(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, uint32_t *const *wv,
+                    float *const *am, float *const *av, const int64_t *numel, const int32_t *bf16,
                     const float *maps, const float *coef, int64_t start, int64_t end, int threads) {
     map_t tables[2];
     build_map(&tables[0], maps, maps + 512, 1);
     build_map(&tables[1], maps + 256, maps + 520, 0);
     PARALLEL_RANGES(start, end, threads,
-                    step_range(count, p, g, wm, wv, am, av, numel, tables, coef, range_start, range_end));
+                    step_range(count, p, g, wm, wv, am, av, numel, bf16, tables, coef, range_start, range_end));
 }

@@ -14,23 +14,7 @@
 #include <string.h>
 #include <math.h>
 
-#include "native_parallel.h"
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch, but with no NaN test: every NaN here is a quieted bf16 NaN (low 16 bits
- * zero) or the CPU's default NaN, which this rounding keeps NaN (torch's test only picks the payload, and its
- * own vectorized and scalar conversions disagree on that). 10% of the loop's time on one core. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
+#include "native.h"
 
 static inline uint32_t hash32(uint32_t key, uint32_t idx) { /* adamw_bf16._hash */
     uint32_t h = idx * 0x9E3779B1u + key;

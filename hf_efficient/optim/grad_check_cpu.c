@@ -6,7 +6,7 @@
  */
 #include <stdint.h>
 
-#include "native_parallel.h"
+#include "native.h"
 
 static int any_nonfinite(const void *data, int kind, int64_t a, int64_t b) {
     int bad = 0;
