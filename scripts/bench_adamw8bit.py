@@ -4,6 +4,7 @@ AdamW8bit (and torchao's, with --torchao), on tensors shaped like a BERT-base la
     python scripts/bench_adamw8bit.py                     # 768x768, 768x3072, 3072x768, 30522x768
     python scripts/bench_adamw8bit.py --threads 1 --reps 15
     python scripts/bench_adamw8bit.py --quick             # 1024x1024 only
+    python scripts/bench_adamw8bit.py --bf16              # the 8-bit optimizers on bf16 weights
 
 Method: one parameter per shape, fixed random gradients, every tensor 8-bit (``min_8bit_size=0``). After
 warm-up (which compiles), each repetition runs one step of every optimizer in turn, starting at a different
@@ -28,14 +29,14 @@ from hf_efficient.optim.adamw8bit import AdamW8bit  # noqa: E402
 SHAPES = [(768, 768), (768, 3072), (3072, 768), (30522, 768)]
 
 
-def _optimizers(shape, torchao: bool) -> dict:
-    def param():
+def _optimizers(shape, torchao: bool, dtype: torch.dtype = torch.float32) -> dict:
+    def param(dtype=dtype):  # the 8-bit optimizers get ``dtype`` weights; the reference stays fp32
         g = torch.Generator().manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
-        p.grad = torch.randn(shape, generator=g) * 1e-3
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(dtype))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
         return [p]
 
-    out = {"torch fused fp32 AdamW": torch.optim.AdamW(param(), lr=1e-3, fused=True),
+    out = {"torch fused fp32 AdamW": torch.optim.AdamW(param(torch.float32), lr=1e-3, fused=True),
            "hf_efficient AdamW8bit": AdamW8bit(param(), lr=1e-3, min_8bit_size=0),  # its C kernel on CPU
            "hf_efficient AdamW8bit, compile=True": AdamW8bit(param(), lr=1e-3, min_8bit_size=0, compile=True)}
     try:
@@ -58,13 +59,14 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one 1024x1024 tensor")
     ap.add_argument("--torchao", action="store_true", help="also torchao's AdamW8bit (~30 s compile per shape)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 weights and gradients for the 8-bit optimizers")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     info = machine()
     rows = []
     for shape in [(1024, 1024)] if args.quick else SHAPES:
-        opts = _optimizers(shape, args.torchao)
+        opts = _optimizers(shape, args.torchao, torch.bfloat16 if args.bf16 else torch.float32)
         for opt in opts.values():
             for _ in range(args.warmup):
                 opt.step()
