@@ -225,36 +225,37 @@ static void load_block(float *restrict out, const void *x, int64_t i, int64_t va
         memcpy(out, (const float *)x + i * BLOCK, valid * sizeof(float));
 }
 
-/* Blocks [start, end) of the concatenation of `count` tensors' blocks (a tensor of n elements has
- * ceil(n / 256) blocks; its last, partial block is padded with zeros here, as adamw8bit._step_8bit does).
- * Weights and gradients are fp32, or bf16 where bf16[t] (rounded to nearest even on store, as torch's copy_). */
+/* Blocks [first, last) of one tensor of n elements (its last, partial block padded with zeros here, as
+ * adamw8bit._step_8bit does). Weights and gradients are fp32, or bf16 where is_bf16 (rounded to nearest even
+ * on store, as torch's copy_). */
+static void step_blocks(void *p, const void *g, uint32_t *wm, uint32_t *wv, float *am, float *av, int64_t n,
+                        int is_bf16, const map_t *maps, const float *coef, int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; i++) {
+        int64_t valid = n - i * BLOCK < BLOCK ? n - i * BLOCK : BLOCK;
+        if (valid == BLOCK && !is_bf16) {
+            step_block((float *)p + i * BLOCK, (const float *)g + i * BLOCK, wm + i * WORDS, wv + i * WORDS, am + i,
+                       av + i, maps, coef);
+            continue;
+        }
+        float pp[BLOCK], gg[BLOCK];
+        load_block(pp, p, i, valid, is_bf16);
+        load_block(gg, g, i, valid, is_bf16);
+        step_block(pp, gg, wm + i * WORDS, wv + i * WORDS, am + i, av + i, maps, coef);
+        if (is_bf16)
+            for (int64_t e = 0; e < valid; e++)
+                ((uint16_t *)p)[i * BLOCK + e] = f32_to_bf16(pp[e]);
+        else
+            memcpy((float *)p + i * BLOCK, pp, valid * sizeof(float));
+    }
+}
+
+/* Blocks [start, end) of the concatenation of `count` tensors' blocks (ceil(n / 256) for n elements). */
 static void step_range(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, uint32_t *const *wv,
                        float *const *am, float *const *av, const int64_t *numel, const int32_t *bf16,
                        const map_t *maps, const float *coef, int64_t start, int64_t end) {
-    int64_t offset = 0;
-    for (int64_t t = 0; t < count && offset < end; t++) {
-        int64_t blocks = (numel[t] + BLOCK - 1) / BLOCK;
-        int64_t a = start > offset ? start - offset : 0, b = end - offset < blocks ? end - offset : blocks;
-        for (int64_t i = a; i < b; i++) {
-            int64_t valid = numel[t] - i * BLOCK < BLOCK ? numel[t] - i * BLOCK : BLOCK;
-            uint32_t *wmi = wm[t] + i * WORDS, *wvi = wv[t] + i * WORDS;
-            if (valid == BLOCK && !bf16[t]) {
-                step_block((float *)p[t] + i * BLOCK, (const float *)g[t] + i * BLOCK, wmi, wvi, am[t] + i,
-                           av[t] + i, maps, coef + 8 * t);
-                continue;
-            }
-            float pp[BLOCK], gg[BLOCK];
-            load_block(pp, p[t], i, valid, bf16[t]);
-            load_block(gg, g[t], i, valid, bf16[t]);
-            step_block(pp, gg, wmi, wvi, am[t] + i, av[t] + i, maps, coef + 8 * t);
-            if (bf16[t])
-                for (int64_t e = 0; e < valid; e++)
-                    ((uint16_t *)p[t])[i * BLOCK + e] = f32_to_bf16(pp[e]);
-            else
-                memcpy((float *)p[t] + i * BLOCK, pp, valid * sizeof(float));
-        }
-        offset += blocks;
-    }
+    FOR_EACH_PIECE(count, (numel[t] + BLOCK - 1) / BLOCK, start, end,
+                   step_blocks(p[t], g[t], wm[t], wv[t], am[t], av[t], numel[t], bf16[t], maps, coef + 8 * t,
+                               piece_start, piece_end));
 }
 
 /* The step of all the tensors in one call, blocks [start, end) split over `threads` (see native.h). */

@@ -74,12 +74,9 @@ static void step_one(uint16_t *restrict p, const uint16_t *restrict g, uint16_t 
 static void step_range(int64_t count, uint16_t *const *p, uint16_t *const *g, uint16_t *const *m,
                        uint16_t *const *v, uint16_t *const *c, const int64_t *numel, const int32_t *keys,
                        const float *coef, int64_t start, int64_t end, int mode) {
-    int64_t offset = 0;
-    for (int64_t t = 0; t < count && offset < end; offset += numel[t], t++) {
-        int64_t a = start > offset ? start - offset : 0, b = end - offset < numel[t] ? end - offset : numel[t];
-        if (a < b)
-            step_one(p[t], g[t], m[t], v[t], c ? c[t] : NULL, coef, keys[2 * t], keys[2 * t + 1], a, b, mode);
-    }
+    FOR_EACH_PIECE(count, numel[t], start, end,
+                   step_one(p[t], g[t], m[t], v[t], c ? c[t] : NULL, coef, keys[2 * t], keys[2 * t + 1], piece_start,
+                            piece_end, mode));
 }
 
 /* The step of all the tensors in one call: [start, end) split over `threads` OpenMP threads. Built with

@@ -26,12 +26,10 @@ static int any_nonfinite(const void *data, int kind, int64_t a, int64_t b) {
 /* The first tensor in [start, end) holding an inf or NaN, or -1. */
 static int64_t scan_range(int64_t count, const void *const *data, const int64_t *numel, const int32_t *kind,
                           int64_t start, int64_t end) {
-    int64_t offset = 0;
-    for (int64_t t = 0; t < count && offset < end; offset += numel[t], t++) {
-        int64_t a = start > offset ? start - offset : 0, b = end - offset < numel[t] ? end - offset : numel[t];
-        if (a < b && any_nonfinite(data[t], kind[t], a, b))
+    FOR_EACH_PIECE(count, numel[t], start, end, {
+        if (any_nonfinite(data[t], kind[t], piece_start, piece_end))
             return t;
-    }
+    });
     return -1;
 }
 

@@ -1,4 +1,5 @@
-/* Shared by this package's C kernels: bf16 conversions as torch's, and the split of a range over threads. */
+/* Shared by this package's C kernels: bf16 conversions as torch's, the tensors a range of their concatenation
+ * covers, and the split of a range over threads. */
 #ifndef HF_EFF_NATIVE_H
 #define HF_EFF_NATIVE_H
 #include <stdint.h>
@@ -19,6 +20,15 @@ static inline uint16_t f32_to_bf16(float f) {
     memcpy(&b, &f, 4);
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
+
+/* BODY for each tensor t among `count` whose items [piece_start, piece_end), numbered within t, fall in
+ * [start, end) of the tensors' concatenation; `items` is an expression of t: how many items tensor t has. */
+#define FOR_EACH_PIECE(count, items, start, end, BODY)                                                    \
+    for (int64_t t = 0, offset_ = 0; t < (count) && offset_ < (end); offset_ += (items), t++) {           \
+        int64_t piece_start = (start) > offset_ ? (start) - offset_ : 0;                                  \
+        int64_t piece_end = (end) - offset_ < (items) ? (end) - offset_ : (items);                        \
+        if (piece_start < piece_end) BODY;                                                                \
+    }
 
 /* Run BODY on `threads` disjoint pieces of [start, end), each a multiple of 64 items (cache lines of every
  * dtype) but the last, as `range_start` / `range_end`. With OpenMP the pieces run on its threads; without it,
