@@ -120,11 +120,12 @@ def compiler_missing(device_type: str) -> str | None:
     C++ compiler for torch.compile; on CUDA: no Triton), or None. Without it the kernel runs eagerly, slower
     than bitsandbytes: prefer that then."""
     import importlib.util
-    import os
     import shutil
 
+    from .optim._native import c_compiler
+
     if device_type == "cpu":
-        found = os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang", "g++", "c++", "clang++"))
+        found = c_compiler() or any(shutil.which(c) for c in ("g++", "c++", "clang++"))
         return None if found else "needs a C or C++ compiler to build its kernel (none found)"
     if device_type == "cuda":
         return None if importlib.util.find_spec("triton") else "needs Triton to compile its CUDA kernel (not installed)"

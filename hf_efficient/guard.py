@@ -21,6 +21,7 @@ import types
 import torch
 
 from . import checkpoint
+from .optim import _native
 from .options import check_hyperparams
 
 __all__ = ["protect", "check_params", "first_nonfinite"]
@@ -54,23 +55,19 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # grad_check_c
 def _first_bad_native(grads: list[torch.Tensor]) -> int | None:
     """Index of the first gradient holding an inf or NaN, -1 if none, via the C scan (``grad_check_cpu.c``);
     None where it does not apply (not all plain contiguous CPU fp32/bf16/fp16 tensors, or no C compiler)."""
-    if not all(type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype in _KINDS and g.is_contiguous()
-               for g in grads):
+    if not (_native.plain(*grads) and all(g.device.type == "cpu" and g.dtype in _KINDS and g.is_contiguous()
+                                          for g in grads)):
         return None
-    from .optim import _native
-
     lib = _native.load("grad_check_cpu.c")
     if lib is None:
         return None
-    fn = lib.first_nonfinite
-    if fn.restype is not ctypes.c_int64:
-        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        fn.restype = ctypes.c_int64
+    fn = _native.bind(lib, "first_nonfinite", [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                      + [ctypes.c_int], ctypes.c_int64)
     count = len(grads)
     numel = [g.numel() for g in grads]
-    args = (count, (ctypes.c_void_p * count)(*(g.data_ptr() for g in grads)), (ctypes.c_int64 * count)(*numel),
+    args = (count, _native.pointers(grads), (ctypes.c_int64 * count)(*numel),
             (ctypes.c_int32 * count)(*(_KINDS[g.dtype] for g in grads)))
-    found = [i for i in _native.run_split(lib, fn, args, sum(numel)) if i >= 0]
+    found = [i for i in _native.run_split(fn, args, sum(numel)) if i >= 0]
     return min(found, default=-1)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "run_split"]
+__all__ = ["c_compiler", "load", "bind", "plain", "pointers", "run_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,16 @@ def _build(cc: str, src: Path, flags: list[str], version: str) -> Path:
     return lib
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else the first of cc, gcc, clang on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 @lru_cache(maxsize=None)
 def load(source: str) -> ctypes.CDLL | None:
     """The compiled library of ``source`` (a file beside this module), or None with a logged reason. Its
     attribute ``openmp`` says whether it was built with OpenMP (else :func:`run_split` uses Python threads)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = c_compiler()
     if cc is None or platform.system() == "Windows":
         logger.info("hf_efficient: no C compiler found; %s is not used", source)
         return None
@@ -92,17 +97,35 @@ def load(source: str) -> ctypes.CDLL | None:
         return None
 
 
+def bind(lib: ctypes.CDLL, symbol: str, argtypes: list, restype=None):
+    """``lib``'s function ``symbol`` with its C signature, for :func:`run_split` (which reads its ``openmp``)."""
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype, fn.openmp = argtypes, restype, lib.openmp
+    return fn
+
+
+def plain(*tensors: torch.Tensor) -> bool:
+    """No tensor subclass among ``tensors``: a subclass (an FSDP2 DTensor shard, whose ``numel()`` is global) is
+    not memory a kernel may address."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def pointers(tensors) -> ctypes.Array:
+    """The data pointers of ``tensors``, as a C array."""
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
 @lru_cache(maxsize=None)
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hf_eff_native")
 
 
-def run_split(lib: ctypes.CDLL, fn, args: tuple, n: int, unit: int = 1, align: int = 64) -> list:
-    """``fn(*args, start, end, threads)`` over ``[0, n)`` (items of ``unit`` elements) on up to torch's thread
-    count: one call that splits the range over its OpenMP threads, or (a library without OpenMP) one call per
-    Python thread on disjoint ranges. Returns what the calls returned."""
+def run_split(fn, args: tuple, n: int, unit: int = 1, align: int = 64) -> list:
+    """``fn(*args, start, end, threads)`` (a :func:`bind` result) over ``[0, n)`` (items of ``unit`` elements) on up
+    to torch's thread count: one call that splits the range over its OpenMP threads, or (a library without
+    OpenMP) one call per Python thread on disjoint ranges. Returns what the calls returned."""
     threads = max(1, min(torch.get_num_threads(), n * unit // _MIN_PER_THREAD))
-    if lib.openmp or threads == 1:
+    if fn.openmp or threads == 1:
         return [fn(*args, 0, n, threads)]
     per = -(-n // threads // align) * align
     futures = [_pool(threads).submit(fn, *args, a, min(a + per, n), 1) for a in range(0, n, per)]

@@ -242,8 +242,7 @@ def _zero_8bit_state(numel: int, device) -> dict:
 
 
 def _native_fits(p: Tensor, g: Tensor) -> bool:
-    plain = all(type(t) in (Tensor, torch.nn.Parameter) for t in (p, g))
-    return (plain and p.device.type == "cpu" and p.dtype == g.dtype and p.dtype in (torch.float32, torch.bfloat16)
+    return (_native.plain(p, g) and p.device.type == "cpu" and p.dtype == g.dtype and p.dtype in (torch.float32, torch.bfloat16)
             and p.is_contiguous() and g.is_contiguous())
 
 
@@ -261,10 +260,8 @@ def _native_kernel():
         _COMPILED["native"] = None
         lib = _native.load("adamw8bit_cpu.c")
         if lib is not None:
-            fn = lib.adamw8bit_step
-            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-            fn.restype = None
-            fn.lib = lib
+            fn = _native.bind(lib, "adamw8bit_step",
+                              [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
             if _native_agrees_with_eager(fn):
                 _COMPILED["native"] = fn
             else:
@@ -296,7 +293,7 @@ def _native_agrees_with_eager(fn) -> bool:
 
 def _native_step(fn, items) -> None:
     """``items``: (weight, gradient, state, coefficients) of each tensor; one call, blocks split over threads."""
-    pointers = lambda ts: (ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))  # noqa: E731
+    pointers = _native.pointers
     numel = [p.numel() for p, _, _, _ in items]
     column = lambda key: [st[key] for _, _, st, _ in items]  # noqa: E731
     coef = [c for _, _, _, cs in items for c in cs]
@@ -305,7 +302,7 @@ def _native_step(fn, items) -> None:
             *map(pointers, map(column, ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"))),
             (ctypes.c_int64 * len(numel))(*numel), (ctypes.c_int32 * len(items))(*bf16), _maps().data_ptr(),
             (ctypes.c_float * len(coef))(*coef))
-    _native.run_split(fn.lib, fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK)
+    _native.run_split(fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK)
 
 
 def _coefficients(*, lr, beta1, beta2, eps, weight_decay, step) -> list[float]:
@@ -451,7 +448,7 @@ class AdamW8bit(Optimizer):
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"])
             lists = [[] for _ in range(5)]  # fp32-state tensors: params, grads, exp_avgs, exp_avg_sqs, steps
-            coefs = {}  # (step, device) -> coefficient tensor
+            coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
             native = []  # (p, grad, state, coefficients) of the tensors that go to the C kernel, in one call
             for p in group["params"]:
                 if p.grad is None:
@@ -466,12 +463,13 @@ class AdamW8bit(Optimizer):
                 state["step"] += 1
                 key = (int(state["step"].item()), p.device)
                 if key not in coefs:
-                    coefs[key] = _coefficients(step=key[0], **hyper)
+                    coef = _coefficients(step=key[0], **hyper)
+                    coefs[key] = coef, torch.tensor(coef, dtype=torch.float32, device=p.device)
                 kernel = _choose(p, p.grad, group["compile"])
                 if kernel is _COMPILED.get("native"):
-                    native.append((p.detach(), p.grad, state, coefs[key]))
+                    native.append((p.detach(), p.grad, state, coefs[key][0]))
                 else:
-                    _step_8bit(p, p.grad, state, torch.tensor(coefs[key], dtype=torch.float32, device=p.device), kernel)
+                    _step_8bit(p, p.grad, state, coefs[key][1], kernel)
             if native:
                 _native_step(_COMPILED["native"], native)
             if lists[0]:

@@ -375,11 +375,8 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
         _COMPILED[key] = None
         lib = _native.load("adamw_bf16_cpu.c")
         if lib is not None:
-            fn = lib.adamw_bf16_step
-            fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                                                       ctypes.c_int]
-            fn.restype = None
-            fn.lib = lib
+            fn = _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
+                              + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
 
             def run(p, g, m, v, c, k, coef):
                 _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef)
@@ -403,12 +400,12 @@ def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, co
                        pick(comps), pick(keys), coef)
     if not ok:
         return
-    pointers = lambda ts: (ctypes.c_void_p * len(ok))(*(ts[i].data_ptr() for i in ok))  # noqa: E731
+    pointers = lambda ts: _native.pointers([ts[i] for i in ok])  # noqa: E731
     numel = [params[i].numel() for i in ok]
     both = [k for i in ok for k in ((keys[i], keys[i] ^ _WEIGHT_STREAM) if keys else (0, 0))]
     args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, (ctypes.c_int64 * len(ok))(*numel),
             (ctypes.c_int32 * len(both))(*both), (ctypes.c_float * len(coef))(*coef), _MODES[mode])
-    _native.run_split(fn.lib, fn, args, sum(numel))
+    _native.run_split(fn, args, sum(numel))
 
 
 def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None,
@@ -478,7 +475,7 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     torch._foreach_add_([state_steps[i] for i in low], 1)
     groups = defaultdict(list)  # tensors sharing step, device, dtype and plainness share coefficients and a kernel
     for i in low:
-        plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (params[i], grads[i]))
+        plain = _native.plain(params[i], grads[i])
         groups[(int(state_steps[i].item()), params[i].device, params[i].dtype, plain)].append(i)
     for (step, device, dtype, plain), idx in groups.items():
         name, run, kernel = _choose(compensation, device, dtype, foreach, compile, plain)
