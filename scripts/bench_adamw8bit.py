@@ -1,5 +1,6 @@
-"""Step time of this package's 8-bit AdamW (torch backend: its C kernel on CPU, and its compiled kernel) beside torch's fused fp32 AdamW and bitsandbytes'
-AdamW8bit (and torchao's, with --torchao), on tensors shaped like a BERT-base layer and its embedding.
+"""Step time of this package's 8-bit AdamW (torch backend: its C kernel on CPU, and its compiled kernel) beside
+torch's fused fp32 AdamW and bitsandbytes' AdamW8bit (and torchao's, with --torchao), on tensors shaped like a
+BERT-base layer and its embedding.
 
     python scripts/bench_adamw8bit.py                     # 768x768, 768x3072, 3072x768, 30522x768
     python scripts/bench_adamw8bit.py --threads 1 --reps 15
