@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate"]
+__all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
 
 FORMAT = 1
 BLOCK = 256
@@ -196,3 +196,33 @@ def validate(state_dict: dict, family: str, name: str, param_names: list[str], p
                 raise ValueError(f"the state of parameter {pname!r} has {key} of shape {tuple(value.shape)}, but the "
                                  f"parameter has shape {tuple(p.shape)}: the checkpoint is for another model or "
                                  f"another optimizer")
+
+
+# --- what an optimizer made by create_optimizer does on state_dict() / load_state_dict() -----------------
+
+
+def save(sd: dict, spec, backend: str, info) -> dict:
+    """The backend's state dict ``sd`` in the canonical layout, tagged with what wrote it."""
+    sd = dict(sd, state=to_canonical(spec.family, backend, sd["state"]), param_groups=groups_to_canonical(sd["param_groups"]))
+    sd[_TAG] = {"name": spec.name, "family": spec.family, "backend": backend, "format": FORMAT,
+                "skipped_steps": info.skipped_steps, "steps": info.steps}
+    return sd
+
+
+def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_names: list[str]) -> None:
+    """Validate ``sd`` against ``optimizer`` (a tagged canonical dict, or an untagged one of ``backend``'s own
+    layout), convert it to ``backend``'s layout and hand it to the backend's ``load_state_dict``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    tag = tag_of(sd)
+    state = sd.get("state", {})
+    if tag is None:  # written by the bare backend: read it in that backend's own layout
+        state = to_canonical(spec.family, backend, state)
+    validate(dict(sd, state=state), spec.family, spec.name, param_names, params)
+    by_id = dict(enumerate(params))
+    saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    native = from_canonical(spec.family, backend, dict(state), {pid: by_id[i] for i, pid in enumerate(saved_ids)})
+    plain = {k: v for k, v in sd.items() if k != _TAG}
+    load_state_dict(dict(plain, state=native, param_groups=groups_from_canonical(
+        backend, sd["param_groups"], optimizer.param_groups)))
+    if tag is not None:
+        info.skipped_steps, info.steps = tag.get("skipped_steps", 0), tag.get("steps", 0)

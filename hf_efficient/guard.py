@@ -151,30 +151,10 @@ def protect(optimizer, info) -> None:
         add_group(dict(group, params=params, **({"param_names": names} if named else {})))
 
     def tagged_state_dict(self) -> dict:
-        sd = state_dict()
-        sd = dict(sd, state=checkpoint.to_canonical(spec.family, backend, sd["state"]),
-                  param_groups=checkpoint.groups_to_canonical(sd["param_groups"]))
-        sd[checkpoint._TAG] = {"name": spec.name, "family": spec.family, "backend": backend,
-                               "format": checkpoint.FORMAT, "skipped_steps": info.skipped_steps, "steps": info.steps}
-        return sd
+        return checkpoint.save(state_dict(), spec, backend, info)
 
     def checked_load_state_dict(self, sd: dict) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        tag = checkpoint.tag_of(sd)
-        state = sd.get("state", {})
-        if tag is None:  # written by the bare backend: read it in that backend's own layout
-            state = checkpoint.to_canonical(spec.family, backend, state)
-        checkpoint.validate(dict(sd, state=state), spec.family, spec.name, _names(optimizer), params)
-        by_id = dict(enumerate(params))
-        saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
-        state = {pid: st for pid, st in state.items()}
-        native = checkpoint.from_canonical(spec.family, backend, state,
-                                           {pid: by_id[i] for i, pid in enumerate(saved_ids)})
-        plain = {k: v for k, v in sd.items() if k != checkpoint._TAG}
-        load_state_dict(dict(plain, state=native, param_groups=checkpoint.groups_from_canonical(
-            backend, sd["param_groups"], optimizer.param_groups)))
-        if tag is not None:
-            info.skipped_steps, info.steps = tag.get("skipped_steps", 0), tag.get("steps", 0)
+        checkpoint.load(optimizer, load_state_dict, sd, spec, backend, info, _names(optimizer))
 
     # bound methods, as torch's LR schedulers re-wrap ``optimizer.step.__func__``
     optimizer.step = types.MethodType(guarded_step, optimizer)
