@@ -61,7 +61,8 @@ def _bnb_class(paged: bool) -> type:
                 config["optim_bits"] = 32
             return config
 
-    AdamW8bit.__qualname__ = AdamW8bit.__name__ = "PagedAdamW8bit" if paged else "AdamW8bit"
+    AdamW8bit.__name__ = "PagedAdamW8bit" if paged else "AdamW8bit"
+    AdamW8bit.__qualname__ = "BnbPagedAdamW8bit" if paged else "BnbAdamW8bit"  # found by pickle: __getattr__ below
     return AdamW8bit
 
 
@@ -103,7 +104,20 @@ def _torchao_class() -> type:
                 return torch.zeros_like(p)
             return super()._new_buffer(p, signed)
 
+    AdamW8bit.__qualname__ = "TorchaoAdamW8bit"
     return AdamW8bit
+
+
+_LAZY_CLASSES = {"BnbAdamW8bit": lambda: _bnb_class(False), "BnbPagedAdamW8bit": lambda: _bnb_class(True),
+                 "TorchaoAdamW8bit": _torchao_class}
+
+
+def __getattr__(name: str):
+    """The wrapper classes of optional backends, built on first use, by name: so that pickle (a saved optimizer
+    object, ``copy.deepcopy``) finds them as ``hf_efficient.backends.<name>``."""
+    if name in _LAZY_CLASSES:
+        return _LAZY_CLASSES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @_with_cls(_torchao_class)

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from .guard import check_params, protect
+from .guard import check_group_flags, check_params, check_unique, protect
 from .options import check_hyperparams, parse_options
 from .param_groups import DecaySplit, build_param_groups, param_device, split_parameters
 from .registry import Resolution, get_spec, resolve
@@ -78,8 +78,12 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
         keep_fp32 = [split.params[n] for n in split.embeddings] if options.get("embedding_state") == "32bit" else []
     else:
         split, groups, keep_fp32 = None, _as_groups(model), []
-    device = param_device(p for g in groups for p in g["params"])
-    check_params(_named(groups), spec)
+    named = list(_named(groups))
+    check_params(named, spec)
+    check_unique(named)
+    for g in groups:
+        check_group_flags(g, {"maximize": None, "amsgrad": None} if spec.name == "adamw" else {}, spec.trainer_name)
+    device = param_device(p for _, p in named)
     res = resolve(spec.name, device, options["backend"])
     optimizer = res.spec.backends[res.backend].build(
         groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,
@@ -96,11 +100,23 @@ def _named(groups):
 
 
 def _as_groups(params) -> list[dict]:
+    if isinstance(params, torch.Tensor):
+        params = [params]
     items = list(params)
     if not items:
-        raise ValueError("create_optimizer got an empty parameter list")
+        raise ValueError("create_optimizer got an empty parameter list: pass a module, model.parameters() or "
+                         "param groups")
     if isinstance(items[0], dict):
-        return [dict(g, params=list(g["params"])) for g in items]
+        groups = []
+        for gi, g in enumerate(items):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"create_optimizer: param group {gi} is {g!r}; every group must be a dict with a "
+                                "'params' list")
+            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+            if not ps:
+                raise ValueError(f"create_optimizer: param group {gi} has no parameters (its 'params' is empty)")
+            groups.append(dict(g, params=ps))
+        return groups
     if isinstance(items[0], tuple):  # named_parameters()
         return [{"params": [p for _, p in items], "param_names": [n for n, _ in items]}]
     return [{"params": items}]

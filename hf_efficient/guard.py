@@ -1,22 +1,29 @@
 """Protections installed on every optimizer :func:`create_optimizer` builds, whatever its backend.
 
-- ``nonfinite``: an inf/NaN gradient is checked for before the step touches any state. One inf poisons a
-  whole block's scale of quantized state forever, so the default is ``"raise"``; ``"skip"`` skips the step
-  for all parameters and counts it; ``"ignore"`` is torch's behaviour.
-- ``add_param_group`` validates hyperparameters, dtypes and device before the group is added.
-- ``state_dict`` writes the canonical, tagged layout of :mod:`hf_efficient.checkpoint`; ``load_state_dict``
-  validates and converts before the backend sees anything.
+- ``nonfinite``: a gradient holding an inf or NaN, or a finite value whose square overflows fp32 (``|g| >= 2**64``,
+  which would make the second moment inf), is found before the step touches any state. One such value poisons a
+  whole block's scale of quantized state forever, so the default is ``"raise"``; ``"skip"`` skips the step for
+  all parameters and counts it; ``"ignore"`` is torch's behaviour.
+- Gradients reach the backend in their parameter's layout (torch's fused CPU AdamW reads a transposed or expanded
+  gradient as if it had the parameter's strides); the user's ``p.grad`` is put back after the step, untouched.
+- A ``GradScaler`` always unscales and checks before calling ``step`` (torch's fused kernels would otherwise take
+  the scaled gradients, and the guard would raise on an ordinary fp16 overflow the scaler means to skip).
+- ``add_param_group`` validates hyperparameters, dtypes, device and duplicates before the group is added.
+- ``state_dict`` / ``load_state_dict`` go through :mod:`hf_efficient.checkpoint` (tagged canonical layout,
+  validated before anything changes).
 
-The methods are wrapped on the instance, not the class: bitsandbytes overrides ``state_dict`` and
-``load_state_dict`` without torch's hooks, so instance wrappers are the one place that covers all backends.
-torch's step pre/post hooks still run (inside the original ``step``).
+How: the optimizer's class is swapped for a subclass of it (made once per backend class) that overrides these
+methods and calls the backend's through ``super()``. A class, not instance attributes, so that ``copy.deepcopy``,
+``pickle`` and ``torch.save`` of the optimizer give a copy that is protected like the original (``__reduce_ex__``
+rebuilds it), and torch's LR schedulers and step hooks see ordinary methods.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import types
+import threading
+from collections import defaultdict
 
 import torch
 
@@ -24,21 +31,40 @@ from . import checkpoint
 from .optim import _native
 from .options import check_hyperparams
 
-__all__ = ["protect", "check_params", "first_nonfinite"]
+__all__ = ["protect", "check_params", "check_unique", "first_nonfinite", "OVERFLOW"]
 
 logger = logging.getLogger(__name__)
+
+OVERFLOW = 2.0**64  # |g| from which g * g overflows fp32 (and bf16): treated like inf
 
 
 def check_params(params, spec, device: torch.device | None = None) -> None:
     """Refuse parameters of a dtype ``spec`` cannot train, or on another device than ``device``."""
     for name, p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{spec.trainer_name}: parameter {name!r} is a {type(p).__name__}, not a tensor: pass "
+                            "model.parameters(), a module, or param groups {'params': [tensors]}")
         if p.dtype not in spec.dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in spec.dtypes)
             raise TypeError(f"{spec.trainer_name} cannot train parameter {name!r} of dtype "
                             f"{str(p.dtype).replace('torch.', '')}: it takes {allowed}")
+        if p.device.type == "meta":
+            raise ValueError(f"{spec.trainer_name}: parameter {name!r} is on the meta device (no data to train): "
+                             "load or materialize the model (e.g. model.to_empty(device=...) and load weights) first")
         if device is not None and p.device != device:
             raise ValueError(f"parameter {name!r} is on {p.device}, the optimizer's other parameters on {device}: "
                              "one optimizer steps parameters of one device")
+
+
+def check_unique(named, existing=()) -> None:
+    """Refuse a parameter listed twice (in one group, across groups, or already in the optimizer): it would be
+    stepped twice per step, and a kernel updating both copies at once races."""
+    seen = {id(p): n for n, p in existing}
+    for name, p in named:
+        if id(p) in seen:
+            raise ValueError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}: each parameter may appear "
+                             "once in an optimizer (a tied weight is listed once; model.parameters() does that)")
+        seen[id(p)] = name
 
 
 def _names(optimizer) -> list[str]:
@@ -49,12 +75,17 @@ def _names(optimizer) -> list[str]:
     return out
 
 
+def _named_params(optimizer) -> list[tuple[str, torch.Tensor]]:
+    return list(zip(_names(optimizer), (p for g in optimizer.param_groups for p in g["params"])))
+
+
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # grad_check_cpu.c's dtype numbers
 
 
 def _first_bad_native(grads: list[torch.Tensor]) -> int | None:
-    """Index of the first gradient holding an inf or NaN, -1 if none, via the C scan (``grad_check_cpu.c``);
-    None where it does not apply (not all plain contiguous CPU fp32/bf16/fp16 tensors, or no C compiler)."""
+    """Index of the first gradient holding an inf, NaN or ``|g| >= OVERFLOW``, -1 if none, via the C scan
+    (``grad_check_cpu.c``); None where it does not apply (not all plain contiguous CPU fp32/bf16/fp16 tensors, or
+    no C compiler)."""
     if not (_native.plain(*grads) and all(g.device.type == "cpu" and g.dtype in _KINDS and g.is_contiguous()
                                           for g in grads)):
         return None
@@ -72,34 +103,46 @@ def _first_bad_native(grads: list[torch.Tensor]) -> int | None:
 
 
 def _first_bad_torch(grads: list[torch.Tensor]) -> int:
-    """Index of the first gradient holding an inf or NaN, or -1: one reduction per gradient (any device)."""
-    # A sum holding an inf or NaN is never finite (9x cheaper on CPU than an inf-norm, measured at 28M params).
-    # A sum of finite values that overflows is re-checked exactly, on that rare path. bf16 sums in its own dtype
-    # (fp32 range, fp32 accumulation inside, 2.5x faster than asking for an fp32 result on CPU); fp16's range
-    # would overflow often, so it gets an fp32 result.
-    finite = torch.stack([g.sum(dtype=None if g.dtype in (torch.float32, torch.bfloat16) else torch.float32).float()
-                          for g in grads]).isfinite()
-    if bool(finite.all()):
+    """Index of the first gradient holding an inf, NaN or ``|g| >= OVERFLOW``, or -1 (any device).
+
+    The largest magnitude of each gradient (inf-norm, which keeps NaN) from one multi-tensor call: a single fused
+    pass over all gradients on CUDA; no sum to overflow on finite values.
+    """
+    nonempty = [i for i, g in enumerate(grads) if g.numel()]
+    if not nonempty:
         return -1
-    return next((i for i in (~finite).nonzero().flatten().tolist() if not bool(torch.isfinite(grads[i]).all())), -1)
+    peaks = torch._foreach_norm([grads[i] for i in nonempty], float("inf"))
+    ok = torch.stack([p.float() for p in peaks]) < OVERFLOW  # False for NaN, inf and overflowing squares
+    if bool(ok.all()):
+        return -1
+    return nonempty[int((~ok).nonzero()[0])]
+
+
+def _sharded(params) -> bool:
+    return any(hasattr(p, "to_local") for p in params)
 
 
 def first_nonfinite(optimizer) -> str | None:
-    """Name of the first parameter whose gradient holds an inf or NaN, else None (one read of the grads)."""
-    named = [(n, p.grad) for n, p in zip(_names(optimizer), (p for g in optimizer.param_groups for p in g["params"]))
-             if p.grad is not None and not p.grad.is_sparse]
-    if not named:
-        return None
+    """Name of the first parameter whose gradient holds an inf, NaN or ``|g| >= OVERFLOW``, else None.
+
+    Under FSDP2 (DTensor parameters) every rank checks its shards and all ranks take the same decision by one
+    all-reduce, entered by every rank, also one that holds no gradient this step.
+    """
+    params = _named_params(optimizer)
+    named = [(n, p.grad) for n, p in params if p.grad is not None and not p.grad.is_sparse]
     grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # FSDP2 shards: check ours
-    first = _first_bad_native(grads)
-    if first is None:
-        first = _first_bad_torch(grads)
+    first = -1
+    if grads:
+        first = _first_bad_native(grads)
+        if first is None:
+            first = _first_bad_torch(grads)
     bad = first >= 0
-    if any(hasattr(g, "to_local") for _, g in named):
+    if _sharded(p for _, p in params):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():  # every rank must take the same decision
-            flag = torch.tensor(int(bad), dtype=torch.int32, device=grads[0].device)
+            device = params[0][1].to_local().device if hasattr(params[0][1], "to_local") else params[0][1].device
+            flag = torch.tensor(int(bad), dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             bad = bool(flag)
     if not bad:
@@ -107,57 +150,144 @@ def first_nonfinite(optimizer) -> str | None:
     return named[first][0] if first >= 0 else "(a parameter on another rank)"
 
 
-def protect(optimizer, info) -> None:
-    """Install the wrappers described in the module docstring on ``optimizer``."""
-    spec, backend = info.resolution.spec, info.resolution.backend
-    policy = info.options.get("nonfinite", "ignore")
-    step, add_group = optimizer.step, optimizer.add_param_group
-    state_dict, load_state_dict = optimizer.state_dict, optimizer.load_state_dict
-    device = next(p.device for g in optimizer.param_groups for p in g["params"])
+def _in_param_layout(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Give every gradient whose strides differ from its parameter's a copy in the parameter's layout; return
+    ``(param, original grad)`` pairs to put back after the step."""
+    swapped = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            grad = p.grad
+            if grad is None or grad.is_sparse or grad.stride() == p.stride() or p.numel() <= 1 or _sharded([p]):
+                continue
+            p.grad = torch.empty_like(p, dtype=grad.dtype).copy_(grad)
+            swapped.append((p, grad))
+    return swapped
 
-    def guarded_step(self, closure=None):
+
+# ---------------------------------------------------------------------------------------- the subclass
+
+
+class _Protected:
+    """Mixed in before the backend's class by :func:`protect`; ``self.hf_efficient`` is the OptimizerInfo."""
+
+    _hf_eff_base: type
+
+    def step(self, closure=None):
+        info = self.hf_efficient
         loss = None
         if closure is not None:  # gradients exist only after the closure: run it, then check
             with torch.enable_grad():
                 loss = closure()
+        policy = info.options.get("nonfinite", "ignore")
         if policy != "ignore":
-            bad = first_nonfinite(optimizer)
+            bad = first_nonfinite(self)
             if bad is not None:
+                spec = info.resolution.spec
                 if policy == "raise":
                     raise FloatingPointError(
-                        f"{spec.trainer_name}: non-finite gradient (inf or NaN) in parameter {bad!r} at step "
-                        f"{info.steps + 1}; nothing was updated. Find the cause (learning rate, loss scale, bad "
-                        f"data), or set optim_args='nonfinite=skip' to skip such steps")
+                        f"{spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 "
+                        f"whose square overflows) in parameter {bad!r} at step {info.steps + 1}; nothing was updated. "
+                        "Find the cause (learning rate, loss scale, bad data), or set optim_args='nonfinite=skip' to "
+                        "skip such steps")
                 info.skipped_steps += 1
                 logger.warning("%s: step %d skipped, non-finite gradient in %r (%d skipped so far)",
                                spec.trainer_name, info.steps + 1, bad, info.skipped_steps)
                 return loss
-        out = step()
+        swapped = _in_param_layout(self)
+        try:
+            out = super().step()
+        finally:
+            for p, grad in swapped:
+                p.grad = grad
         info.steps += 1
         return loss if closure is not None else out
 
-    def checked_add_param_group(self, group: dict) -> None:
+    step.hooked = True  # torch's step hooks already wrap the backend's step, which this calls: not twice
+
+    def add_param_group(self, group: dict) -> None:
+        info = getattr(self, "hf_efficient", None)
+        if info is None:  # during the backend's own __init__, before protect() finished
+            return super().add_param_group(group)
+        spec = info.resolution.spec
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"{spec.trainer_name}.add_param_group takes a dict with a 'params' list, got {group!r}")
         params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
         if not params:
             raise ValueError(f"{spec.trainer_name}.add_param_group got a group with no parameters")
-        merged = {**optimizer.defaults, **group}
+        merged = {**self.defaults, **group}
         check_hyperparams(lr=merged.get("lr", 0.0), betas=merged.get("betas") if spec.uses_betas else None,
                           eps=merged.get("eps") if spec.uses_betas else None,
                           weight_decay=merged.get("weight_decay", 0.0))
-        gi = len(optimizer.param_groups)
+        check_group_flags(merged, self.defaults, spec.trainer_name)
+        gi = len(self.param_groups)
         names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(params))]
+        device = next(p.device for g in self.param_groups for p in g["params"])
         check_params(zip(names, params), spec, device)
-        named = all("param_names" in g for g in optimizer.param_groups)  # torch: all groups named, or none
-        add_group(dict(group, params=params, **({"param_names": names} if named else {})))
+        check_unique(zip(names, params), _named_params(self))
+        named = all("param_names" in g for g in self.param_groups)  # torch: all groups named, or none
+        super().add_param_group(dict(group, params=params, **({"param_names": names} if named else {})))
 
-    def tagged_state_dict(self) -> dict:
-        return checkpoint.save(state_dict(), spec, backend, info)
+    def state_dict(self) -> dict:
+        info = self.hf_efficient
+        return checkpoint.save(super().state_dict(), info.resolution.spec, info.resolution.backend, info)
 
-    def checked_load_state_dict(self, sd: dict) -> None:
-        checkpoint.load(optimizer, load_state_dict, sd, spec, backend, info, _names(optimizer))
+    def load_state_dict(self, sd: dict) -> None:
+        info = self.hf_efficient
+        checkpoint.load(self, super().load_state_dict, sd, info.resolution.spec, info.resolution.backend, info,
+                        _names(self))
 
-    # bound methods, as torch's LR schedulers re-wrap ``optimizer.step.__func__``
-    optimizer.step = types.MethodType(guarded_step, optimizer)
-    optimizer.add_param_group = types.MethodType(checked_add_param_group, optimizer)
-    optimizer.state_dict = types.MethodType(tagged_state_dict, optimizer)
-    optimizer.load_state_dict = types.MethodType(checked_load_state_dict, optimizer)
+    def __reduce_ex__(self, protocol):
+        """Copies (deepcopy, pickle, torch.save) rebuild a protected optimizer of the same backend class."""
+        # The state travels as our canonical state dict (plain tensors: torchao's tensor subclasses cannot be
+        # copied) and is loaded back through load_state_dict, as a resume would.
+        attrs = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k != "hf_efficient"}
+        attrs["state"] = defaultdict(dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        fp32 = attrs.pop("_fp32_ids", None)  # ids do not survive a copy: positions do
+        positions = None if fp32 is None else [i for i, p in enumerate(params) if id(p) in fp32]
+        return _rebuild, (self._hf_eff_base, attrs, self.hf_efficient, positions, self.state_dict())
+
+
+def check_group_flags(group: dict, defaults: dict, owner: str) -> None:
+    """Refuse group flags that change the math (``maximize``, ``amsgrad``) where the optimizer does not implement
+    them: it would silently ignore them."""
+    for key in ("maximize", "amsgrad"):
+        if group.get(key, False) and key not in defaults:
+            raise ValueError(f"{owner}: param group has {key}=True, which this optimizer does not implement (it would be "
+                             f"ignored). {'Negate the loss instead' if key == 'maximize' else 'Use hf_eff_adamw'}.")
+
+
+def _rebuild(base: type, attrs: dict, info, fp32_positions, state_dict: dict):
+    optimizer = base.__new__(base)
+    optimizer.__setstate__(attrs)
+    if fp32_positions is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer._fp32_ids = {id(params[i]) for i in fp32_positions}
+    protect(optimizer, info)
+    optimizer.load_state_dict(state_dict)
+    return optimizer
+
+
+_CLASSES: dict[type, type] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def _protected_class(base: type) -> type:
+    with _CLASSES_LOCK:
+        if base not in _CLASSES:
+            # same name and module as the backend's class: isinstance, repr and logs read as before
+            _CLASSES[base] = type(base.__name__, (_Protected, base), {
+                "_hf_eff_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__})
+        return _CLASSES[base]
+
+
+def protect(optimizer, info) -> None:
+    """Make ``optimizer`` behave as the module docstring says; ``info`` becomes ``optimizer.hf_efficient``."""
+    if isinstance(optimizer, _Protected):
+        optimizer.hf_efficient = info
+        return
+    optimizer.__class__ = _protected_class(type(optimizer))
+    optimizer.hf_efficient = info
+    # A GradScaler must unscale, check and skip for us: with this flag (torch's fused kernels set it) it would hand
+    # the scaled gradients to step() and leave the overflow check to the kernel, past our guard.
+    optimizer._step_supports_amp_scaling = False

@@ -8,6 +8,7 @@ table, so a key accepted in one place is accepted in the other, with the same me
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,8 @@ class Option:
                 raise ValueError(f"{where} must be {'an integer' if self.type is int else 'a number'}, got {value!r}") from None
             if self.type is int and isinstance(value, float) and value != out:
                 raise ValueError(f"{where} must be an integer, got {value!r}")
+            if self.type is float and not math.isfinite(out):
+                raise ValueError(f"{where} must be a finite number, got {value!r}")
         else:
             out = str(value).strip()
         if self.choices and out not in self.choices:
@@ -129,18 +132,28 @@ def parse_optim_args(text: str | None) -> dict[str, str]:
     return out
 
 
+def _number(value) -> bool:
+    """A plain real number: not a bool, not a tensor (a tensor lr is refused everywhere, consistently)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_hyperparams(*, lr: float, betas: tuple[float, float] | None = None, eps: float | None = None,
                       weight_decay: float = 0.0) -> None:
-    """Refuse hyperparameters no optimizer should accept, naming the value (shared by every optimizer)."""
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a number >= 0")
+    """Refuse hyperparameters no optimizer should accept, naming the value (shared by every optimizer).
+
+    Infinite ``lr`` / ``weight_decay`` and ``eps <= 0`` are refused as well as negative values: one step with any
+    of them makes weights non-finite (``eps = 0`` divides by a zero second moment).
+    """
+    if not _number(lr) or not 0.0 <= lr < math.inf:
+        raise ValueError(f"Invalid learning rate lr={lr!r}: it must be a finite number >= 0")
     if betas is not None:
-        if len(betas) != 2:
-            raise ValueError(f"Invalid betas={betas!r}: expected a pair (beta1, beta2)")
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"Invalid betas={betas!r}: expected a pair (beta1, beta2), e.g. betas=(0.9, 0.999)")
         for i, b in enumerate(betas):
-            if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            if not _number(b) or not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta{i + 1}={b!r} in betas={tuple(betas)!r}: each must be in [0, 1)")
-    if eps is not None and (not isinstance(eps, (int, float)) or not eps >= 0.0):
-        raise ValueError(f"Invalid eps={eps!r}: it must be a number >= 0")
-    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay={weight_decay!r}: it must be a number >= 0")
+    if eps is not None and (not _number(eps) or not 0.0 < eps < math.inf):
+        raise ValueError(f"Invalid eps={eps!r}: it must be a finite number > 0 (it keeps the update finite where the "
+                         "second moment is 0)")
+    if not _number(weight_decay) or not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"Invalid weight_decay={weight_decay!r}: it must be a finite number >= 0")

@@ -98,6 +98,12 @@ _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, b
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor)
 _TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16)
 
+# Why torchao is a backend only when forced: its AdamW8bit rounds a small second moment to exactly 0 while the
+# first moment stays non-zero, and a later zero gradient then moves the weight by lr * m / eps (4.2 against 0.0017
+# for fp32 AdamW in tests/test_adamw8bit.py's case). bitsandbytes and our kernel keep a non-zero floor.
+TORCHAO_FLAW = ("torchao's AdamW8bit stores small second moments as exactly 0, so a later zero gradient (dead "
+                "units, masked tokens, unused embedding rows) moves those weights by lr * exp_avg / eps, thousands of "
+                "times too far")
 _COMMON = ("backend", "decay_embeddings", "nonfinite")
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
@@ -111,8 +117,9 @@ SPECS: dict[str, OptimizerSpec] = {
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
                       # measured (scripts/bench_step.py): on CPU our C kernel is over 10x faster than
-                      # bitsandbytes' CPU kernel; on CUDA bitsandbytes' kernels are the reference
-                      {"cuda": ("bnb", "torchao", "torch"), "default": ("torch", "bnb", "torchao")}, _8BIT),
+                      # bitsandbytes' CPU kernel; on CUDA bitsandbytes' kernels are the reference. torchao is never
+                      # chosen automatically: see TORCHAO_FLAW
+                      {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT),
         OptimizerSpec("paged_adam8bit", "adamw8bit", 2.03, "as adam8bit, state paged to host memory (CUDA)",
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
         OptimizerSpec("adafactor", "adafactor", 0.0,
@@ -146,8 +153,10 @@ def get_spec(name: str) -> OptimizerSpec:
     names = available_optimizers()
     close = difflib.get_close_matches(key if key.startswith(PREFIX) else PREFIX + key, names, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unknown hf_efficient optimizer {key!r}.{hint} Registered names: {', '.join(names)} "
-                     "(short names without the 'hf_eff_' prefix work too).")
+    raise ValueError(f"Unknown hf_efficient optimizer {key!r}.{hint} Registered names: {', '.join(names)}. "
+                     "Short names without the 'hf_eff_' prefix ('adam8bit') work in create_optimizer, resolve, "
+                     "estimate_memory and the accelerate plugin; TrainingArguments(optim=...) needs the full "
+                     "hf_eff_ name.")
 
 
 _logged: set[tuple] = set()
@@ -157,7 +166,7 @@ def _log_once(res: Resolution) -> None:
     key = (res.name, res.backend, res.device)
     if key not in _logged:
         _logged.add(key)
-        logger.warning("hf_efficient: %s%s on %s -> backend %s (%s)", PREFIX, res.name, res.device, res.backend, res.reason)
+        logger.info("hf_efficient: %s%s on %s -> backend %s (%s)", PREFIX, res.name, res.device, res.backend, res.reason)
 
 
 def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None, *,
@@ -197,6 +206,10 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
             raise ValueError(f"backend={backend!r} cannot run {spec.trainer_name} on {dev}: {why_not}. "
                              f"{_what_would_work(spec, dev)}")
         reason = f"forced by backend={backend!r}"
+        if backend == "torchao" and (spec.name, dev, "torchao") not in _logged:
+            _logged.add((spec.name, dev, "torchao"))
+            logger.warning("hf_efficient: %s with backend='torchao' (forced): %s. backend='torch' or 'bnb' do not "
+                           "have this flaw.", spec.trainer_name, TORCHAO_FLAW)
     else:
         reasons = []
         for b in spec.order(dev):

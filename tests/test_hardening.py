@@ -1,0 +1,197 @@
+"""Issue 12: misuse and environments that gave silently wrong results: non-finite hyperparameters, gradients in
+another layout, duplicate parameters, copies of an optimizer, group flags that were ignored, GradScaler.
+
+Each case runs for every name/backend in test_reliability.CASES where it applies.
+"""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import hf_efficient as hfe
+
+from test_reliability import CASES, IDS, Net, _assert_unchanged, _loss, _make, _snapshot, _train
+
+INF, NAN = float("inf"), float("nan")
+
+
+# --- 3: non-finite hyperparameters ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=INF), "lr=inf"), (dict(lr=NAN), "lr=nan"), (dict(weight_decay=INF), "weight_decay=inf"),
+    (dict(eps=0.0), "eps=0.0"), (dict(eps=INF), "eps=inf"), (dict(lr=torch.tensor(1e-3)), "lr=tensor"),
+    (dict(betas=0.9), r"betas=0.9: expected a pair"), (dict(betas=(0.9, NAN)), "beta2=nan"),
+])
+@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adamw_bf16"])
+def test_non_finite_hyperparameters_are_refused(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hfe.create_optimizer(Net(), name, **kwargs)
+
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+@pytest.mark.parametrize("bad", [dict(lr=INF), dict(weight_decay=INF), dict(lr=torch.tensor(0.1))])
+def test_add_param_group_refuses_non_finite_hyperparameters(name, backend, dtype, bad):
+    model, opt = _make(name, backend, dtype)
+    extra = nn.Parameter(torch.zeros(8, 8, dtype=dtype))
+    groups = len(opt.param_groups)
+    with pytest.raises(ValueError, match="lr=|weight_decay="):
+        opt.add_param_group({"params": [extra], **bad})
+    assert len(opt.param_groups) == groups
+
+
+def test_optim_args_and_trainer_learning_rate_refuse_inf(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from conftest import ClassificationSet, tiny_bert
+
+    with pytest.raises(ValueError, match="'clip_threshold' must be a finite number"):
+        hfe.create_optimizer(Net(), "adafactor", clip_threshold="inf")
+    args = TrainingArguments(str(tmp_path), optim="hf_eff_adam8bit", learning_rate=INF, max_steps=1,
+                             report_to=[], use_cpu=True)
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet(8))
+    with pytest.raises(ValueError, match="lr=inf"):
+        trainer.create_optimizer()
+
+
+# --- 4: gradients in another layout than their parameter ------------------------------------------------------
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+def test_gradients_with_other_strides_step_like_contiguous_ones(name, backend, dtype):
+    """A transposed and an expanded ``p.grad`` (set by hand) step exactly as their contiguous copies; the user's
+    gradient objects are left as they were."""
+    runs = []
+    for layout in ("contiguous", "strided"):
+        model, opt = _make(name, backend, dtype)
+        for step in range(3):
+            _loss(model, step).backward()
+            w, b = model.fc.weight, model.out.bias
+            if layout == "strided":
+                w.grad = w.grad.t().contiguous().t()  # same values, column-major
+                b.grad = b.grad[:1].expand(b.shape)  # stride 0
+                grads = (w.grad, b.grad)
+            else:
+                b.grad = b.grad[:1].expand(b.shape).contiguous()
+            opt.step()
+            if layout == "strided":
+                assert w.grad is grads[0] and b.grad is grads[1] and w.grad.stride() == (1, 128)
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+# --- 5: the same parameter twice -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+def test_duplicate_parameters_are_refused(name, backend, dtype):
+    if backend == "torchao":
+        pytest.importorskip("torchao")
+    p = nn.Parameter(torch.zeros(64, 64, dtype=dtype))
+    with pytest.raises(ValueError, match="same tensor"):
+        hfe.create_optimizer([p, p], name, backend=backend)
+    with pytest.raises(ValueError, match="same tensor"):
+        hfe.create_optimizer([{"params": [p]}, {"params": [p]}], name, backend=backend)
+    model, opt = _make(name, backend, dtype)
+    groups = len(opt.param_groups)
+    with pytest.raises(ValueError, match="same tensor"):
+        opt.add_param_group({"params": [model.fc.weight]})
+    q = nn.Parameter(torch.zeros(8, dtype=dtype))
+    with pytest.raises(ValueError, match="same tensor"):
+        opt.add_param_group({"params": [q, q]})
+    assert len(opt.param_groups) == groups
+
+
+# --- 6: copies behave like the original ------------------------------------------------------------------------
+
+def _copies(opt):
+    yield "deepcopy", copy.deepcopy(opt)
+    yield "pickle", pickle.loads(pickle.dumps(opt))
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    yield "torch.save", torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+def test_copies_of_an_optimizer_are_guarded_tagged_and_continue_exactly(name, backend, dtype):
+    """deepcopy, pickle and torch.save of (model, optimizer) give an optimizer that refuses an inf like the original,
+    keeps its step count, and continues exactly as the original does."""
+    model, opt = _make(name, backend, dtype)
+    _train(model, opt, 2)
+    reference = copy.deepcopy({"model": model, "opt": opt})
+    _train(reference["model"], reference["opt"], 2, start=2)
+    for how, twin in _copies({"model": model, "opt": opt}):
+        twin_model, twin_opt = twin["model"], twin["opt"]
+        assert type(twin_opt).__name__ == type(opt).__name__, how
+        assert twin_opt.state_dict()["hf_efficient"]["steps"] == 2, how
+        _loss(twin_model, 5).backward()
+        twin_model.fc.weight.grad[0, 0] = INF
+        with pytest.raises(FloatingPointError):
+            twin_opt.step()
+        twin_opt.zero_grad()
+        _train(twin_model, twin_opt, 2, start=2)
+        for a, b in zip(twin_model.parameters(), reference["model"].parameters()):
+            assert torch.equal(a, b), how
+        assert twin_opt.state_dict()["hf_efficient"]["steps"] == 4, how
+
+
+# --- 10: group flags a backend does not implement ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name, backend, dtype", [c for c in CASES if c[0] != "adamw"],
+                         ids=[i for c, i in zip(CASES, IDS) if c[0] != "adamw"])
+def test_maximize_is_refused_where_it_would_be_ignored(name, backend, dtype):
+    model, opt = _make(name, backend, dtype)
+    with pytest.raises(ValueError, match="maximize=True"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, dtype=dtype))], "maximize": True})
+    with pytest.raises(ValueError, match="maximize=True"):
+        hfe.create_optimizer([{"params": [nn.Parameter(torch.zeros(8, dtype=dtype))], "maximize": True}], name,
+                             backend=backend)
+
+
+def test_maximize_is_honoured_by_adamw():
+    model, opt = _make("adamw", None, torch.float32)
+    opt.param_groups[0]["maximize"] = True
+    before = _loss(model).item()
+    _train(model, opt, 3)
+    assert _loss(model).item() > before
+
+
+# --- 12: GradScaler ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+def test_grad_scaler_skips_overflow_steps_for_every_name(name, backend, dtype):
+    """fp16-style loss scaling: an overflow step is skipped by the scaler (scale halved, nothing updated, no
+    FloatingPointError), and the next finite step trains; torch's fused AdamW no longer takes the scaled
+    gradients past the guard."""
+    model, opt = _make(name, backend, dtype)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    snap = _snapshot(model, opt)
+    scaler.scale(_loss(model)).backward()
+    model.fc.weight.grad[0, 0] = INF  # what an fp16 overflow leaves behind
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15
+    _assert_unchanged(model, opt, snap)
+    assert opt.state_dict()["hf_efficient"]["steps"] == 0
+    opt.zero_grad()
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model.fc.weight, snap[0][1])
+    assert opt.state_dict()["hf_efficient"]["steps"] == 1
+
+
+# --- messages that named the wrong thing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params, exc, match", [
+    ([{"params": []}], ValueError, "param group 0 has no parameters"),
+    ([1.0], TypeError, "is a float, not a tensor"),
+    ([{"lr": 0.1}], TypeError, "must be a dict with a 'params' list"),
+])
+def test_messages_name_the_mistake(params, exc, match):
+    with pytest.raises(exc, match=match):
+        hfe.create_optimizer(params, "adamw")
