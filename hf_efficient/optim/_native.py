@@ -6,8 +6,10 @@ pool: the libgomp torch loaded has the soname the library asks for, so the loade
 threads, the fallback where the compiler lacks OpenMP, compete for the cores with torch's threads, which
 spin for a while after every parallel op: on 2 cores a step after the backward pass ran 30-60% slower.)
 The library is cached under ``$HF_EFF_CACHE`` (default ``~/.cache/hf_efficient``), keyed by source, headers,
-flags, compiler and CPU flags (``-march=native`` code must not meet another CPU). Any failure returns None
-and the caller keeps its other path.
+flags, compiler, CPU flags (``-march=native`` code must not meet another CPU), OS and libc. A build is made
+under a file lock (N ranks of one machine build once), renamed into place, and recorded (its sha256, beside it)
+only once it loaded; a cached file that does not match its record is rebuilt, never loaded. Any failure returns
+None, logged once at WARNING, and the caller keeps its other path.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import logging
 import os
 import platform
 import shutil
+import shlex
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,48 +56,105 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(cc: str, src: Path, flags: list[str], version: str) -> Path:
+_WARNED: set = set()
+
+
+def _warn_once(key, msg: str, *args) -> None:
+    """Log a fallback at WARNING, once per process and ``key``."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg, *args)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _recorded(lib: Path) -> bool:
+    """``lib`` exists and its bytes are those recorded beside it after it was built and loaded. A file that is not
+    (truncated by a full disk or a killed copy, another build's) must never reach ``ctypes.CDLL``: the loader maps
+    it, and reading past a truncated file's end ends the process with SIGBUS."""
+    record = lib.with_name(lib.name + ".sha256")
+    try:
+        return record.read_text().strip() == _sha256(lib)
+    except OSError:
+        return False
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (created), so that N processes of one machine (ranks) build a library once
+    while the others wait for it. Where the file system has no locks, building still works: the rename is atomic."""
+    with open(path, "a") as f:
+        try:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            pass
+        yield  # closing the file releases the lock
+
+
+def _build(cc: list[str], src: Path, flags: list[str], version: str) -> ctypes.CDLL:
+    """The loaded library of ``src`` built with ``flags``: from the cache if its file matches its record, else
+    built (under a lock, into a temporary file renamed into place), loaded, and only then recorded."""
     headers = "".join(h.read_text() for h in sorted(src.parent.glob("*.h")))
-    key = hashlib.sha256("\0".join([src.read_text(), headers, *flags, version, _cpu_flags(), platform.machine()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([src.read_text(), headers, *flags, *cc, version, _cpu_flags(), platform.machine(),
+                                    platform.system(), *platform.libc_ver()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("HF_EFF_CACHE", Path.home() / ".cache" / "hf_efficient"))
     lib = cache / f"{src.stem}-{key}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+    if _recorded(lib):
+        return ctypes.CDLL(str(lib))
+    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache / f"{lib.name}.lock"):
+        if _recorded(lib):  # another process built it while this one waited
+            return ctypes.CDLL(str(lib))
+        if lib.exists():
+            _warn_once(("bad cache", str(lib)), "hf_efficient: the cached kernel %s does not match its build record "
+                       "(truncated or foreign); rebuilding it", lib)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build beside, then rename: atomic
             out = Path(tmp) / lib.name
-            subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"], check=True, capture_output=True, text=True,
-                           timeout=120)
+            subprocess.run([*cc, *flags, str(src), "-o", str(out), "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
+            digest = _sha256(out)
             os.replace(out, lib)
-    return lib
+        handle = ctypes.CDLL(str(lib))
+        record = cache / f"{lib.name}.sha256.tmp{os.getpid()}"
+        record.write_text(digest)
+        os.replace(record, lib.with_name(lib.name + ".sha256"))
+        return handle
 
 
 def c_compiler() -> str | None:
-    """The C compiler the kernels are built with: ``$CC``, else the first of cc, gcc, clang on the PATH."""
+    """The C compiler the kernels are built with: ``$CC`` (a command line, split as a shell would: "ccache gcc"),
+    else the first of cc, gcc, clang on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 @lru_cache(maxsize=None)
 def load(source: str) -> ctypes.CDLL | None:
-    """The compiled library of ``source`` (a file beside this module), or None with a logged reason. Its
-    attribute ``openmp`` says whether it was built with OpenMP (else :func:`run_split` uses Python threads)."""
+    """The compiled library of ``source`` (a file beside this module), or None with a reason logged once at
+    WARNING. Its attribute ``openmp`` says whether it was built with OpenMP (else :func:`run_split` uses Python
+    threads)."""
     cc = c_compiler()
     if cc is None or platform.system() == "Windows":
-        logger.info("hf_efficient: no C compiler found; %s is not used", source)
+        _warn_once("no compiler", "hf_efficient: no C compiler found (set CC, or install gcc or clang); the C kernels "
+                   "are not used and the slower paths run instead")
         return None
     src = Path(__file__).with_name(source)
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        argv = shlex.split(cc)
+        version = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=30).stdout
         try:
-            lib = ctypes.CDLL(str(_build(cc, src, [*_FLAGS, _OPENMP], version)))
+            lib = _build(argv, src, [*_FLAGS, _OPENMP], version)
             lib.openmp = True
         except (OSError, subprocess.SubprocessError):  # no OpenMP with this compiler (Apple clang): without
-            lib = ctypes.CDLL(str(_build(cc, src, _FLAGS, version)))
+            lib = _build(argv, src, _FLAGS, version)
             lib.openmp = False
         return lib
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: CC that shlex cannot split
         detail = getattr(e, "stderr", "") or e
-        logger.warning("hf_efficient: could not build %s (%s); using the slower path", source, detail)
+        _warn_once(("build", source, cc), "hf_efficient: could not build %s (%s); using the slower path", source, detail)
         return None
 
 
@@ -120,11 +181,13 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hf_eff_native")
 
 
-def run_split(fn, args: tuple, n: int, unit: int = 1, align: int = 64) -> list:
+def run_split(fn, args: tuple, n: int, unit: int = 1, align: int = 64, threads: int | None = None) -> list:
     """``fn(*args, start, end, threads)`` (a :func:`bind` result) over ``[0, n)`` (items of ``unit`` elements) on up
     to torch's thread count: one call that splits the range over its OpenMP threads, or (a library without
-    OpenMP) one call per Python thread on disjoint ranges. Returns what the calls returned."""
-    threads = max(1, min(torch.get_num_threads(), n * unit // _MIN_PER_THREAD))
+    OpenMP) one call per Python thread on disjoint ranges. Returns what the calls returned. ``threads`` forces the
+    count (probes: a kernel must split any range right, over any team OpenMP gives it)."""
+    if threads is None:
+        threads = max(1, min(torch.get_num_threads(), n * unit // _MIN_PER_THREAD))
     if fn.openmp or threads == 1:
         return [fn(*args, 0, n, threads)]
     per = -(-n // threads // align) * align

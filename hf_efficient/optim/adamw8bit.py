@@ -63,6 +63,7 @@ BLOCK = 256  # elements per absmax block (bitsandbytes' and torchao's)
 _WORDS = BLOCK // 4  # int32 words per block in memory
 _ZERO_CODE = {True: 127, False: 0}  # code of 0.0 in the signed / unsigned map
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
+_F32_MAX = torch.finfo(torch.float32).max
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
 
 
@@ -126,7 +127,8 @@ _THRESHOLDS = {s: _encode_thresholds(s) for s in (True, False)}
 
 
 def _encode(x: Tensor, signed: bool) -> Tensor:
-    """Code (as float) of the map value nearest to ``x`` (in [-1, 1] signed, [0, 1] unsigned).
+    """Code (as float) of the map value nearest to ``x`` (in [-1, 1] signed, [0, 1] unsigned); in the unsigned map,
+    at least the smallest positive code for a positive ``x``.
 
     Picking the decade by the midpoints between decades makes the nearest code inside it the only
     candidate: ``J = n + k`` with ``k`` the linear bin, clamped to the decade. Below the first midpoint
@@ -146,7 +148,11 @@ def _encode(x: Tensor, signed: bool) -> Tensor:
     inv_scale = torch.where(above, 0.0, inv_scale)
     k = torch.floor((a * inv_scale - 1) * (n * (1 / 9)))
     J = n + torch.clamp_min(torch.minimum(k, n - 1), 0)
-    return torch.where(x < 0, 127 - J, 127 + J) if signed else J - 1
+    if signed:
+        return torch.where(x < 0, 127 - J, 127 + J)
+    # A positive value never gets 0.0's code (bitsandbytes keeps such a floor too): a second moment stored as 0
+    # beside a non-zero first moment would make a later zero gradient move the weight by lr * m / eps.
+    return torch.maximum(J - 1, (x > 0).float())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -165,8 +171,10 @@ def _kernel(p: Tensor, g: Tensor, wm: Tensor, wv: Tensor, m_absmax: Tensor, v_ab
     cm = ((wm.view(torch.int32).repeat(1, 4) >> shift) & 255).float()
     cv = ((wv.view(torch.int32).repeat(1, 4) >> shift) & 255).float()
     g32 = g.float()
-    m = _decode(cm, True) * m_absmax[:, None] * coef[0] + g32 * coef[1]
-    v = _decode(cv, False) * v_absmax[:, None] * coef[2] + (g32 * g32) * coef[3]
+    # clamped to fp32's range: a finite gradient whose square (or a sum) overflows would make the block's absmax
+    # inf, and every code of the block NaN at the next step
+    m = (_decode(cm, True) * m_absmax[:, None] * coef[0] + g32 * coef[1]).clamp(-_F32_MAX, _F32_MAX)
+    v = (_decode(cv, False) * v_absmax[:, None] * coef[2] + (g32 * g32) * coef[3]).clamp(max=_F32_MAX)
     m_max = m.abs().amax(1, keepdim=True)
     v_max = v.amax(1, keepdim=True)
     denom = v.sqrt() * coef[4] + coef[5]
@@ -270,29 +278,35 @@ def _native_kernel():
 
 
 def _native_agrees_with_eager(fn) -> bool:
-    """Three steps of a tensor of 3 blocks and a partial one: codes and absmaxes equal, weights within 4 ulp
-    (torch's fp32 sqrt on CPU is not correctly rounded, C's is: the update may differ in its last bit)."""
+    """Three steps of a tensor of 515 blocks and a partial one, split over 3 threads (whatever team OpenMP gives,
+    every block must be done), with a gradient whose square overflows: codes and absmaxes equal, weights within
+    4 ulp of themselves or of the update (torch's fp32 sqrt on CPU is not correctly rounded, C's is: the update
+    may differ in its last bits)."""
     gen = torch.Generator().manual_seed(0)
-    n = 3 * BLOCK + 37
+    n = 2 * _native._MIN_PER_THREAD + 3 * BLOCK + 37
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
+    grads[1][5] = 2e19
+    lr = 1e-2
     runs = []
     for native in (True, False):
         p = p0.clone()
         state = _zero_8bit_state(n, p.device)
         for t, g in enumerate(grads, 1):
-            coef = _coefficients(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=t)
+            coef = _coefficients(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=t)
             if native:
-                _native_step(fn, [(p, g, state, coef)])
+                _native_step(fn, [(p, g, state, coef)], threads=3)
             else:
                 _step_8bit(p, g, state, torch.tensor(coef, dtype=torch.float32), _eager_kernel)
         runs.append((p, state))
     (pn, sn), (pe, se) = runs
-    return all(torch.equal(sn[k], se[k]) for k in sn) and torch.allclose(pn, pe, rtol=4 * 2.0**-23, atol=0.0)
+    ulps = 4 * 2.0**-23
+    return all(torch.equal(sn[k], se[k]) for k in sn) and torch.allclose(pn, pe, rtol=ulps, atol=ulps * lr)
 
 
-def _native_step(fn, items) -> None:
-    """``items``: (weight, gradient, state, coefficients) of each tensor; one call, blocks split over threads."""
+def _native_step(fn, items, threads: int | None = None) -> None:
+    """``items``: (weight, gradient, state, coefficients) of each tensor; one call, blocks split over threads
+    (``threads``: see :func:`._native.run_split`)."""
     pointers = _native.pointers
     numel = [p.numel() for p, _, _, _ in items]
     column = lambda key: [st[key] for _, _, st, _ in items]  # noqa: E731
@@ -302,7 +316,7 @@ def _native_step(fn, items) -> None:
             *map(pointers, map(column, ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"))),
             (ctypes.c_int64 * len(numel))(*numel), (ctypes.c_int32 * len(items))(*bf16), _maps().data_ptr(),
             (ctypes.c_float * len(coef))(*coef))
-    _native.run_split(fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK)
+    _native.run_split(fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK, threads=threads)
 
 
 def _coefficients(*, lr, beta1, beta2, eps, weight_decay, step) -> list[float]:

@@ -90,8 +90,9 @@ static inline float code_of(float x, float a, float n, float inv_scale, int is_s
     return is_signed ? (x < 0.0f ? 127.0f - J : 127.0f + J) : J - 1.0f;
 }
 
-/* adamw8bit._encode of 256 values: the nearest code of each (x in [-1, 1] signed, [0, 1] unsigned). The decade
- * is the count of midpoints at or below |x|, as eager's chain of comparisons finds it. */
+/* adamw8bit._encode of 256 values: the nearest code of each (x in [-1, 1] signed, [0, 1] unsigned), but never
+ * the unsigned map's 0 for a positive x. The decade is the count of midpoints at or below |x|, as eager's chain of
+ * comparisons finds it. */
 static void encode_block(const float *restrict x, const map_t *restrict t, uint32_t *restrict q) {
 #if defined(__AVX512F__)
     const __m512i b0 = _mm512_loadu_si512(t->base), b1 = _mm512_loadu_si512(t->base + 16);
@@ -118,8 +119,9 @@ static void encode_block(const float *restrict x, const map_t *restrict t, uint3
         if (t->is_signed)
             code = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), _mm512_add_ps(c127, J),
                                         _mm512_sub_ps(c127, J));
-        else
-            code = _mm512_sub_ps(J, one);
+        else /* a positive value keeps the smallest positive code (see adamw8bit._encode) */
+            code = _mm512_mask_max_ps(_mm512_sub_ps(J, one), _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ),
+                                      _mm512_sub_ps(J, one), one);
         _mm512_storeu_si512(q + e, _mm512_cvttps_epi32(code));
     }
 #else
@@ -129,7 +131,10 @@ static void encode_block(const float *restrict x, const map_t *restrict t, uint3
         for (int d = 0; d < 7; d++)
             count += a >= t->thresholds[d];
         count = x[e] > t->thresholds[7] ? 8 : count;
-        q[e] = (uint32_t)(int32_t)code_of(x[e], a, t->n[count], t->inv_scale[count], t->is_signed);
+        float code = code_of(x[e], a, t->n[count], t->inv_scale[count], t->is_signed);
+        /* unsigned: a positive value keeps the smallest positive code (see adamw8bit._encode) */
+        code = !t->is_signed && x[e] > 0.0f && code < 1.0f ? 1.0f : code;
+        q[e] = (uint32_t)(int32_t)code;
     }
 #endif
 }
@@ -175,8 +180,10 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
     decode_block(wv, &maps[1], v);
     for (int e = 0; e < BLOCK; e++) {
         float g32 = g[e];
-        m[e] = m[e] * m_scale * b1 + g32 * omb1;
-        v[e] = v[e] * v_scale * b2 + (g32 * g32) * omb2;
+        /* clamped to fp32's range: a finite gradient with g * g (or a sum) past it would make the block's
+         * absmax inf and every code of the block NaN at the next step */
+        m[e] = clamp_abs(m[e] * m_scale * b1 + g32 * omb1, F32_MAX);
+        v[e] = clamp_max(v[e] * v_scale * b2 + (g32 * g32) * omb2, F32_MAX);
     }
     /* absmax as the largest bit pattern of |x|: the same order for non-negative floats, vectorizable, and a NaN
      * (above inf) wins as in torch's amax */

@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 COMPENSATIONS = ("kahan", "stochastic", "none")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_BF16_MAX = torch.finfo(torch.bfloat16).max  # the largest value state may hold: fp32's rounds to bf16 inf
 _SMALL_NUMEL = 1 << 16  # below this a compiled call costs more than gathering the tensor into a shared one
 _FOREACH_CHUNK = 1 << 22  # elements per eager chunk: bounds the fp32 temporaries (~10 x 16 MiB)
 
@@ -89,8 +90,10 @@ def _adamw_update(p32: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, no
     moment has its own stale-weights problem. None rounds to nearest (``compensation="none"``).
     """
     g32 = g.float()
-    m32 = m.float() * coef[0] + g32 * coef[1]
-    v32 = v.float() * coef[2] + (g32 * g32) * coef[3]
+    # clamped to bf16's largest finite value (fp32's largest rounds to bf16 inf): a finite gradient whose square
+    # overflows would otherwise store inf, and the moments would stay inf (or turn NaN) for good
+    m32 = (m.float() * coef[0] + g32 * coef[1]).clamp(-_BF16_MAX, _BF16_MAX)
+    v32 = (v.float() * coef[2] + (g32 * g32) * coef[3]).clamp(max=_BF16_MAX)
     m.copy_(m32)
     v.copy_(v32 if noise is None else _round_stochastic(v32, v.dtype, noise))
     denom = v32.sqrt() * coef[4] + coef[5]
@@ -227,6 +230,9 @@ def _foreach_chunk(mode, P, G, M, V, C, noise, coef):
     torch._foreach_mul_(g2, omb2)
     torch._foreach_add_(v32, g2)
     del g32, g2
+    torch._foreach_clamp_min_(m32, -_BF16_MAX)  # as in _adamw_update
+    torch._foreach_clamp_max_(m32, _BF16_MAX)
+    torch._foreach_clamp_max_(v32, _BF16_MAX)
     torch._foreach_copy_(M, m32)
     if noise is None:
         torch._foreach_copy_(V, v32)
@@ -322,12 +328,15 @@ def _log_once(level: int, key, msg: str, *args) -> None:
         logger.log(level, msg, *args)
 
 
-def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run) -> bool:
+def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run, n: int = 37) -> bool:
     """Probe a fast path: ``run(p, g, m, v, c, key, coef)`` must give eager's weights and moments exactly on a
-    sub-ulp update, and its compensation to 1%: a path that loses the compensation (a rounding elided) fails."""
+    sub-ulp update, and its compensation to 1%: a path that loses the compensation (a rounding elided) fails.
+    ``n`` elements (a kernel that splits them over threads needs enough to split), one gradient of 2e19 (its
+    square overflows: the moments must stay finite)."""
     gen = torch.Generator().manual_seed(0)
-    n = 37  # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
+    # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
     base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+    base[1][n // 2] = 2e19
     coef = _coefficients(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     ref, got = ([t.to(device, dtype if j < 2 else torch.bfloat16) for j, t in enumerate(base)] for _ in range(2))
     _KERNELS[mode](*ref, torch.tensor(12345, dtype=torch.int32, device=device), None,
@@ -378,19 +387,19 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
             fn = _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
                               + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
 
-            def run(p, g, m, v, c, k, coef):
-                _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef)
+            def run(p, g, m, v, c, k, coef):  # 3 threads: whatever team OpenMP gives, every element is done
+                _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef, threads=3)
 
-            if _agrees_with_eager(mode, device, dtype, run):
+            if _agrees_with_eager(mode, device, dtype, run, n=2 * _native._MIN_PER_THREAD + 37):
                 _COMPILED[key] = fn
             else:
                 logger.warning("AdamWBF16: the C kernel disagrees with eager on the probe; not using it")
     return _COMPILED[key]
 
 
-def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef, threads=None):
     """The C kernel over all the tensors at once, their concatenated elements split over torch's threads (see
-    :func:`._native.run_split`): one call, whatever the number of tensors."""
+    :func:`._native.run_split`, also for ``threads``): one call, whatever the number of tensors."""
     sets = [params, grads, exp_avgs, exp_avg_sqs] + ([comps] if comps else [])
     ok = [i for i in range(len(params)) if all(ts[i].is_contiguous() and ts[i].dtype == torch.bfloat16 for ts in sets)]
     rest = [i for i in range(len(params)) if i not in set(ok)]
@@ -405,7 +414,7 @@ def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, co
     both = [k for i in ok for k in ((keys[i], keys[i] ^ _WEIGHT_STREAM) if keys else (0, 0))]
     args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, (ctypes.c_int64 * len(ok))(*numel),
             (ctypes.c_int32 * len(both))(*both), (ctypes.c_float * len(coef))(*coef), _MODES[mode])
-    _native.run_split(fn, args, sum(numel))
+    _native.run_split(fn, args, sum(numel), threads=threads)
 
 
 def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None,

@@ -1,5 +1,5 @@
 /* Shared by this package's C kernels: bf16 conversions as torch's, the tensors a range of their concatenation
- * covers, and the split of a range over threads. */
+ * covers, the split of a range over threads, and the clamps that keep moments finite. */
 #ifndef HF_EFF_NATIVE_H
 #define HF_EFF_NATIVE_H
 #include <stdint.h>
@@ -21,6 +21,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
+/* Largest finite values: a moment at most this large stays finite in its storage (fp32 max rounds to bf16 inf). */
+#define F32_MAX 3.40282346638528859811704183484516925e+38f
+#define BF16_MAX 3.38953138925153547590470800371487867e+38f /* 0x7F7F */
+
+/* x limited to [-limit, limit], as torch.clamp: a NaN stays NaN (comparisons with it are false). */
+static inline float clamp_abs(float x, float limit) {
+    x = x > limit ? limit : x;
+    return x < -limit ? -limit : x;
+}
+
+/* x limited to at most limit, as torch.clamp(max=limit); a NaN stays NaN. */
+static inline float clamp_max(float x, float limit) { return x > limit ? limit : x; }
+
 /* BODY for each tensor t among `count` whose items [piece_start, piece_end), numbered within t, fall in
  * [start, end) of the tensors' concatenation; `items` is an expression of t: how many items tensor t has. */
 #define FOR_EACH_PIECE(count, items, start, end, BODY)                                                    \
@@ -30,16 +43,19 @@ static inline uint16_t f32_to_bf16(float f) {
         if (piece_start < piece_end) BODY;                                                                \
     }
 
-/* Run BODY on `threads` disjoint pieces of [start, end), each a multiple of 64 items (cache lines of every
- * dtype) but the last, as `range_start` / `range_end`. With OpenMP the pieces run on its threads; without it,
- * the whole range runs here. */
+/* Run BODY on disjoint pieces of [start, end) that cover it, one per thread of an OpenMP team of up to `threads`,
+ * each a multiple of 64 items (cache lines of every dtype) but the last, as `range_start` / `range_end`. The
+ * pieces follow the team OpenMP actually gives (OMP_THREAD_LIMIT, OMP_DYNAMIC, nested regions may give fewer
+ * threads than asked): splitting by the number asked for would leave the pieces of missing threads undone.
+ * Without OpenMP, the whole range runs here. */
 #ifdef _OPENMP
 #include <omp.h>
 #define PARALLEL_RANGES(start, end, threads, BODY)                                                        \
     do {                                                                                                  \
-        int64_t per_ = (((end) - (start)) / (threads) + 63) / 64 * 64;                                    \
         _Pragma("omp parallel num_threads(threads)") {                                                    \
-            int64_t range_start = (start) + per_ * omp_get_thread_num();                                  \
+            int64_t team_ = omp_get_num_threads();                                                        \
+            int64_t per_ = (((end) - (start) + team_ - 1) / team_ + 63) / 64 * 64; /* ceil, then to 64 */ \
+            int64_t range_start = (start) + per_ * omp_get_thread_num();                                 \
             int64_t range_end = range_start + per_ < (end) ? range_start + per_ : (end);                  \
             if (range_start < range_end) BODY;                                                            \
         }                                                                                                 \
