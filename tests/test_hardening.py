@@ -195,3 +195,32 @@ def test_grad_scaler_skips_overflow_steps_for_every_name(name, backend, dtype):
 def test_messages_name_the_mistake(params, exc, match):
     with pytest.raises(exc, match=match):
         hfe.create_optimizer(params, "adamw")
+
+
+@pytest.mark.parametrize("name", ["hf_eff_adamw", "hf_eff_adam8bit"])
+def test_trainer_with_a_grad_scaler_skips_an_overflow_step(name, tmp_path):
+    """The Trainer's fp16 path (Accelerate's GradScaler; on CPU the Trainer runs without one, so one is installed
+    by hand): an overflowing micro-step is skipped by the scaler, training goes on, nothing raises."""
+    from transformers import Trainer, TrainingArguments
+
+    from conftest import ClassificationSet, tiny_bert
+
+    model = tiny_bert()
+    args = TrainingArguments(str(tmp_path), optim=name, max_steps=4, report_to=[], use_cpu=True, logging_steps=1,
+                             per_device_train_batch_size=4, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=ClassificationSet(32))
+    scaler = trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    calls = {"n": 0}
+
+    def overflow_once(grad):
+        calls["n"] += 1
+        return torch.full_like(grad, INF) if calls["n"] == 2 else grad
+
+    weight = model.bert.encoder.layer[0].attention.self.query.weight
+    weight.register_hook(overflow_once)
+    before = weight.detach().clone()
+    trainer.train()
+    assert scaler.get_scale() == 2.0**9  # halved once, for the one overflow
+    info = hfe.optimizer_info(trainer.optimizer)
+    assert info.steps == 3 and info.skipped_steps == 0  # the scaler skipped it: our step was not even called
+    assert torch.isfinite(weight).all() and not torch.equal(weight, before)
