@@ -224,3 +224,23 @@ def test_trainer_with_a_grad_scaler_skips_an_overflow_step(name, tmp_path):
     info = hfe.optimizer_info(trainer.optimizer)
     assert info.steps == 3 and info.skipped_steps == 0  # the scaler skipped it: our step was not even called
     assert torch.isfinite(weight).all() and not torch.equal(weight, before)
+
+
+def test_every_rank_enters_the_nonfinite_all_reduce_also_without_gradients(monkeypatch):
+    """Under FSDP2 (DTensor parameters) the ranks agree on skip/raise by one all-reduce; a rank whose parameters got
+    no gradient this step must still enter it, or the others wait for ever."""
+    import torch.distributed as dist
+
+    from hf_efficient import guard
+
+    class Shard(nn.Parameter):  # what the guard looks for in a DTensor: to_local()
+        def to_local(self):
+            return self.detach()
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: calls.append(int(t)))
+    opt = hfe.create_optimizer([Shard(torch.zeros(8))], "adamw", nonfinite="skip")
+    assert guard.first_nonfinite(opt) is None and calls == [0]  # no gradient here: entered all the same
+    opt.param_groups[0]["params"][0].grad = torch.full((8,), NAN)
+    assert guard.first_nonfinite(opt) == "group0.param0" and calls == [0, 1]
