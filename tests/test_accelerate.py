@@ -201,6 +201,10 @@ def test_backend_and_decay_embeddings_inside_optim_args(monkeypatch):
     ("HF_EFF_OPTIM_ARGS", "embeding_state=8bit", "HF_EFF_OPTIM_ARGS \\(optim_args\\): unknown option 'embeding_state' "
                                                  "for 'adamw'.* Accepted: backend, decay_embeddings"),
     ("HF_EFF_CONFIG", "/nonexistent.yaml", "HF_EFF_CONFIG: config file '/nonexistent.yaml' does not exist"),
+    ("HF_EFF_CONFIG", "/", "HF_EFF_CONFIG: config file '/' is a directory: give the path of a YAML file"),
+    ("HF_EFF_LR", "inf", "HF_EFF_LR: Invalid learning rate lr=inf: it must be a finite number"),
+    ("HF_EFF_WEIGHT_DECAY", "inf", "HF_EFF_WEIGHT_DECAY: Invalid weight_decay=inf"),
+    ("HF_EFF_EPS", "0", "HF_EFF_EPS: Invalid eps=0.0"),
 ])
 def test_bad_environment_value_names_the_variable(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
@@ -224,11 +228,23 @@ def test_option_value_checked_by_core_parser_for_the_chosen_name(monkeypatch):
     ("gradient_accumulation_steps: [2]\n", "{path}: gradient_accumulation_steps: expected an integer"),
     ("- optim\n", "{path}: expected a mapping"),
     ("optim: [\n", "{path}: not valid YAML"),
+    ("lr: .inf\n", "{path}: lr: Invalid learning rate lr=inf: it must be a finite number"),
+    ("weight_decay: .nan\n", "{path}: weight_decay: Invalid weight_decay=nan"),
 ])
 def test_bad_yaml_value_names_file_and_key(tmp_path, text, message):
     path = write_yaml(tmp_path, text)
     with pytest.raises(ValueError, match=message.format(path=path)):
         EfficientOptimPlugin(config_file=path)
+
+
+def test_config_file_that_is_not_utf8_says_so(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("lr: 1e-3  # café\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=f"{path}: not UTF-8 text \\(byte b'\\\\xe9' at offset 15\\): save the "
+                                         "config file as UTF-8"):
+        EfficientOptimPlugin(config_file=str(path))
+    with pytest.raises(ValueError, match="is a directory"):
+        EfficientOptimPlugin(config_file=str(tmp_path))
 
 
 def test_bad_keyword_and_combinations():
@@ -438,22 +454,59 @@ def _deepspeed(**kwargs):
 
 
 @pytest.mark.parametrize("name, backend, ok", [
-    ("adamw", "torch", True), ("adam8bit", "torchao", True), ("adam8bit", "bnb", False), ("adafactor", "torch", False),
+    ("adamw", "torch", True), ("adam8bit", "torchao", True), ("adam8bit", "bnb", False), ("adam8bit", "torch", False),
+    ("adafactor", "torch", False), ("adamw_bf16", "torch", False),
 ])
 def test_fsdp2_rules(name, backend, ok):
     if ok:
         check_distributed_support(name, backend, {}, _fsdp())
     else:
         with pytest.raises(ValueError, match=f"hf_eff_{name} \\(backend={backend}\\) is not supported with FSDP2: "
-                                             ".*Instead: use backend=torchao"):
+                                             ".*Instead: use hf_eff_adamw, or this optimizer with DDP"):
             check_distributed_support(name, backend, {}, _fsdp())
 
 
-def test_fsdp2_automatic_choice_skips_bnb_and_fsdp1_is_refused():
-    assert choose_backend("adam8bit", None, {}, _fsdp(), "cpu")[0] == "torchao"
+def test_fsdp2_never_falls_back_to_torchao_and_says_why():
+    """torchao's AdamW8bit stores small second moments as 0 (issue 12, item 0): under FSDP2, where it is the only
+    8-bit backend that runs on shards, adam8bit is refused unless torchao is forced, which logs a WARNING."""
+    with pytest.raises(ValueError, match=r"hf_eff_adam8bit \(backend=torch\) is not supported with FSDP2.*"
+                                         r"backend=torchao .* only when forced, because its AdamW8bit stores small "
+                                         r"second moments as exactly 0"):
+        choose_backend("adam8bit", None, {}, _fsdp(), "cpu")
     assert choose_backend("adam8bit", None, {}, SimpleNamespace(distributed_type="MULTI_CPU"), "cpu")[0] is None
     with pytest.raises(ValueError, match="FSDP version 1 is not supported.*fsdp_version: 2"):
         check_distributed_support("adamw", None, {}, _fsdp(version=1))
+
+
+def test_fsdp2_forced_torchao_warns(caplog):
+    import hf_efficient.registry as registry
+
+    registry._logged.discard(("adam8bit", "cpu", "torchao"))  # the warning is logged once per process
+    plugin = EfficientOptimPlugin(optim="adam8bit", backend="torchao")
+    with caplog.at_level("WARNING", logger="hf_efficient"):
+        assert choose_backend(plugin.optim, plugin.backend, {}, _fsdp(), "cpu")[0] == "torchao"
+        plugin.create_optimizer(tiny_mlm())
+    assert any(r.levelname == "WARNING" and "backend='torchao' (forced)" in r.getMessage()
+               and "exactly 0" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_auto_is_checked_only_where_it_cannot_run():
+    """hf_eff_auto picks a name from the model, later: with no distribution or DDP nothing is checked before
+    (it used to fail resolving 'auto' itself); under FSDP2 / DeepSpeed it is refused up front."""
+    for dist in ("NO", "MULTI_CPU"):
+        assert choose_backend("auto", None, {}, SimpleNamespace(distributed_type=dist), "cpu") == (None, "")
+    with pytest.raises(ValueError, match="hf_eff_auto is not supported with FSDP2: .*Name the optimizer: hf_eff_adamw"):
+        choose_backend("auto", None, {}, _fsdp(), "cpu")
+    with pytest.raises(ValueError, match="hf_eff_auto is not supported with DeepSpeed: .*embedding_state=8bit"):
+        choose_backend("auto", None, {}, _deepspeed(zero_stage=2), "cpu")
+
+
+def test_plugin_with_auto_creates_an_accelerator():
+    plugin = EfficientOptimPlugin(optim="auto", optim_args="budget_gb=1")
+    plugin.create_accelerator(cpu=True)
+    model, optimizer, scheduler = plugin.prepare(plugin.create_accelerator(cpu=True), tiny_mlm(),
+                                                 num_training_steps=2)
+    assert optimizer_info(optimizer).resolution.name == "adamw"
 
 
 def test_deepspeed_rules():
@@ -463,6 +516,8 @@ def test_deepspeed_rules():
         check_distributed_support("adam8bit", "torchao", {}, _deepspeed(zero_stage=2))
     with pytest.raises(ValueError, match="hf_eff_adafactor .* not supported with DeepSpeed: ZeRO flattens"):
         check_distributed_support("adafactor", None, {}, _deepspeed(zero_stage=1))
+    with pytest.raises(ValueError, match="hf_eff_adamw_bf16 .* not supported with DeepSpeed: ZeRO keeps fp32 master"):
+        check_distributed_support("adamw_bf16", None, {}, _deepspeed(zero_stage=1))
     with pytest.raises(ValueError, match="optimizer offload \\(cpu\\) is not supported"):
         check_distributed_support("adamw", None, {}, _deepspeed(zero_stage=2, offload_optimizer_device="cpu"))
     with pytest.raises(ValueError, match="accumulates 4 micro-batches but gradient_accumulation_steps=2 "

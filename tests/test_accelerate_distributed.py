@@ -15,6 +15,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WATCHDOG_S = 60  # a hung collective ends the worker (with tracebacks) instead of the 600 s launch timeout
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "adamw_bf16")
 
 
@@ -70,20 +71,30 @@ def test_learning_rate_after_k_steps_does_not_depend_on_process_count(ranks):
                 assert t["lrs"] == pytest.approx([1e-2, 5e-3, 0.0], abs=1e-12), name
 
 
+def test_fsdp2_rank_without_gradients_does_not_hang(ranks):
+    """Under FSDP2 the inf/NaN decision is one all-reduce; a rank holding no gradient enters it too (reaching
+    here at all means neither rank hung): the rank with gradients stepped, the other left its shards alone."""
+    a, b = ranks
+    for mode in ("raise", "skip"):
+        assert all(a["fsdp2_rank_without_grads"][mode]), a["fsdp2_rank_without_grads"]
+        assert not any(b["fsdp2_rank_without_grads"][mode]), b["fsdp2_rank_without_grads"]
+
+
 def test_fsdp2_support_table_matches_what_runs(ranks):
     """The refusal table in integrations/accelerate.py against torch's FSDP2 on CPU: a combination runs on
     DTensor shards exactly when the table allows it (and 8-bit state keeps embeddings in full precision)."""
-    from hf_efficient.integrations.accelerate import _FSDP2_UNSUPPORTED
+    from hf_efficient.integrations.distributed import FSDP2_UNSUPPORTED
 
     probe = ranks[0]["fsdp2"]
     assert {"adamw/torch", "adam8bit/bnb", "adam8bit/torchao", "adafactor/torch"} <= set(probe)
     for key, seen in probe.items():
         if "skipped" in seen:
             continue
-        allowed = tuple(key.split("/")) not in _FSDP2_UNSUPPORTED
+        allowed = tuple(key.split("/")) not in FSDP2_UNSUPPORTED
         assert seen["ok"] == allowed, f"{key}: table says {'supported' if allowed else 'unsupported'}, saw {seen}"
         if seen["ok"]:
             assert seen["dtensor"] == "DTensor"
+    # torchao runs on shards (so it stays forcible), but is never chosen automatically: see test_accelerate.py
     # 8-bit state for a matrix whose shard has 4096 elements (torchao decides per local shard), full precision
     # for embeddings: the 32-bit choice followed the parameter swap
     assert probe["adam8bit/torchao"]["matrix_state"] == "OptimState8bit"
@@ -173,6 +184,7 @@ def worker(out_dir: str) -> None:
                                                       {n: dict(single.named_parameters())[n].detach() for n in compared})
         result["trained"][name] = entry
     result["fsdp2"] = fsdp2_probe()
+    result["fsdp2_rank_without_grads"] = fsdp2_rank_without_grads()
     gather_object([0])  # both ranks done before either writes
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -228,6 +240,35 @@ def fsdp2_probe() -> dict:
                             "dtensor": type(new["cls.predictions.bias"]).__name__}
             except Exception as e:  # what fails is the finding
                 out[key] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
+def fsdp2_rank_without_grads() -> dict:
+    """One FSDP2 step where rank 1 holds no gradient at all: the inf/NaN check's all-reduce must be entered by
+    both ranks (a rank that returned early left the other waiting forever). A watchdog ends a hang in 60 s."""
+    import faulthandler
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_efficient
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    out = {}
+    for nonfinite in ("raise", "skip"):
+        optimizer = hf_efficient.create_optimizer(model, "adamw", lr=0.1, nonfinite=nonfinite)
+        before = [p.to_local().clone() for p in model.parameters()]
+        if dist.get_rank() == 0:  # set by hand: a backward would itself be a collective
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+        optimizer.step()
+        faulthandler.cancel_dump_traceback_later()
+        out[nonfinite] = [not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())]
+        model.zero_grad(set_to_none=True)
     return out
 
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from ..factory import build_optimizer, optimizer_info
 from ..options import OPTIONS, check_hyperparams, parse_optim_args, parse_options
-from ..registry import PREFIX, get_spec, resolve
+from ..registry import PREFIX, get_spec
+from .distributed import check_deepspeed, check_fsdp
 
 __all__ = ["EfficientOptimPlugin", "AccumulationWindow", "accumulation_windows", "summed_token_loss",
            "check_distributed_support", "choose_backend", "SCHEDULERS"]
@@ -163,6 +164,9 @@ def _optim_args(value, where) -> dict:
 
 def _path(value, where):
     out = _text(value, where)
+    if os.path.isdir(out):
+        raise ValueError(f"{where}: config file {out!r} is a directory: give the path of a YAML file of "
+                         "EfficientOptimPlugin fields")
     if not os.path.isfile(out):
         raise ValueError(f"{where}: config file {out!r} does not exist")
     return out
@@ -266,10 +270,13 @@ class EfficientOptimPlugin:
         import yaml
 
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:  # YAML is UTF-8 (or UTF-16/32 with a BOM); a locale default would guess
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}): "
+                             "save the config file as UTF-8") from None
         if data is None:
             return {}
         if not isinstance(data, Mapping):
@@ -367,10 +374,15 @@ class EfficientOptimPlugin:
         """Refuse an unsupported set-up; return the backend to force (None: the registry's) and why."""
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if world > 1 and accelerator.num_processes != world:
+            # Accelerate joins processes only through a backend it knows for the device: without a GPU, gloo.
+            fix = ("under DeepSpeed without a GPU, name the backend: create_accelerator(kwargs_handlers=["
+                   "InitProcessGroupKwargs(backend='gloo')]) (and DS_ACCELERATOR=cpu)"
+                   if accelerator.distributed_type.value == "DEEPSPEED" else
+                   "without a GPU set ACCELERATE_USE_CPU=true (or create_accelerator(cpu=True))")
             raise RuntimeError(
                 f"launched as {world} processes (WORLD_SIZE={world}) but Accelerate runs this one as "
                 f"{accelerator.num_processes} of {accelerator.distributed_type.value}: the processes would train "
-                "independently. Without a GPU set ACCELERATE_USE_CPU=true (or create_accelerator(cpu=True)).")
+                f"independently. Fix: {fix}.")
         chosen = choose_backend(self.optim, self.backend, self._core_options(), accelerator.state, accelerator.device,
                                 plugin_ga=(self.gradient_accumulation_steps, self.sources["gradient_accumulation_steps"]))
         if accelerator.gradient_accumulation_steps != self.gradient_accumulation_steps:
@@ -384,7 +396,9 @@ class EfficientOptimPlugin:
         return chosen
 
     def _core_options(self) -> dict:
-        return {**self.optim_args, "decay_embeddings": self.decay_embeddings, "backend": self.backend}
+        # backend only when forced: hf_eff_auto has no backend option (the name it picks resolves its own)
+        forced = {} if self.backend is None else {"backend": self.backend}
+        return {**self.optim_args, "decay_embeddings": self.decay_embeddings, **forced}
 
     def create_optimizer(self, model, backend: str | None = None) -> torch.optim.Optimizer:
         """The optimizer alone (decay groups, backend by the registry), for a loop that prepares it itself."""
@@ -483,49 +497,19 @@ def _restore_fp32_state_ids(optimizer, flags) -> None:
 
 
 # ------------------------------------------------------------------------------------ distributed support
-# What each (name, backend) cannot do under a distributed type, and what to use instead. FSDP2 entries were
-# found by running each optimizer on torch's fully_shard DTensor parameters (tests/test_accelerate_fsdp.py
-# re-checks the table); DeepSpeed entries follow from ZeRO handing the optimizer one flat fp32 partition per
-# param group, which erases parameter shapes and identities.
-_FSDP2_UNSUPPORTED = {
-    ("adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
-    ("paged_adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
-    ("adam8bit", "torch"): "our compiled 8-bit kernel reshapes each tensor into 256-element blocks, which a "
-                           "DTensor shard does not allow (not run on shards)",
-    ("adafactor", "torch"): "its factored row/column statistics are plain tensors that cannot mix with DTensor shards",
-    ("adamw_bf16", "torch"): "its step uses ops with no DTensor sharding rule (aten._foreach_copy_)",
-}
-_FSDP2_INSTEAD = "use backend=torchao for 8-bit state, hf_eff_adamw, or DDP"
-_DEEPSPEED_UNSUPPORTED = {
-    "adafactor": "ZeRO flattens each param group into one 1-D partition, so nothing is left to factor "
-                 "(the state would be a full fp32 second moment)",
-    "adamw_bf16": "DeepSpeed keeps fp32 master weights and steps them, so the bf16 compensated update does not apply",
-}
-
+# The tables and checks live in integrations/distributed.py (the Trainer asks them too); here they read an
+# Accelerator's state.
 
 def choose_backend(name: str, backend: str | None, options: Mapping, state, device,
                    plugin_ga: tuple[int, str] | None = None) -> tuple[str | None, str]:
     """The backend to force for this distributed set-up (None: leave it to the registry), and why.
 
-    Under FSDP2 an automatic choice skips backends that cannot run on DTensor shards (adam8bit: bnb ->
-    torchao); a forced one is checked by :func:`check_distributed_support`.
+    No set-up needs another backend than the registry's: under FSDP2 the only 8-bit backend that runs on
+    DTensor shards is torchao, which is never chosen for a user (see ``distributed.FSDP2_INSTEAD``), so
+    :func:`check_distributed_support` refuses there instead of switching.
     """
-    if backend is None and _is_fsdp2(state):
-        spec = get_spec(name)
-        res = resolve(name, device)
-        if (res.name, res.backend) in _FSDP2_UNSUPPORTED:
-            for b in spec.order(torch.device(device).type):
-                if (res.name, b) not in _FSDP2_UNSUPPORTED and spec.backends[b].why_not(torch.device(device).type) is None:
-                    why = f"FSDP2: {res.backend} skipped, {_FSDP2_UNSUPPORTED[(res.name, res.backend)]}"
-                    check_distributed_support(name, b, options, state, plugin_ga, device=device)
-                    return b, why
     check_distributed_support(name, backend, options, state, plugin_ga, device=device)
     return backend, ""
-
-
-def _is_fsdp2(state) -> bool:
-    plugin = getattr(state, "fsdp_plugin", None)
-    return _dist_type(state) == "FSDP" and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
 
 
 def _dist_type(state) -> str:
@@ -544,40 +528,14 @@ def check_distributed_support(name: str, backend: str | None, options: Mapping, 
         plugin_ga: (gradient_accumulation_steps, its source), compared with a DeepSpeed config's.
     """
     dist = _dist_type(state)
-    res = resolve(name, device, backend)
-    label = f"{PREFIX}{res.name} (backend={res.backend})"
     if dist == "FSDP":
-        version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1)
-        if version != 2:
-            raise ValueError(f"{label} with FSDP version {version} is not supported: FSDP1 hands the optimizer "
-                             "flattened parameters (no shapes, names or decay groups). Set fsdp_version: 2 in the "
-                             "accelerate config (or --fsdp_version 2).")
-        why = _FSDP2_UNSUPPORTED.get((res.name, res.backend))
-        if why:
-            raise ValueError(f"{label} is not supported with FSDP2: {why}. Instead: {_FSDP2_INSTEAD}.")
+        check_fsdp(name, backend, version=getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1),
+                   device=device)
     elif dist == "DEEPSPEED":
         ds = getattr(state, "deepspeed_plugin", None)
-        config = getattr(ds, "deepspeed_config", None) or {}
-        if "optimizer" in config:
-            raise ValueError("the DeepSpeed config has an 'optimizer' section, which would replace "
-                             f"{label}: remove it and let the plugin build the optimizer")
-        offload = getattr(ds, "offload_optimizer_device", None) or config.get(
-            "zero_optimization", {}).get("offload_optimizer", {}).get("device")
-        if offload not in (None, "none"):
-            raise ValueError(f"{label} with DeepSpeed optimizer offload ({offload}) is not supported: offload "
-                             "runs DeepSpeed's own CPU Adam. Drop offload_optimizer_device, or use DDP / FSDP2.")
-        why = _DEEPSPEED_UNSUPPORTED.get(res.name)
-        if why:
-            raise ValueError(f"{label} is not supported with DeepSpeed: {why}. Instead: {PREFIX}adamw with "
-                             "DeepSpeed, or this optimizer with DDP / FSDP2.")
-        if res.spec.family == "adamw8bit" and options.get("embedding_state", "32bit") != "8bit":
-            raise ValueError(f"{label} with DeepSpeed cannot keep 32-bit state for embeddings and small tensors: "
-                             "ZeRO hands the optimizer one flat partition per param group. Set optim_args "
-                             "embedding_state=8bit to accept 8-bit state everywhere, or use DDP / FSDP2.")
-        ds_ga = getattr(ds, "gradient_accumulation_steps", "auto")
-        if plugin_ga is not None and isinstance(ds_ga, int) and ds_ga != plugin_ga[0]:
-            raise ValueError(f"the DeepSpeed config accumulates {ds_ga} micro-batches but gradient_accumulation_steps"
-                             f"={plugin_ga[0]} ({plugin_ga[1]}): set one of them (DeepSpeed accepts 'auto')")
+        check_deepspeed(name, backend, options, getattr(ds, "deepspeed_config", None), device=device,
+                        offload=getattr(ds, "offload_optimizer_device", None), plugin_ga=plugin_ga,
+                        config_ga=getattr(ds, "gradient_accumulation_steps", "auto"))
 
 
 # ---------------------------------------------------------------------------------- exact accumulation
