@@ -1,9 +1,12 @@
 """hf_efficient: memory-efficient optimizers as one-word choices for Hugging Face Trainer and Accelerate.
 
-Importing this package registers the ``hf_eff_*`` names with transformers (when it is installed), so
-``TrainingArguments(optim="hf_eff_adam8bit")`` works. The core needs only torch.
+The core needs only torch: importing this package imports no transformers module. The ``hf_eff_*`` names
+reach transformers without any import in user code: the start-up hook installed with the package
+(:mod:`hf_efficient._autoload`) patches transformers' ``training_args`` and ``trainer`` modules when a process
+imports them. Importing this package does the same even when the hook is off (``HF_EFF_AUTOLOAD=0``).
 """
 
+from . import _autoload
 from .factory import create_optimizer, optimizer_info
 from .memory import estimate_memory, optimizer_state_bytes
 from .param_groups import build_param_groups, split_parameters
@@ -22,13 +25,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def _register_with_transformers() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("transformers") is not None:
-        from .integrations.transformers import register
-
-        register()
-
-
-_register_with_transformers()
+# last: patching a transformers module already imported imports .integrations, which needs the names above
+_autoload.install(explicit=True)

@@ -1,6 +1,7 @@
 """The hf_eff_* names inside transformers: TrainingArguments, the CLI parser, Trainer.train, resume."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -64,11 +65,26 @@ def test_optim_args_reach_the_optimizer(tmp_path):
     assert wd["bert.embeddings.word_embeddings.weight"] == 0.0
 
 
-def test_bad_optim_args_fail_when_the_optimizer_is_built(tmp_path):
-    args = _args(tmp_path, "hf_eff_adam8bit", steps=1, optim_args="embeding_state=8bit")
-    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet())
-    with pytest.raises(ValueError, match=r"optim_args: unknown option 'embeding_state'.*Did you mean"):
-        trainer.train()
+def test_bad_optim_args_fail_when_the_arguments_are_made(tmp_path):
+    # before any model or data is loaded: in TrainingArguments, set_optimizer and the CLI parser alike
+    with pytest.raises(ValueError, match=r"optim_args='bta1=0.9'.*unknown option 'bta1' for 'adam8bit'"):
+        _args(tmp_path, "hf_eff_adam8bit", optim_args="bta1=0.9")
+    with pytest.raises(ValueError, match=r"unknown option 'embeding_state'.*Did you mean 'embedding_state'"):
+        _args(tmp_path, "hf_eff_adam8bit", optim_args="embeding_state=8bit")
+    with pytest.raises(ValueError, match=r"option 'min_8bit_size' must be > 0"):
+        _args(tmp_path, "hf_eff_adam8bit", optim_args="min_8bit_size=0")
+    with pytest.raises(ValueError, match=r"unknown option 'budget'.*Did you mean 'budget_gb'"):
+        _args(tmp_path, "hf_eff_auto", optim_args="budget=2")
+    args = _args(tmp_path, "adamw_torch")
+    with pytest.raises(ValueError, match=r"'nonfinite' must be one of"):
+        args.set_optimizer(name="hf_eff_adafactor", args="nonfinite=maybe")
+    assert args.optim == "adamw_torch" and args.optim_args is None  # nothing changed by the refused call
+    parser = HfArgumentParser((TrainingArguments,))
+    with pytest.raises(ValueError, match=r"unknown option 'bta1'"):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", "hf_eff_adam8bit",
+                                            "--optim_args", "bta1=0.9", "--report_to", "none"])
+    # transformers' own names keep their own optim_args (not ours to parse)
+    assert _args(tmp_path, "adamw_torch", optim_args="anything=1").optim_args == "anything=1"
 
 
 def test_hf_eff_adamw_equals_torch_adamw_with_the_same_groups(tmp_path):
@@ -121,6 +137,30 @@ def test_cli_parser_path(tmp_path):
 def test_unknown_hf_eff_name_lists_registered_names(tmp_path):
     with pytest.raises(ValueError, match=r"Did you mean 'hf_eff_adam8bit'.*Registered names: hf_eff_adafactor"):
         TrainingArguments(str(tmp_path), optim="hf_eff_adam8bt")
+
+
+def test_short_name_in_training_arguments_names_the_full_one(tmp_path):
+    # short names work in create_optimizer & co., not here: say which name TrainingArguments takes
+    with pytest.raises(ValueError, match=r"optim='adam8bit' is not a transformers optimizer name; "
+                                         r"hf_efficient's is 'hf_eff_adam8bit'"):
+        TrainingArguments(str(tmp_path), optim="adam8bit", report_to=[])
+    with pytest.raises(ValueError, match=r"TrainingArguments\(optim=\.\.\.\) needs the full hf_eff_ name"):
+        TrainingArguments(str(tmp_path), optim="hf_eff_adam8bt", report_to=[])
+
+
+def test_trainer_logs_the_backend_choice(tmp_path, caplog):
+    args = _args(tmp_path, "hf_eff_auto", steps=1, optim_args="budget_gb=1000")
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet())
+    trainer_logger = logging.getLogger("transformers.trainer")  # transformers' loggers do not propagate
+    trainer_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="transformers.trainer"):
+            trainer.create_optimizer()
+    finally:
+        trainer_logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == "transformers.trainer"]
+    assert any(m.startswith("hf_efficient: optim=hf_eff_auto chose hf_eff_adamw, which runs on backend torch on cpu")
+               for m in lines), lines
 
 
 # --- resume: N steps, save, fresh Trainer resumes to 2N == uninterrupted 2N --------------------------

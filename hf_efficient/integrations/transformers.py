@@ -1,30 +1,35 @@
-"""The only place that touches transformers internals: registers the ``hf_eff_*`` names with Trainer.
+"""The only place that touches transformers internals: makes the ``hf_eff_*`` names transformers optimizers.
 
-Three patches, all idempotent and feature-checked rather than version-pinned (tested on 4.46 and 5.23):
+Applied lazily, module by module, by the start-up hook (``_hf_efficient_autoload``) or ``import hf_efficient``,
+right after transformers imports the module patched; this file imports no transformers module itself, since
+it runs while transformers is still importing. Every patch is idempotent and feature-checked rather than
+version-pinned (tested on 4.46 and 5.23):
 
-1. ``OptimizerNames`` (an Enum) gets one member per name, so ``TrainingArguments(optim=...)``,
-   ``set_optimizer``, ``HfArgumentParser``'s ``--optim`` choices, ``to_dict`` and pickling all accept them;
-   an unknown ``hf_eff_*`` name raises our error listing the registered ones.
-2. ``Trainer.get_optimizer_cls_and_kwargs`` answers for our names with :class:`TrainerOptimizer` and the
-   model, so our weight-decay groups replace the Trainer's and ``optim_args`` goes through our parser.
-3. ``Trainer.__init__`` adds :class:`MemoryCallback` for our names (and puts any MemoryCallback first), so
-   measured optimizer state and peak memory reach the logs.
+1. :func:`patch_training_args`: ``OptimizerNames`` (an Enum) gets one member per name, so
+   ``TrainingArguments(optim=...)``, ``set_optimizer``, ``HfArgumentParser``'s ``--optim`` choices, ``to_dict``
+   and pickling all accept them; an unknown ``hf_eff_*`` name raises our error listing the registered ones,
+   and ``optim_args`` is checked when the arguments are made, before any model or data is loaded.
+2. :func:`patch_trainer`: ``Trainer.get_optimizer_cls_and_kwargs`` answers for our names with
+   :class:`TrainerOptimizer` and the model, so our weight-decay groups replace the Trainer's and ``optim_args``
+   goes through our parser; ``Trainer.__init__`` adds :class:`MemoryCallback` for our names (and puts any
+   MemoryCallback first), so measured optimizer state and peak memory reach the logs.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import torch
-from transformers import TrainerCallback
 
-from ..factory import build_optimizer
+from ..factory import build_optimizer, optimizer_info
 from ..memory import MB, peak_memory, state_metrics
-from ..options import parse_optim_args
+from ..options import parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
 
-__all__ = ["register", "TrainerOptimizer", "is_hf_eff_name", "MemoryCallback"]
+__all__ = ["register", "patch_training_args", "patch_trainer", "check_optim_args", "TrainerOptimizer",
+           "is_hf_eff_name", "MemoryCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,18 @@ logger = logging.getLogger(__name__)
 def is_hf_eff_name(optim) -> bool:
     value = getattr(optim, "value", optim)
     return isinstance(value, str) and value.startswith(PREFIX)
+
+
+def check_optim_args(optim, optim_args: str | None) -> None:
+    """Raise for an unknown ``hf_eff_*`` name or a bad ``optim_args`` now, not when the optimizer is built.
+
+    The same parser the optimizer uses at build time, so whatever passes here is what the optimizer gets.
+    """
+    spec = get_spec(optim)
+    try:
+        parse_options(spec.name, spec.options, parse_optim_args(optim_args), source="optim_args")
+    except ValueError as exc:
+        raise ValueError(f"TrainingArguments(optim={PREFIX + spec.name!r}, optim_args={optim_args!r}): {exc}") from None
 
 
 class TrainerOptimizer(torch.optim.Optimizer):
@@ -43,8 +60,15 @@ class TrainerOptimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, model, *, hf_eff_name, optim_args, lr, betas, eps, weight_decay):
-        return build_optimizer(model, hf_eff_name, parse_optim_args(optim_args), source="optim_args", lr=lr,
-                               betas=betas, eps=eps, weight_decay=weight_decay)
+        optimizer = build_optimizer(model, hf_eff_name, parse_optim_args(optim_args), source="optim_args", lr=lr,
+                                    betas=betas, eps=eps, weight_decay=weight_decay)
+        res = optimizer_info(optimizer).resolution
+        chose = f"chose {PREFIX}{res.name}, which " if get_spec(hf_eff_name).name == "auto" else ""
+        # through transformers' own Trainer logger: shown beside the Trainer's INFO lines (--log_level info)
+        logging.getLogger("transformers.trainer").info(
+            "hf_efficient: optim=%s %sruns on backend %s on %s (%s)", hf_eff_name, chose, res.backend, res.device,
+            res.reason)
+        return optimizer
 
 
 def _get_optimizer_cls_and_kwargs(args, model=None):
@@ -72,33 +96,71 @@ def _add_enum_member(enum_cls, value: str) -> None:
 
 
 def register() -> None:
-    """Make every ``hf_eff_*`` name a transformers optimizer name (safe to call twice)."""
-    from transformers import Trainer
-    from transformers.training_args import OptimizerNames
+    """Patch transformers now (imports its Trainer); the start-up hook or ``import hf_efficient`` does this lazily."""
+    patch_training_args(importlib.import_module("transformers.training_args"))
+    patch_trainer(importlib.import_module("transformers.trainer"))
 
+
+def patch_training_args(module) -> None:
+    """Make every ``hf_eff_*`` name an ``OptimizerNames`` member and check ``optim_args`` early (idempotent).
+
+    Args:
+        module: ``transformers.training_args``, just imported.
+    """
+    names, args_cls = module.OptimizerNames, module.TrainingArguments
     for spec in SPECS.values():
-        _add_enum_member(OptimizerNames, spec.trainer_name)
-    if getattr(OptimizerNames, "_hf_eff_patched", False):
+        _add_enum_member(names, spec.trainer_name)
+    if getattr(names, "_hf_eff_patched", False):
         return
-    original_missing = OptimizerNames._missing_
+    original_missing = names._missing_
 
     def _missing_(cls, value):
         if is_hf_eff_name(value):
             get_spec(value)  # raises the ValueError that lists our names
+        if isinstance(value, str) and value in SPECS:  # our short name, which transformers does not know
+            raise ValueError(f"optim={value!r} is not a transformers optimizer name; hf_efficient's is "
+                             f"{PREFIX + value!r} (TrainingArguments takes the full name)")
         return original_missing(value)
 
-    OptimizerNames._missing_ = classmethod(_missing_)
-    OptimizerNames._hf_eff_patched = True
-    original = Trainer.get_optimizer_cls_and_kwargs
+    names._missing_ = classmethod(_missing_)
+    original_post_init, original_set_optimizer = args_cls.__post_init__, args_cls.set_optimizer
+
+    @functools.wraps(original_post_init)
+    def __post_init__(self, *args, **kwargs):
+        if is_hf_eff_name(self.optim):
+            check_optim_args(self.optim, self.optim_args)
+        return original_post_init(self, *args, **kwargs)
+
+    @functools.wraps(original_set_optimizer)
+    def set_optimizer(self, name="adamw_torch", *args, **kwargs):
+        if is_hf_eff_name(name):  # validate before the original changes any field
+            check_optim_args(name, kwargs.get("args", args[5] if len(args) > 5 else None))
+        return original_set_optimizer(self, name, *args, **kwargs)
+
+    args_cls.__post_init__, args_cls.set_optimizer = __post_init__, set_optimizer
+    names._hf_eff_patched = True
+
+
+def patch_trainer(module) -> None:
+    """Route ``hf_eff_*`` names to :class:`TrainerOptimizer` and add :class:`MemoryCallback` (idempotent).
+
+    Args:
+        module: ``transformers.trainer``, just imported (``training_args`` is patched by then: it imports it).
+    """
+    trainer_cls = module.Trainer
+    if getattr(trainer_cls, "_hf_eff_patched", False):
+        return
+    original = trainer_cls.get_optimizer_cls_and_kwargs
 
     def get_optimizer_cls_and_kwargs(args, model=None):
         if is_hf_eff_name(args.optim):
             return _get_optimizer_cls_and_kwargs(args, model)
         return original(args, model)
 
-    Trainer.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)
-    _add_memory_callback(Trainer)
-    _allow_numpy_rng_on_resume(Trainer)
+    trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)
+    _add_memory_callback(trainer_cls)
+    _allow_numpy_rng_on_resume(trainer_cls)
+    trainer_cls._hf_eff_patched = True
 
 
 def _allow_numpy_rng_on_resume(trainer_cls) -> None:
@@ -109,7 +171,8 @@ def _allow_numpy_rng_on_resume(trainer_cls) -> None:
     allowlist exactly these numpy types (``trainer_pt_utils.safe_globals``); do the same for older ones.
     """
     import numpy as np
-    from transformers import trainer_pt_utils
+
+    trainer_pt_utils = importlib.import_module("transformers.trainer_pt_utils")
 
     if hasattr(trainer_pt_utils, "safe_globals") or not hasattr(torch.serialization, "safe_globals"):
         return
@@ -124,7 +187,7 @@ def _allow_numpy_rng_on_resume(trainer_cls) -> None:
     trainer_cls._load_rng_state = _load_rng_state
 
 
-class MemoryCallback(TrainerCallback):
+class _MemoryCallback:
     """Puts what the optimizer really costs into the Trainer's logs, so TensorBoard / W&B / log_history get it.
 
     After the first optimizer step: ``hf_eff/optimizer_state_mb`` (measured by
@@ -182,10 +245,27 @@ def _add_memory_callback(trainer_cls) -> None:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         callbacks = self.callback_handler.callbacks
-        mine = [cb for cb in callbacks if isinstance(cb, MemoryCallback)]
+        cls = _memory_callback_cls()
+        mine = [cb for cb in callbacks if isinstance(cb, cls)]
         if not mine and is_hf_eff_name(self.args.optim):
-            mine = [MemoryCallback()]
-        callbacks[:] = mine + [cb for cb in callbacks if not isinstance(cb, MemoryCallback)]
+            mine = [cls()]
+        callbacks[:] = mine + [cb for cb in callbacks if not isinstance(cb, cls)]
 
     __init__._hf_eff_memory = True
     trainer_cls.__init__ = __init__
+
+
+@functools.cache
+def _memory_callback_cls() -> type:
+    """:class:`MemoryCallback`, made on first use: its base, ``TrainerCallback``, is not importable while
+    transformers is still importing the modules this file patches."""
+    from transformers.trainer_callback import TrainerCallback
+
+    return type("MemoryCallback", (_MemoryCallback, TrainerCallback),
+                {"__doc__": _MemoryCallback.__doc__, "__module__": __name__, "__qualname__": "MemoryCallback"})
+
+
+def __getattr__(name: str):
+    if name == "MemoryCallback":
+        return _memory_callback_cls()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
