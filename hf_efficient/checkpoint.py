@@ -233,7 +233,9 @@ def _dtype_error(family: str, st: dict, key: str, value: torch.Tensor) -> str | 
         return None if value.dtype == torch.float32 else "float32 (one scale per 256-element block)"
     if quantized and key in ("exp_avg", "exp_avg_sq"):
         return None if value.dtype == torch.uint8 else "uint8 codes, as exp_avg's"
-    return None if value.dtype.is_floating_point else "a floating-point dtype"
+    if value.dtype.is_floating_point:
+        return None
+    return "uint8 codes (with absmaxes) or a floating-point dtype" if family == "adamw8bit" else "a floating-point dtype"
 
 
 def _check_step(step, where: str) -> None:
@@ -266,7 +268,7 @@ def _check_param_state(family: str, name: str, st, p: torch.Tensor, pname: str, 
             raise ValueError(f"{where} has {key} of type {type(value).__name__}, not a tensor: the checkpoint is "
                              "corrupt or was edited")
     missing = _required_keys(family, st, p, group) - set(st)
-    if family == "adamw8bit" and "exp_avg" in st and st["exp_avg"].dtype != torch.uint8:
+    if family == "adamw8bit" and "exp_avg" in st and st["exp_avg"].dtype.is_floating_point:
         extra = set(st) & set(_ABSMAX)
         if extra:
             raise ValueError(f"{where} has {sorted(extra)} beside {st['exp_avg'].dtype} moments: absmaxes belong to "

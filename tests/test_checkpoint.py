@@ -1,0 +1,262 @@
+"""Issue 12, items 7-9: foreign optimizer state is converted (or refused, saying how to resume), a checkpoint is
+validated completely before anything is loaded, and parameters are matched by name.
+
+"Nothing half-applied" uses test_reliability's snapshot: parameters and the serialized optimizer state before
+the refused load equal those after it.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import hf_efficient as hfe
+from hf_efficient import checkpoint
+from test_reliability import CASES, IDS, Net, _assert_unchanged, _loss, _make, _snapshot, _train
+
+BACKENDS_8BIT = ["torch", "bnb", "torchao"]
+
+
+def _by_name(sd: dict) -> dict:
+    """Per-parameter state of a state dict, keyed by parameter name."""
+    return {n: sd["state"].get(pid) for g in sd["param_groups"] for n, pid in zip(g["param_names"], g["params"])}
+
+
+def _moments(st: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 moments of a canonical state (8-bit codes decoded with the maps every backend shares)."""
+    from hf_efficient.optim.adamw8bit import dynamic_map
+
+    if st["exp_avg"].dtype != torch.uint8:
+        return st["exp_avg"].float(), st["exp_avg_sq"].float()
+    return tuple(checkpoint.dequantize(st[k], st[f"{k}_absmax"], dynamic_map(k == "exp_avg")).view(st[k].shape)
+                 for k in ("exp_avg", "exp_avg_sq"))
+
+
+def _torch_adamw(model, steps=2):
+    """A transformers ``adamw_torch`` run: torch.optim.AdamW over the same groups, no hf_efficient tag."""
+    opt = torch.optim.AdamW(hfe.build_param_groups(model, weight_decay=0.01), lr=1e-2)
+    _train(model, opt, steps)
+    return opt
+
+
+# --- item 7: foreign state is converted to the loading optimizer's format, with a log line ------------------
+
+
+def _foreign_adamw(source: str):
+    """Trained fp32 AdamW state: untagged (torch.optim.AdamW, as transformers' adamw_torch) or hf_eff_adamw's."""
+    if source == "torch.optim.AdamW":
+        return _torch_adamw(Net())
+    model, opt = _make("adamw", None, torch.float32)
+    _train(model, opt, 2)
+    return opt
+
+
+@pytest.mark.parametrize("backend", BACKENDS_8BIT + ["bare bnb"])
+def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
+    if backend == "bare bnb":  # untagged, in bitsandbytes' own layout
+        bnb = pytest.importorskip("bitsandbytes")
+        src_model = Net()
+        src = bnb.optim.AdamW8bit(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
+        _train(src_model, src, 2)
+        sd = src.state_dict()
+        canonical = {n: checkpoint._bnb_to_canonical(st) for n, st in _by_name(sd).items()}
+    else:
+        src_model, src = _make("adam8bit", backend, torch.float32)
+        _train(src_model, src, 2)
+        sd = src.state_dict()
+        canonical = _by_name(sd)
+    model, opt = _make("adamw", None, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert "8-bit moments dequantized" in caplog.text and "fc.weight" in caplog.text
+    for name, st in _by_name(opt.state_dict()).items():  # exactly the values the codes stand for
+        assert st["exp_avg"].dtype == torch.float32 and set(st) == {"step", "exp_avg", "exp_avg_sq"}
+        for a, b in zip((st["exp_avg"], st["exp_avg_sq"]), _moments(canonical[name])):
+            assert torch.equal(a, b), name
+        assert st["step"].item() == 2
+    _train(model, opt, 1, start=2)
+
+
+@pytest.mark.parametrize("source", ["torch.optim.AdamW", "hf_eff_adamw"])
+def test_fp32_adamw_state_into_adamw_bf16_is_cast_with_fresh_compensation(source, caplog):
+    sd = _foreign_adamw(source).state_dict()
+    model, opt = _make("adamw_bf16", None, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert "cast from float32 to bfloat16" in caplog.text and "Kahan compensation started at zero" in caplog.text
+    saved = _by_name(sd)
+    for name, st in _by_name(opt.state_dict()).items():
+        assert torch.equal(st["exp_avg"], saved[name]["exp_avg"].bfloat16())
+        assert torch.equal(st["exp_avg_sq"], saved[name]["exp_avg_sq"].bfloat16())
+        assert st["kahan_comp"].dtype == torch.bfloat16 and not st["kahan_comp"].any()
+    _train(model, opt, 1, start=2)
+
+
+def test_adamw_bf16_state_into_adamw_drops_the_compensation(caplog):
+    src_model, src = _make("adamw_bf16", None, torch.bfloat16)
+    _train(src_model, src, 2)
+    sd = src.state_dict()
+    model, opt = _make("adamw", None, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert "Kahan compensation dropped" in caplog.text
+    saved = _by_name(sd)
+    for name, st in _by_name(opt.state_dict()).items():
+        assert "kahan_comp" not in st and torch.equal(st["exp_avg"], saved[name]["exp_avg"])
+    _train(model, opt, 1, start=2)
+
+
+@pytest.mark.parametrize("name, backend", [("adamw", None), ("adam8bit", "bnb"), ("adamw_bf16", None)])
+def test_adafactor_and_adamw_state_do_not_mix(name, backend):
+    """Adafactor's factored statistics are not AdamW's moments: refused both ways, saying how to resume."""
+    dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
+    af_model, af = _make("adafactor", None, dtype)
+    _train(af_model, af, 1)
+    model, opt = _make(name, backend, dtype)
+    _train(model, opt, 1)
+    for target, target_model, sd in ((opt, model, af.state_dict()), (af, af_model, opt.state_dict())):
+        snap = _snapshot(target_model, target)
+        with pytest.raises(ValueError, match="resume with optim=hf_eff_.*or start the optimizer afresh"):
+            target.load_state_dict(sd)
+        _assert_unchanged(target_model, target, snap)
+    # an untagged torch AdamW state: its full second moment of a matrix is named, with the factored shapes expected
+    snap = _snapshot(af_model, af)
+    plain = _torch_adamw(Net(dtype)).state_dict()
+    with pytest.raises(ValueError, match=r"'emb.weight' has a full exp_avg_sq \(shape \(64, 64\)\); Adafactor keeps "
+                                         r".*exp_avg_sq_row of shape \(64,\) and exp_avg_sq_col of shape \(64,\).*"
+                                         r"another optimizer"):
+        af.load_state_dict(plain)
+    _assert_unchanged(af_model, af, snap)
+
+
+# --- item 8: everything is validated before anything is loaded ------------------------------------------
+
+
+def _fc(sd: dict) -> dict:
+    """fc.weight's state in a state dict (an 8-bit tensor under adam8bit, a matrix under Adafactor)."""
+    return _by_name(sd)["fc.weight"]
+
+
+def _corrupt_state(name: str, backend):
+    """(what to do to a state dict, message expected) for every way a parameter's state can be broken."""
+    eight_bit = name == "adam8bit"
+    moment = "exp_avg_sq_row" if name == "adafactor" else "exp_avg_sq"
+    cases = [
+        (lambda sd: _fc(sd).pop(moment), rf"'fc.weight' lacks \['{moment}'\].*incomplete"),
+        (lambda sd: _fc(sd).pop("step"), r"'fc.weight' lacks \['step'\]"),
+        (lambda sd: _fc(sd).__setitem__(moment, _fc(sd)[moment].tolist()), rf"{moment} of type list, not a tensor"),
+        (lambda sd: _fc(sd).__setitem__("step", "x"), r"'fc.weight' has step 'x'"),
+        (lambda sd: _fc(sd).__setitem__("step", torch.ones(3)), r"step a tensor of shape \(3,\)"),
+        (lambda sd: _fc(sd).__setitem__(moment, _fc(sd)[moment][:3]), rf"{moment} of shape \(3,"),
+        (lambda sd: _fc(sd).__setitem__("exp_avg_sq_col" if name == "adafactor" else "exp_avg",
+                                        torch.zeros_like(_fc(sd)["exp_avg_sq_col" if name == "adafactor" else
+                                                                 "exp_avg"], dtype=torch.int64)),
+         r"of dtype torch.int64, but"),
+    ]
+    if eight_bit:  # the 8-bit layout: codes need their absmaxes (torchao read bare codes as fp32 moments)
+        cases += [
+            (lambda sd: _fc(sd).pop("exp_avg_absmax"), r"'fc.weight' lacks \['exp_avg_absmax'\]"),
+            (lambda sd: [_fc(sd).pop(k) for k in ("exp_avg_absmax", "exp_avg_sq_absmax")],
+             r"lacks \['exp_avg_absmax', 'exp_avg_sq_absmax'\]"),
+            (lambda sd: _fc(sd).__setitem__("exp_avg_sq", _fc(sd)["exp_avg_sq"].float()),
+             r"exp_avg_sq of dtype torch.float32, but adamw8bit state keeps it in uint8 codes"),
+            (lambda sd: _fc(sd).__setitem__("exp_avg_absmax", _fc(sd)["exp_avg_absmax"].half()),
+             r"exp_avg_absmax of dtype torch.float16.*float32"),
+            (lambda sd: _fc(sd).__setitem__("exp_avg_absmax", _fc(sd)["exp_avg_absmax"][:-1]),
+             r"exp_avg_absmax of shape \(31,\).*\(32,\)"),
+        ]
+    return cases
+
+
+def _corrupt_groups(name: str):
+    group_cases = [
+        ("lr", "fast", r"param group 0 .*lr='fast'"),
+        ("lr", float("nan"), r"param group 0 .*lr=nan"),
+        ("weight_decay", -1.0, r"param group 0 .*weight_decay=-1.0"),
+    ]
+    if name == "adafactor":
+        return group_cases + [("beta1", 1.5, r"beta1.*must be in \[0, 1\)"), ("decay_rate", "x", "decay_rate='x'")]
+    return group_cases + [("betas", (0.9, 1.5), r"beta2=1.5"), ("eps", -1.0, r"eps=-1.0")]
+
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, backend, dtype):
+    model, opt = _make(name, backend, dtype)
+    _train(model, opt, 2)
+    good = opt.state_dict()
+    _train(model, opt, 1, start=2)  # what the refused loads must leave alone differs from the checkpoint
+    snap = _snapshot(model, opt)
+    cases = _corrupt_state(name, backend) + [
+        (lambda sd, k=k, v=v: sd["param_groups"][0].__setitem__(k, v), match) for k, v, match in _corrupt_groups(name)]
+    for corrupt, match in cases:
+        sd = copy.deepcopy(good)
+        corrupt(sd)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        _assert_unchanged(model, opt, snap)
+    opt.load_state_dict(copy.deepcopy(good))  # and the intact checkpoint loads
+
+
+# --- item 9: parameters are matched by name ---------------------------------------------------------------
+
+
+class Pair(nn.Module):
+    """Two same-shape layers; ``swapped`` registers them in the other order (same names, same function)."""
+
+    def __init__(self, swapped=False, dtype=torch.float32, first="a"):
+        super().__init__()
+        torch.manual_seed(0)
+        a, b = nn.Linear(64, 64), nn.Linear(64, 64)  # 4096 weights: 8-bit state under adam8bit
+        for n, layer in ((("b", b), (first, a)) if swapped else ((first, a), ("b", b))):
+            self.add_module(n, layer)
+        self.first = first
+        self.to(dtype)
+
+    def forward(self, x):
+        return getattr(self, self.first)(torch.relu(self.b(x)))
+
+
+def _pair_train(model, opt, steps, start=0):
+    for i in range(start, start + steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(next(model.parameters()).dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+def test_same_shape_parameters_in_another_order_are_matched_by_name(name, backend, dtype):
+    if backend == "torchao":
+        pytest.importorskip("torchao")
+    model = Pair(dtype=dtype)
+    opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.01, backend=backend)
+    _pair_train(model, opt, 2)
+    sd = opt.state_dict()
+    swapped = Pair(swapped=True, dtype=dtype)
+    swapped.load_state_dict(model.state_dict())
+    opt2 = hfe.create_optimizer(swapped, name, lr=1e-2, weight_decay=0.01, backend=backend)
+    assert opt2.param_groups[0]["param_names"][0] == "b.weight"  # the other order
+    opt2.load_state_dict(copy.deepcopy(sd))
+    saved, loaded = _by_name(sd), _by_name(opt2.state_dict())
+    for pname, st in saved.items():
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(loaded[pname][key]), torch.as_tensor(value)), (pname, key)
+    _pair_train(model, opt, 2, start=2)
+    _pair_train(swapped, opt2, 2, start=2)
+    params = dict(model.named_parameters())
+    for pname, p in swapped.named_parameters():
+        if name == "adamw_bf16":  # its rounding noise is drawn per position: other order, other noise
+            torch.testing.assert_close(p, params[pname], atol=1e-3, rtol=1e-2)
+        else:
+            assert torch.equal(p, params[pname]), pname
+    # other names: refused, naming them, nothing loaded
+    renamed = Pair(dtype=dtype, first="c")
+    opt3 = hfe.create_optimizer(renamed, name, lr=1e-2, weight_decay=0.01, backend=backend)
+    _pair_train(renamed, opt3, 1)
+    snap = _snapshot(renamed, opt3)
+    with pytest.raises(ValueError, match=r"missing \['c.weight'\], not in this optimizer \['a.weight'\].*another "
+                                         r"model"):
+        opt3.load_state_dict(copy.deepcopy(sd))
+    _assert_unchanged(renamed, opt3, snap)
