@@ -1,0 +1,201 @@
+"""The C kernels and their cache (hf_efficient/optim/_native.py, native.h): every element done whatever OpenMP team
+the kernels get, probes that refuse a kernel splitting its range wrongly, the gradient scan's limits, and a kernel
+cache that heals itself.
+
+CI runs this file again under other OpenMP settings (each test then checks the kernels under that setting too):
+
+    OMP_THREAD_LIMIT=1 python -m pytest -q tests/test_native.py
+    OMP_DYNAMIC=true python -m pytest -q tests/test_native.py
+    OMP_NUM_THREADS=3 python -m pytest -q tests/test_native.py
+
+The subprocess tests below run the same check under each setting within one ordinary run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_efficient.optim import _native
+from hf_efficient.optim import adamw8bit as m8
+from hf_efficient.optim import adamw_bf16 as mbf
+
+needs_compiler = pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: the C kernels are not built")
+CPU = torch.device("cpu")
+# 2**20 + 1 elements: 4097 blocks of the 8-bit kernel, and a range whose halves are multiples of 64 but for one
+# item, which a split rounding the share down (and not up) leaves undone
+N = (1 << 20) + 1
+
+
+def _bound_8bit():
+    lib = _native.load("adamw8bit_cpu.c")
+    return None if lib is None else _native.bind(lib, "adamw8bit_step", [ctypes.c_int64] + [ctypes.c_void_p] * 10
+                                                 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+
+
+def _bound_bf16():
+    lib = _native.load("adamw_bf16_cpu.c")
+    return None if lib is None else _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
+                                                 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+
+
+def _bound_scan():
+    lib = _native.load("grad_check_cpu.c")
+    return None if lib is None else _native.bind(lib, "first_nonfinite", [ctypes.c_int64] + [ctypes.c_void_p] * 3
+                                                 + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int64)
+
+
+def _scan(fn, grads, threads=None) -> int:
+    kinds = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    count, numel = len(grads), [g.numel() for g in grads]
+    args = (count, _native.pointers(grads), (ctypes.c_int64 * count)(*numel),
+            (ctypes.c_int32 * count)(*(kinds[g.dtype] for g in grads)))
+    return min([i for i in _native.run_split(fn, args, sum(numel), threads=threads) if i >= 0], default=-1)
+
+
+def check_every_element_done() -> None:
+    """The C kernels called directly (no probe in between), on torch's thread count and on 2, 3 and 4 threads asked
+    for: every weight of a 2**20 + 1 element tensor moves (8-bit and bf16 kernels), and the scan finds a NaN and
+    a 2**64 in its last element. Runs here and, under other OpenMP settings, in subprocesses."""
+    f8, fb, scan = _bound_8bit(), _bound_bf16(), _bound_scan()
+    for threads in (None, 2, 3, 4):
+        p = torch.zeros(N)
+        m8._native_step(f8, [(p, torch.ones(N), m8._zero_8bit_state(N, CPU), m8._coefficients(
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1))], threads=threads)
+        assert (p != 0).all(), f"8-bit kernel, {threads} threads: {(p == 0).sum().item()} of {N} weights not updated"
+        p = torch.ones(N, dtype=torch.bfloat16)
+        state = [torch.zeros(N, dtype=torch.bfloat16) for _ in range(3)]
+        coef = mbf._coefficients(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+        mbf._native_path(fb, "kahan", [p], [torch.ones_like(p)], *([s] for s in state), [7], coef, threads=threads)
+        assert (p != 1).all(), f"bf16 kernel, {threads} threads: {(p == 1).sum().item()} of {N} weights not updated"
+        for dtype, value in ((torch.float32, float("nan")), (torch.bfloat16, float("nan")), (torch.float32, 2.0**64),
+                             (torch.bfloat16, 2.0**64), (torch.float16, float("inf"))):
+            g = torch.zeros(N, dtype=dtype)
+            g[-1] = value
+            assert _scan(scan, [torch.zeros(5, dtype=dtype), g], threads) == 1, (dtype, value, threads)
+    assert m8._native_kernel() is not None, "the 8-bit probe refused a correct kernel"
+    assert mbf._native_kernel("kahan", CPU, torch.bfloat16) is not None, "the bf16 probe refused a correct kernel"
+
+
+@needs_compiler
+def test_every_element_done_under_this_openmp_setting():
+    check_every_element_done()
+
+
+@needs_compiler
+@pytest.mark.parametrize("env", [{"OMP_THREAD_LIMIT": "1"}, {"OMP_DYNAMIC": "true"}, {"OMP_NUM_THREADS": "3"}],
+                         ids=["OMP_THREAD_LIMIT=1", "OMP_DYNAMIC=true", "OMP_NUM_THREADS=3"])
+def test_every_element_done_under_other_openmp_settings(env):
+    """OpenMP may give a team smaller than asked (a thread limit, dynamic teams on a loaded machine) or an odd one:
+    the kernels split by the team they got."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_native; " \
+           "test_native.check_every_element_done(); print('done')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]
+
+
+def _first_share_only(real):
+    """``real`` as a kernel splitting by the team size it asked for would run when OpenMP gives it one thread:
+    only the first thread's share of the range is done."""
+    def fake(*args):
+        *rest, start, end, threads = args
+        per = -(-((end - start) // threads) // 64) * 64
+        return real(*rest, start, min(start + per, end), 1)
+    fake.openmp = True
+    return fake
+
+
+@needs_compiler
+def test_probes_refuse_a_kernel_that_splits_wrongly(monkeypatch, caplog):
+    """The probes run the kernels on 3 threads over a range that splits: a kernel that leaves a share undone is
+    refused (and the optimizers keep their other paths)."""
+    monkeypatch.setattr(m8, "_COMPILED", {})
+    monkeypatch.setattr(mbf, "_COMPILED", {})
+    real_bind = _native.bind
+    monkeypatch.setattr(_native, "bind", lambda *a, **k: _first_share_only(real_bind(*a, **k)))
+    assert m8._native_kernel() is None
+    assert mbf._native_kernel("kahan", CPU, torch.bfloat16) is None
+    assert "disagrees" in caplog.text
+
+
+@needs_compiler
+def test_scan_flags_values_whose_square_overflows():
+    """The guard's scan: inf, NaN and, in fp32 and bf16, any |g| >= 2**64 (g * g overflows fp32); just below passes."""
+    scan = _bound_scan()
+    below = {torch.float32: torch.tensor(2.0**64).view(torch.int32).sub(1).view(torch.float32).item(),
+             torch.bfloat16: torch.tensor(2.0**64, dtype=torch.bfloat16).view(torch.int16).sub(1)
+             .view(torch.bfloat16).item(), torch.float16: 65504.0}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for value, bad in ((below[dtype], False), (-below[dtype], False), (float("inf"), True), (float("nan"), True),
+                           (2.0**64, True), (-3e38, True)):  # fp16: those are inf
+            g = torch.zeros(1000, dtype=dtype)
+            g[999] = value
+            assert _scan(scan, [torch.zeros(3, dtype=dtype), g]) == (1 if bad else -1), (dtype, value)
+
+
+# --- the kernel cache -------------------------------------------------------------------------------------------
+
+_STEP = """
+import logging, sys, torch
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+from hf_efficient.optim import adamw8bit as m, _native
+assert m._native_kernel() is not None, "no C kernel"
+p = torch.nn.Parameter(torch.zeros(8192)); p.grad = torch.ones(8192)
+m.AdamW8bit([p], lr=1e-3, weight_decay=0.0).step()
+assert torch.allclose(p, torch.full_like(p, -1e-3)), p
+print("stepped")
+"""
+
+
+def _python(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_EFF_CACHE": str(cache), **env})
+
+
+@needs_compiler
+def test_truncated_cached_kernel_is_rebuilt(tmp_path):
+    """A truncated .so in the cache (a full disk, a killed copy) would end the process with SIGBUS in ctypes.CDLL:
+    it does not match its build record, so it is rebuilt, with a warning, and the step is right."""
+    built = Path(_native.load("adamw8bit_cpu.c")._name)  # this process's build and its record, copied
+    for path in (built, built.with_name(built.name + ".sha256")):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    lib = tmp_path / built.name
+    lib.write_bytes(built.read_bytes()[:4096])
+    out = _python(_STEP, tmp_path)
+    assert out.returncode == 0 and "stepped" in out.stdout, (out.returncode, out.stderr[-3000:])
+    assert "does not match its build record" in out.stdout
+    assert lib.stat().st_size > 4096 and _native._recorded(lib)
+
+
+@needs_compiler
+def test_compiler_given_as_a_command_line(tmp_path):
+    """CC holds a command line ("ccache gcc"): it is split as a shell would."""
+    out = _python(_STEP, tmp_path, CC=f"env {_native.c_compiler()}")
+    assert out.returncode == 0 and "stepped" in out.stdout and "could not build" not in out.stdout, out.stderr[-3000:]
+
+
+@needs_compiler
+def test_concurrent_builds_make_one_good_library(tmp_path):
+    """Two processes (ranks of one machine) starting on an empty cache: one builds while the other waits for the
+    lock, and both load the same, recorded library."""
+    wrapper = tmp_path / "cc.sh"  # a compiler that logs its builds, and is slow enough for the two to meet
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *--version*) ;; *) echo build >> {tmp_path}/builds.log; "
+                       f"sleep 1;; esac\nexec {_native.c_compiler()} \"$@\"\n")
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HF_EFF_CACHE": str(cache), "CC": str(wrapper)}
+    procs = [subprocess.Popen([sys.executable, "-c", _STEP], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 and "stepped" in o for p, (o, _) in zip(procs, outs)), [e[-2000:] for _, e in outs]
+    builds = (tmp_path / "builds.log").read_text().split()
+    assert len(builds) == 1, builds  # the 8-bit kernel was built once (the grad scan is not used here)
+    assert len(list(cache.glob("adamw8bit_cpu-*.so"))) == 1 and not list(cache.glob("tmp*"))
