@@ -285,6 +285,11 @@ def _check_param_state(family: str, name: str, st, p: torch.Tensor, pname: str, 
         if wanted is not None:
             raise ValueError(f"{where} has {key} of dtype {value.dtype}, but {family} state keeps it in {wanted}: "
                              "the checkpoint is corrupt or was written by another optimizer")
+        if value.dtype.is_floating_point and not (bool(value.isfinite().all()) and (
+                key == "exp_avg" or key == "kahan_comp" or bool((value >= 0).all()))):
+            raise ValueError(f"{where} has {key} holding non-finite values{'' if key == 'exp_avg' else ' or negative ones'}"
+                             ": training from it would turn the weights non-finite; the checkpoint is corrupt. Resume "
+                             "from an earlier checkpoint, or start the optimizer afresh")
         if tuple(value.shape) not in _allowed_shapes(family, key, p):
             expected = " or ".join(str(s) for s in _allowed_shapes(family, key, p))
             raise ValueError(f"{where} has {key} of shape {tuple(value.shape)}, but {key} of a parameter of shape "
@@ -462,7 +467,10 @@ def _convert(state: dict, src: str, dst: str, optimizer, backend: str, saved_ids
             if dst == "adamw8bit" and keeps_8bit(gi, pi, p):
                 from .optim.adamw8bit import quantize_moments
 
-                codes = quantize_moments(m, v)
+                try:
+                    codes = quantize_moments(m, v)
+                except ValueError as e:
+                    raise ValueError(f"the state of parameter {pname!r}: {e}") from None
                 out.update({k: t.reshape(p.shape) if k in ("exp_avg", "exp_avg_sq") else t for k, t in codes.items()})
                 actions.append("moments quantized to 8-bit")
             elif dst == "adamw_bf16":
@@ -493,7 +501,13 @@ def _describe(tag, libraries: set, src: str) -> str:
             "transformers' adamw_torch)"}[src] + " state"
 
 
-def _convert_groups(groups: list[dict]) -> list[dict]:
+def _convert_groups(groups: list[dict], src: str, trainer_name: str) -> list[dict]:
+    """Saved groups of another family, less the keys that configure its implementation."""
+    for gi, g in enumerate(groups):
+        if g.get("amsgrad"):  # its max_exp_avg_sq has no counterpart in the other formats
+            raise ValueError(f"param group {gi} of the loaded {src} state ran with amsgrad=True, which {trainer_name} "
+                             "does not continue: resume with optim=hf_eff_adamw (or adamw_torch), or start the "
+                             "optimizer afresh")
     return [{k: v for k, v in g.items() if k not in _IMPL_KEYS} for g in groups]
 
 
@@ -532,7 +546,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
                 raise ValueError(f"the state of parameter {pname!r}: {e}") from None
             libraries.add(library)
         if st is not None:
-            state[pid] = st
+            state[pid] = dict(st) if isinstance(st, dict) else st  # the caller's dict stays as it was
     src = tag["family"] if tag is not None else _untagged_family(
         {k: v for k, v in state.items() if isinstance(v, dict)}, libraries, spec.family)
     if src != spec.family and not (src in _ADAMW_MATH and spec.family in _ADAMW_MATH):
@@ -543,16 +557,17 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     for st in state.values():  # a number (torch accepts one) or a one-element tensor: the kernels' scalar tensor
         st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().reshape(()).clone()
     if src != spec.family:
+        saved = _convert_groups(saved, src, spec.trainer_name)
+    groups = groups_from_canonical(backend, saved, live)
+    for g in groups:
+        check_group_flags(g, optimizer.defaults, spec.trainer_name)
+    if src != spec.family:
         done = _convert(state, src, spec.family, optimizer, backend, saved_ids)
-        saved = _convert_groups(saved)
         if set(done) - {""}:
             logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
                            spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
                                f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
                                f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
-    groups = groups_from_canonical(backend, saved, live)
-    for g in groups:
-        check_group_flags(g, optimizer.defaults, spec.trainer_name)
     native = from_canonical(spec.family, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))

@@ -53,15 +53,41 @@ def _foreign_adamw(source: str):
     return opt
 
 
-@pytest.mark.parametrize("backend", BACKENDS_8BIT + ["bare bnb"])
+@pytest.mark.parametrize("source", ["torch.optim.AdamW", "hf_eff_adamw"])
+@pytest.mark.parametrize("backend", BACKENDS_8BIT)
+def test_adamw_state_is_quantized_where_adam8bit_keeps_8bit_state(backend, source, caplog):
+    model, opt = _make("adam8bit", backend, torch.float32)
+    sd = _foreign_adamw(source).state_dict()
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert "fc.weight" in caplog.text and "quantized to 8-bit" in caplog.text
+    assert ("untagged fp32 AdamW" if source == "torch.optim.AdamW" else "hf_eff_adamw") in caplog.text
+    loaded, saved = _by_name(opt.state_dict()), _by_name(sd)
+    assert loaded["fc.weight"]["exp_avg"].dtype == torch.uint8  # 8-bit by the optimizer's own rule
+    assert loaded["emb.weight"]["exp_avg"].dtype == torch.float32  # embeddings keep 32-bit state
+    for name, st in loaded.items():
+        m, v = _moments(st)
+        m0, v0 = saved[name]["exp_avg"], saved[name]["exp_avg_sq"]
+        torch.testing.assert_close(m, m0, atol=m0.abs().max().item() / 20, rtol=0)  # 8-bit resolution
+        torch.testing.assert_close(v, v0, atol=v0.max().item() / 20, rtol=0)
+        assert not bool(((v == 0) & (v0 > 0)).any())  # no second moment rounded to 0
+    # the same bytes as state this optimizer made itself (fp32 state would be 736 KB, not 320 KB)
+    fresh_model, fresh = _make("adam8bit", backend, torch.float32)
+    _train(fresh_model, fresh, 1)
+    assert hfe.optimizer_state_bytes(opt) == hfe.optimizer_state_bytes(fresh)
+    _train(model, opt, 1, start=2)
+    assert _by_name(opt.state_dict())["fc.weight"]["exp_avg"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("backend", BACKENDS_8BIT + ["bare bnb", "bare torchao"])
 def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
-    if backend == "bare bnb":  # untagged, in bitsandbytes' own layout
-        bnb = pytest.importorskip("bitsandbytes")
+    if backend.startswith("bare"):  # untagged, in the library's own layout
+        lib = pytest.importorskip("bitsandbytes" if backend == "bare bnb" else "torchao")
         src_model = Net()
-        src = bnb.optim.AdamW8bit(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
+        src = (lib.optim.AdamW8bit)(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
         _train(src_model, src, 2)
         sd = src.state_dict()
-        canonical = {n: checkpoint._bnb_to_canonical(st) for n, st in _by_name(sd).items()}
+        canonical = {n: checkpoint._any_to_canonical(st)[0] for n, st in _by_name(sd).items()}
     else:
         src_model, src = _make("adam8bit", backend, torch.float32)
         _train(src_model, src, 2)
@@ -69,7 +95,7 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         canonical = _by_name(sd)
     model, opt = _make("adamw", None, torch.float32)
     with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
-        opt.load_state_dict(copy.deepcopy(sd))
+        opt.load_state_dict(sd if backend == "bare torchao" else copy.deepcopy(sd))  # its subclass cannot deepcopy
     assert "8-bit moments dequantized" in caplog.text and "fc.weight" in caplog.text
     for name, st in _by_name(opt.state_dict()).items():  # exactly the values the codes stand for
         assert st["exp_avg"].dtype == torch.float32 and set(st) == {"step", "exp_avg", "exp_avg_sq"}
@@ -131,6 +157,21 @@ def test_adafactor_and_adamw_state_do_not_mix(name, backend):
     _assert_unchanged(af_model, af, snap)
 
 
+@pytest.mark.parametrize("name, backend", [("adam8bit", b) for b in BACKENDS_8BIT] + [("adamw_bf16", None)])
+def test_amsgrad_adamw_state_is_refused_where_it_cannot_continue(name, backend):
+    dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
+    src_model = Net(dtype)
+    src = torch.optim.AdamW(hfe.build_param_groups(src_model), lr=1e-2, amsgrad=True)
+    _train(src_model, src, 1)
+    model, opt = _make(name, backend, dtype)
+    _train(model, opt, 1)
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"amsgrad=True, which hf_eff_\w+ does not continue: resume with "
+                                         r"optim=hf_eff_adamw"):
+        opt.load_state_dict(src.state_dict())
+    _assert_unchanged(model, opt, snap)
+
+
 # --- item 8: everything is validated before anything is loaded ------------------------------------------
 
 
@@ -154,6 +195,12 @@ def _corrupt_state(name: str, backend):
                                         torch.zeros_like(_fc(sd)["exp_avg_sq_col" if name == "adafactor" else
                                                                  "exp_avg"], dtype=torch.int64)),
          r"of dtype torch.int64, but"),
+    ]
+    nonfinite = "exp_avg_sq_absmax" if eight_bit else moment
+    cases += [
+        (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, float("nan")), rf"{nonfinite} holding non-finite"),
+        (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0), rf"{nonfinite} holding non-finite values or "
+                                                                       "negative ones"),
     ]
     if eight_bit:  # the 8-bit layout: codes need their absmaxes (torchao read bare codes as fp32 moments)
         cases += [
@@ -196,7 +243,10 @@ def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, back
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(sd)
         _assert_unchanged(model, opt, snap)
-    opt.load_state_dict(copy.deepcopy(good))  # and the intact checkpoint loads
+    kept = copy.deepcopy(good)
+    opt.load_state_dict(good)  # the intact checkpoint loads, and is not changed by loading
+    assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(kept["state"][pid][k]))
+               and type(v) is type(kept["state"][pid][k]) for pid, st in good["state"].items() for k, v in st.items())
 
 
 # --- item 9: parameters are matched by name ---------------------------------------------------------------
