@@ -477,3 +477,92 @@ def test_chunked_calls_equal_whole_calls(monkeypatch):
     for a, b in zip(pw, pc):
         assert torch.equal(a, b)
         assert all(torch.equal(v, chunked.state[b][k]) for k, v in whole.state[a].items())
+
+
+# --- no zero second moment beside a non-zero first one; no overflow from finite gradients ----------------------
+
+_KERNELS = [pytest.param(None, id="C kernel (automatic)"), pytest.param(True, id="compiled", marks=needs_compiler),
+            pytest.param(False, id="eager")]
+
+
+def _zero_then_small_moves(opt_factory) -> float:
+    """Issue 12's repro: 4096 zero weights, a gradient of 1e-4 everywhere but 1.0 on one element, then a zero
+    gradient: the largest move of the small elements."""
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = opt_factory([p])
+    for value in (1e-4, 0.0):
+        p.grad = torch.full_like(p, value)
+        if value:
+            p.grad[0] = 1.0
+        opt.step()
+    return p.detach()[1:].abs().max().item()
+
+
+@pytest.mark.parametrize("compile", _KERNELS)
+def test_small_second_moment_is_never_stored_as_zero(compile):
+    """A v far below its block's absmax used to encode to 0.0 while m stayed non-zero: the zero gradient after it
+    moved the weight by lr * m / eps (4.2 here, against fp32 AdamW's 0.00167). The unsigned map keeps a floor."""
+    fp32 = _zero_then_small_moves(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0))
+    ours = _zero_then_small_moves(lambda ps: AdamW8bit(ps, lr=1e-3, weight_decay=0.0, compile=compile))
+    assert fp32 / 2 < ours < 2 * fp32, (ours, fp32)
+
+
+def test_small_second_moment_through_create_optimizer():
+    import hf_efficient
+
+    fp32 = _zero_then_small_moves(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0))
+    ours = _zero_then_small_moves(lambda ps: hf_efficient.create_optimizer(ps, "adam8bit", lr=1e-3, weight_decay=0))
+    assert fp32 / 2 < ours < 2 * fp32, (ours, fp32)
+
+
+@pytest.mark.parametrize("compile", _KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_whose_square_overflows_keep_state_finite(compile, dtype):
+    """One element of 2e19 (g * g overflows fp32) and a run of 3e38 in a block: the moments are clamped to fp32's
+    range, so absmax, state and weights stay finite over later steps, and the block's other elements still move as
+    AdamW moves them (by about lr), not by NaN or 0."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(4 * 256, generator=g) * 0.1).to(dtype))
+    before = p.detach().clone()
+    opt = AdamW8bit([p], lr=1e-3, weight_decay=0.0, min_8bit_size=0, compile=compile)
+    for step in range(3):
+        grad = torch.randn(p.shape, generator=g) * 0.01
+        if step == 0:
+            grad[5], grad[300:310] = 2e19, 3e38
+        p.grad = grad.to(dtype)
+        opt.step()
+    state = opt.state[p]
+    assert all(t.isfinite().all() for k, t in state.items() if k.endswith("absmax")), state
+    assert p.isfinite().all()
+    m, v = _moments(opt, p)
+    assert m.isfinite().all() and v.isfinite().all()
+    moved = (p.detach().float() - before.float()).abs()
+    others = torch.ones(p.numel(), dtype=torch.bool)
+    others[5], others[300:310] = False, False
+    assert (moved[others] < 5e-3).all() and (moved[others][:250] > 0).any()  # the big ones' blocks too
+    assert moved[300] > 0  # finite, but not AdamW's lr: v is held at fp32's max, far below 3e38**2
+
+
+def test_quantize_moments_equals_a_step_and_round_trips():
+    """quantize_moments (for checkpoint conversion) gives the canonical codes and absmaxes a step stores for the same
+    fp32 moments, floor included, and loads through load_state_dict as that step's state."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(37, 29, generator=g))  # 1073 elements: a partial last block
+    grad = torch.randn(p.shape, generator=g) * 10.0 ** (-6 * torch.rand(p.shape, generator=g))
+    grad[0, :5] = 1e3  # v of the others far below the absmax of their block: the floor
+    p.grad = grad
+    opt = AdamW8bit([p], lr=1e-3, min_8bit_size=0, compile=False)
+    opt.step()
+    saved = opt.state_dict()
+    # a first step from zero state stores m = g * (1 - beta1), v = (g * g) * (1 - beta2), in fp32
+    omb1, omb2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
+    q = mod.quantize_moments(grad * omb1, (grad * grad) * omb2)
+    assert set(q) == {"exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
+    for key, value in q.items():
+        assert value.dtype == saved["state"][0][key].dtype and torch.equal(value, saved["state"][0][key]), key
+    assert (q["exp_avg_sq"] > 0).all()
+    fresh = AdamW8bit([p2 := torch.nn.Parameter(torch.zeros(37, 29))], lr=1e-3, min_8bit_size=0, compile=False)
+    fresh.load_state_dict({**saved, "state": {0: {"step": torch.tensor(1.0), **q}}})
+    assert all(torch.equal(fresh.state[p2][k], opt.state[p][k]) for k in opt.state[p])
+    with pytest.raises(ValueError, match="shape"):
+        mod.quantize_moments(torch.zeros(3), torch.zeros(4))

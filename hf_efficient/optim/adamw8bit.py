@@ -55,7 +55,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from ..options import check_hyperparams
 from . import _native
 
-__all__ = ["AdamW8bit", "dynamic_map", "BLOCK"]
+__all__ = ["AdamW8bit", "dynamic_map", "quantize_moments", "BLOCK"]
 
 logger = logging.getLogger(__name__)
 
@@ -399,6 +399,103 @@ def _from_canonical(codes: Tensor, p: Tensor, signed: bool) -> Tensor:
     return flat.view(blocks, 4, _WORDS).transpose(1, 2).reshape(-1).contiguous()
 
 
+def checked_group(optimizer: Optimizer, param_group: dict, family: str, check=None) -> dict:
+    """``param_group`` ready for ``Optimizer.add_param_group``, or a ValueError before anything changed: every
+    hyperparameter through :func:`..options.check_hyperparams` (so construction, later groups and loaded groups
+    refuse the same values), ``maximize`` refused (these optimizers only minimize), and no parameter twice (the C
+    kernels would update both copies at once: a race). ``check(group)`` adds a family's own checks."""
+    if not isinstance(param_group, dict):
+        return param_group  # torch's own TypeError
+    params = param_group.get("params")
+    if params is not None and not isinstance(params, set):  # a set: torch's own TypeError (unordered)
+        params = [params] if isinstance(params, Tensor) else list(params)  # a generator is read once, here
+        param_group = {**param_group, "params": params}
+        seen = {id(p): f"already in param group {gi}" for gi, g in enumerate(optimizer.param_groups)
+                for p in g["params"]}
+        for i, p in enumerate(params):
+            if id(p) in seen:
+                raise ValueError(f"{family}: parameter {i} of the new param group (shape {tuple(p.shape)}) is "
+                                 f"{seen[id(p)]}: it would be updated twice per step, by kernels racing on it. List "
+                                 "each parameter once (model.parameters() lists a tied weight once)")
+            seen[id(p)] = f"the same tensor as its parameter {i}"
+    group = {**optimizer.defaults, **param_group}
+    if group.get("maximize"):
+        raise ValueError(f"{family} got maximize={group['maximize']!r} in a param group: it does not implement "
+                         "maximize. Negate the loss instead (loss = -objective) and drop the 'maximize' key")
+    check_hyperparams(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+    if check is not None:
+        check(group)
+    return param_group
+
+
+def _check_step(step, where: str) -> None:
+    """A saved ``step``: a number or a one-element tensor, finite and >= 0 (torch accepts a Python number)."""
+    if isinstance(step, Tensor) and step.numel() == 1 and step.dtype != torch.bool and not step.is_complex():
+        value = step.item()
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        value = step
+    else:
+        value = None
+    if value is None or not 0 <= value < math.inf:
+        raise ValueError(f"{where}: step={step!r} is not a step count (a finite number >= 0, or a one-element tensor "
+                         "holding one); the state dict is corrupt or not this optimizer's. Nothing was loaded")
+
+
+def refuse_sparse(optimizer: Optimizer, family: str) -> None:
+    """Refuse sparse gradients before any tensor is updated: a step is done whole or not at all."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(f"{family} does not support sparse gradients (parameter {i} of param group {gi}, "
+                                   f"shape {tuple(p.shape)}); nothing was updated. Use dense gradients (e.g. "
+                                   "nn.Embedding(..., sparse=False)) or torch.optim.SparseAdam for that parameter")
+
+
+def _check_family_keys(group: dict) -> None:
+    size = group["min_8bit_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"Invalid min_8bit_size={size!r}: it must be an int >= 0 (elements)")
+    if group["compile"] not in (None, True, False):
+        raise ValueError(f"Invalid compile={group['compile']!r}: expected None (automatic), True or False")
+
+
+def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor) -> dict:
+    """fp32 moments of one parameter as the 8-bit state a step would store for them, in the canonical layout.
+
+    Returns ``exp_avg`` / ``exp_avg_sq`` (uint8 codes of the moments' shape, element order) and ``exp_avg_absmax``
+    / ``exp_avg_sq_absmax`` (fp32, one per block of 256 elements): the kernels' encoder exactly, with its floor (a
+    positive second moment never becomes 0). For converting another optimizer's state (checkpoint loading).
+
+    Raises:
+        ValueError: the moments differ in shape, are not floating point, or hold non-finite values or (second
+            moment) negative ones.
+    """
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"quantize_moments: {name} is {_describe(t)}; expected a floating-point tensor")
+    if exp_avg.shape != exp_avg_sq.shape:
+        raise ValueError(f"quantize_moments: exp_avg has shape {tuple(exp_avg.shape)}, exp_avg_sq "
+                         f"{tuple(exp_avg_sq.shape)}: the moments of one parameter have its shape")
+    m, v = (_blocks_of(t.detach().float()) for t in (exp_avg, exp_avg_sq))
+    if not (m.isfinite().all() and v.isfinite().all() and (v >= 0).all()):
+        raise ValueError("quantize_moments: the moments hold non-finite values, or exp_avg_sq negative ones: "
+                         "they are not AdamW moments")
+    out = {}
+    for key, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
+        absmax = x.abs().amax(1, keepdim=True)  # as _kernel (v >= 0: its amax)
+        codes = [_encode(c * (1.0 / torch.where(a > 0, a, 1.0)), signed).to(torch.uint8)  # _kernel's normalization
+                 for c, a in zip(x.split(_EAGER_BLOCKS), absmax.split(_EAGER_BLOCKS))]  # bounded temporaries
+        out[key] = torch.cat(codes).reshape(-1)[: exp_avg.numel()].view(exp_avg.shape)
+        out[f"{key}_absmax"] = absmax.flatten()
+    return out
+
+
+def _blocks_of(x: Tensor) -> Tensor:
+    """Flat ``x`` zero-padded to whole blocks, as (blocks, 256): the kernels' padding."""
+    flat = x.reshape(-1)
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
+
+
 class AdamW8bit(Optimizer):
     """AdamW with blockwise 8-bit moments (bitsandbytes' format), in plain PyTorch.
 
@@ -426,19 +523,15 @@ class AdamW8bit(Optimizer):
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, min_8bit_size: int = 4096, fp32_state_params=None,
                  compile: bool | None = None):
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"Invalid min_8bit_size={min_8bit_size!r}: it must be an int >= 0 (elements)")
-        if compile not in (None, True, False):
-            raise ValueError(f"Invalid compile={compile!r}: expected None (automatic), True or False")
+        _check_family_keys(dict(min_8bit_size=min_8bit_size, compile=compile))
         self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, min_8bit_size=min_8bit_size,
                         compile=compile)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        group = {**self.defaults, **param_group}
-        check_hyperparams(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-        super().add_param_group(param_group)
+        """As torch's, after :func:`checked_group` (hyperparameters, maximize, parameters listed twice)."""
+        super().add_param_group(checked_group(self, param_group, "AdamW8bit", _check_family_keys))
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -457,6 +550,7 @@ class AdamW8bit(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_sparse(self, "AdamW8bit")
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -467,8 +561,6 @@ class AdamW8bit(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW8bit does not support sparse gradients")
                 state = self._init_state(p, group)
                 if state["exp_avg"].dtype != torch.uint8:
                     for lst, item in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
@@ -503,22 +595,90 @@ class AdamW8bit(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a canonical state dict. Saved dtypes are kept (torch would cast the uint8 codes and the fp32
+        """Load a canonical state dict, all or nothing: everything is checked first (groups and their
+        hyperparameters, each state's keys, dtypes, shapes, absmax lengths, step), and a ValueError names what is
+        wrong before anything changed. Saved dtypes are kept (torch would cast the uint8 codes and the fp32
         moments of low-precision weights to the weight's dtype): uint8 codes resume as 8-bit state."""
-        super().load_state_dict({**state_dict, "state": {}})
+        groups = self._checked_groups(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        unknown = set(state_dict["state"]) - set(ids)
+        if unknown:
+            raise ValueError(f"AdamW8bit.load_state_dict: state for parameter ids {sorted(unknown, key=str)} that no "
+                             f"saved param group lists (they list {ids}); nothing was loaded")
+        loaded = {}
         for i, p in zip(ids, params):
-            saved = state_dict["state"].get(i)
-            if saved is None:
-                continue
-            st = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().reshape(())}
-            if saved["exp_avg"].dtype == torch.uint8:
-                st["exp_avg"] = _from_canonical(saved["exp_avg"], p, True)
-                st["exp_avg_sq"] = _from_canonical(saved["exp_avg_sq"], p, False)
-                for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
-                    st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
-            else:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
+            if state_dict["state"].get(i) is not None:
+                loaded[p] = _checked_state(state_dict["state"][i], p, f"AdamW8bit.load_state_dict: parameter {i}")
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
+        for p, st in loaded.items():
             self.state[p] = st
+
+    def _checked_groups(self, state_dict: dict) -> list[dict]:
+        """The saved groups, each completed with this optimizer's defaults and checked as add_param_group checks."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+                state_dict.get("param_groups"), list):
+            raise ValueError("AdamW8bit.load_state_dict: expected a dict with 'state' (a dict) and 'param_groups' "
+                             f"(a list), as state_dict() returns; got {type(state_dict).__name__} with keys "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else None}; nothing was loaded")
+        saved = state_dict["param_groups"]
+        sizes = [len(g.get("params", ())) if isinstance(g, dict) else None for g in saved]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"AdamW8bit.load_state_dict: the saved param groups hold {sizes} parameters, this "
+                             f"optimizer's {[len(g['params']) for g in self.param_groups]}: the state belongs to another "
+                             "model or grouping; nothing was loaded")
+        out = []
+        for gi, g in enumerate(saved):
+            group = {**self.defaults, **g}
+            try:
+                checked_group(_NoGroups(self.defaults), {**group, "params": ()}, "AdamW8bit", _check_family_keys)
+            except ValueError as e:
+                raise ValueError(f"AdamW8bit.load_state_dict: saved param group {gi}: {e}; nothing was loaded") from e
+            out.append(group)
+        return out
+
+
+class _NoGroups:
+    """An optimizer with no groups yet, for checking a saved group alone (its parameters are ids, not tensors)."""
+
+    def __init__(self, defaults: dict):
+        self.defaults, self.param_groups = defaults, []
+
+
+def _checked_state(saved, p: Tensor, where: str) -> dict:
+    """The in-memory state of ``p`` from its saved (canonical) state, or a ValueError saying what is wrong."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict; nothing was loaded")
+    eight_bit = isinstance(saved.get("exp_avg"), Tensor) and saved["exp_avg"].dtype == torch.uint8
+    keys = {"step", "exp_avg", "exp_avg_sq"} | ({"exp_avg_absmax", "exp_avg_sq_absmax"} if eight_bit else set())
+    if set(saved) != keys:
+        raise ValueError(f"{where}: state keys {sorted(saved)}, expected {sorted(keys)} ("
+                         f"{'8-bit' if eight_bit else 'fp32'} moments); nothing was loaded")
+    _check_step(saved["step"], where)
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = saved[key]
+        good = isinstance(t, Tensor) and (t.dtype == torch.uint8 if eight_bit else t.is_floating_point())
+        if not good or tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"{where}: {key} is {_describe(t)}; expected {'uint8 codes' if eight_bit else 'a float tensor'}"
+                             f" of the parameter's shape {tuple(p.shape)}; nothing was loaded")
+    st = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().reshape(())}
+    if not eight_bit:
+        for key in ("exp_avg", "exp_avg_sq"):
+            st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
+        return st
+    blocks = -(-p.numel() // BLOCK)
+    for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+        t = saved[key]
+        if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
+            raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape ({blocks},), one "
+                             f"absmax per block of {BLOCK} elements; nothing was loaded")
+        st[key] = t.to(device=p.device, dtype=torch.float32).clone()
+        if not (st[key].isfinite().all() and (st[key] >= 0).all()):
+            raise ValueError(f"{where}: {key} holds negative or non-finite values; nothing was loaded")
+    st["exp_avg"] = _from_canonical(saved["exp_avg"], p, True)
+    st["exp_avg_sq"] = _from_canonical(saved["exp_avg_sq"], p, False)
+    return st
+
+
+def _describe(t) -> str:
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"
