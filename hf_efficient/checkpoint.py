@@ -94,7 +94,8 @@ def _bnb_to_canonical(st: dict) -> dict:
         raise ValueError(f"bitsandbytes state with keys {sorted(st)}: blockwise AdamW state has "
                          f"{sorted(_BNB_KEYS - {'unorm_vec'})}; "
                          + (f"{sorted(unknown)} belong to another bitsandbytes optimizer or setting, which only it can "
-                            "resume" if unknown else f"{sorted(missing - set(st))} missing: the checkpoint is incomplete"))
+                            "resume" if unknown else
+                            f"{sorted(missing - set(st))} missing: the checkpoint is incomplete"))
     step = st["step"]  # bnb counts in an int; canonical is a float tensor (anything else: refused by validation)
     numeric = isinstance(step, (int, float)) and not isinstance(step, bool)
     out = {"step": torch.tensor(float(step)) if numeric else step}
@@ -235,7 +236,9 @@ def _dtype_error(family: str, st: dict, key: str, value: torch.Tensor) -> str | 
         return None if value.dtype == torch.uint8 else "uint8 codes, as exp_avg's"
     if value.dtype.is_floating_point:
         return None
-    return "uint8 codes (with absmaxes) or a floating-point dtype" if family == "adamw8bit" else "a floating-point dtype"
+    if family == "adamw8bit":
+        return "uint8 codes (with absmaxes) or a floating-point dtype"
+    return "a floating-point dtype"
 
 
 def _check_step(step, where: str) -> None:
@@ -285,10 +288,11 @@ def _check_param_state(family: str, name: str, st, p: torch.Tensor, pname: str, 
         if wanted is not None:
             raise ValueError(f"{where} has {key} of dtype {value.dtype}, but {family} state keeps it in {wanted}: "
                              "the checkpoint is corrupt or was written by another optimizer")
+        signed = key in ("exp_avg", "kahan_comp")  # the others are second moments or their scales: >= 0
         if value.dtype.is_floating_point and not (bool(value.isfinite().all()) and (
-                key == "exp_avg" or key == "kahan_comp" or bool((value >= 0).all()))):
-            raise ValueError(f"{where} has {key} holding non-finite values{'' if key == 'exp_avg' else ' or negative ones'}"
-                             ": training from it would turn the weights non-finite; the checkpoint is corrupt. Resume "
+                signed or bool((value >= 0).all()))):
+            raise ValueError(f"{where} has {key} holding non-finite values{'' if signed else ' or negative ones'}: "
+                             "training from it would turn the weights non-finite; the checkpoint is corrupt. Resume "
                              "from an earlier checkpoint, or start the optimizer afresh")
         if tuple(value.shape) not in _allowed_shapes(family, key, p):
             expected = " or ".join(str(s) for s in _allowed_shapes(family, key, p))
@@ -516,7 +520,8 @@ def _convert_groups(groups: list[dict], src: str, trainer_name: str) -> list[dic
 
 def save(sd: dict, spec, backend: str, info) -> dict:
     """The backend's state dict ``sd`` in the canonical layout, tagged with what wrote it."""
-    sd = dict(sd, state=to_canonical(spec.family, backend, sd["state"]), param_groups=groups_to_canonical(sd["param_groups"]))
+    sd = dict(sd, state=to_canonical(spec.family, backend, sd["state"]),
+              param_groups=groups_to_canonical(sd["param_groups"]))
     sd[_TAG] = {"name": spec.name, "family": spec.family, "backend": backend, "format": FORMAT,
                 "skipped_steps": info.skipped_steps, "steps": info.steps}
     return sd
