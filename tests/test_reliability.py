@@ -237,7 +237,7 @@ def test_add_param_group_is_validated(name, backend, dtype):
         opt.add_param_group({"params": [extra], "lr": -0.5})
     with pytest.raises(TypeError, match="dtype int32"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, dtype=torch.int32), requires_grad=False)]})
-    with pytest.raises(ValueError, match="on meta"):
+    with pytest.raises(ValueError, match="on the meta device"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, device="meta", dtype=dtype))]})
     assert len(opt.param_groups) == n_groups
     opt.add_param_group({"params": [extra], "lr": 1e-3})  # a good one is taken and trained
@@ -257,9 +257,9 @@ def test_load_state_of_another_optimizer_or_model_is_refused(name, backend, dtyp
     _train(other_model, other, 1)
     with pytest.raises(ValueError, match=f"written by hf_eff_{other_name}"):
         opt.load_state_dict(other.state_dict())
-    # a plain torch optimizer's state (no tag) of another kind is refused by its keys or shapes. (torchao's and
-    # our 8-bit layout for full-precision state *is* AdamW's: they read such a state as the AdamW moments it is.)
-    if name not in ("adamw", "adamw_bf16") and backend not in ("torchao", "torch"):
+    # a plain torch AdamW state (no tag) is refused by Adafactor, whose second moments are factored; the AdamW-math
+    # names convert it (tests/test_checkpoint.py)
+    if name == "adafactor":
         plain = torch.optim.AdamW(hfe.build_param_groups(model))  # same grouping, another kind of state
         _loss(model).backward()
         plain.step()
