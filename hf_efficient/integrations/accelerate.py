@@ -450,6 +450,7 @@ class EfficientOptimPlugin:
         fp32_flags = _fp32_state_flags(optimizer)
         prepared = accelerator.prepare(model, optimizer, *dataloaders, scheduler)
         _restore_fp32_state_ids(prepared[1], fp32_flags)
+        _drop_stale_param_names(prepared[1])
         info = optimizer_info(prepared[1])
         if accelerator.is_main_process:
             logger.info("hf_efficient: %s%s -> backend %s (%s%s); schedule %s over %s steps, %d warm-up; "
@@ -494,6 +495,18 @@ def _restore_fp32_state_ids(optimizer, flags) -> None:
     while not hasattr(inner, "_fp32_ids") and hasattr(inner, "optimizer"):
         inner = inner.optimizer
     inner._fp32_ids = {id(p) for g, fl in zip(inner.param_groups, flags) for p, keep in zip(g["params"], fl) if keep}
+
+
+def _drop_stale_param_names(optimizer) -> None:
+    """Forget ``param_names`` of groups whose parameters a wrapper replaced (DeepSpeed ZeRO: one flat partition
+    per group). They no longer name the group's tensors, and a checkpoint matched by them would be refused as
+    corrupt; without them it is matched by position, as torch does."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    for g in inner.param_groups:
+        if len(g.get("param_names", g["params"])) != len(g["params"]):
+            del g["param_names"]
 
 
 # ------------------------------------------------------------------------------------ distributed support
