@@ -40,7 +40,8 @@ DEEPSPEED_UNSUPPORTED = {
     "adafactor": "ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, "
                  "but keeps a full fp32 second moment (4 bytes per parameter instead of << 1)",
     "adamw_bf16": "ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
-                  "weights for its compensated update: it would run as AdamW with bf16 state",
+                  "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
+                  f"{PREFIX}adamw), without the memory it exists to save",
 }
 DEEPSPEED_INSTEAD = f"{PREFIX}adamw or {PREFIX}adam8bit (embedding_state=8bit) with DeepSpeed, or this optimizer " \
                     "with DDP / FSDP2"
