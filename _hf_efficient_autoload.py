@@ -5,6 +5,8 @@ every Python process. Loaded by path under its own name it costs a file read; ``
 finds it in ``sys.modules`` and shares its hook. This module sits beside the package in every install (wheel:
 site-packages; editable: the project root), so the path is known without importing anything. It never
 raises: Python prints any error from a .pth line at every start-up.
+
+``HF_EFF_AUTOLOAD=0`` (or false / no / off) switches the hook off: nothing is loaded then.
 """
 
 import os
@@ -29,10 +31,11 @@ def _load() -> None:
     except BaseException:
         del sys.modules[name]
         raise
-    module.install()  # does nothing under HF_EFF_AUTOLOAD=0
+    module.install()
 
 
 try:
-    _load()
+    if os.environ.get("HF_EFF_AUTOLOAD", "1").strip().lower() not in {"0", "false", "no", "off"}:
+        _load()
 except Exception:  # noqa: BLE001
     pass

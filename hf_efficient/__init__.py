@@ -26,4 +26,4 @@ __version__ = "0.1.0"
 
 
 # last: patching a transformers module already imported imports .integrations, which needs the names above
-_autoload.install(explicit=True)
+_autoload.install()

@@ -8,30 +8,23 @@ transformers pays one dictionary lookup per import and never imports hf_efficien
 
 The start-up hook loads this file by path, without running ``hf_efficient/__init__`` (torch: over a
 second); ``import hf_efficient`` later finds it in ``sys.modules`` and uses the same hook. So this file
-imports nothing but ``os`` and ``sys``, which every interpreter has loaded already.
+imports nothing but ``sys``, which every interpreter has loaded already.
 
 Never breaks the program that imports transformers: a failure to patch is logged once, as a warning, and
 transformers carries on without the names. ``HF_EFF_AUTOLOAD=0`` (or false / no / off) switches the
-start-up hook off; ``import hf_efficient`` then registers the names explicitly.
+start-up hook off (``_hf_efficient_autoload`` reads it); ``import hf_efficient`` still installs this hook.
 """
 
-import os
 import sys
 
-__all__ = ["install", "enabled", "patched"]
+__all__ = ["install", "patched"]
 
 # module transformers imports -> function of hf_efficient.integrations.transformers that patches it.
 # training_args first: trainer imports it, and a module already loaded is patched in this order.
 _TARGETS = {"transformers.training_args": "patch_training_args", "transformers.trainer": "patch_trainer"}
 _INTEGRATION = "hf_efficient.integrations.transformers"
-_OFF = {"0", "false", "no", "off"}
 _applied = {}  # module name -> id of the module object patched (a reload gets a new object)
 _reported = []  # the one failure logged, if any
-
-
-def enabled() -> bool:
-    """False when ``HF_EFF_AUTOLOAD`` is 0 / false / no / off: the start-up hook then does nothing."""
-    return os.environ.get("HF_EFF_AUTOLOAD", "1").strip().lower() not in _OFF
 
 
 def patched() -> list:
@@ -110,23 +103,11 @@ class _Finder:
 _FINDER = _Finder()
 
 
-def install(explicit: bool = False) -> bool:
-    """Watch for transformers' modules, and patch those already imported; safe to call again.
-
-    Args:
-        explicit: called by ``import hf_efficient``, which registers the names even under
-            ``HF_EFF_AUTOLOAD=0`` (the variable only switches off the start-up hook).
-
-    Returns:
-        Whether the hook is installed.
-    """
-    if not explicit and not enabled():
-        return False
+def install() -> None:
+    """Watch for transformers' modules, and patch those already imported; safe to call again."""
     if not any(f is _FINDER for f in sys.meta_path):
         sys.meta_path.insert(0, _FINDER)
     for name in _TARGETS:
         module = sys.modules.get(name)
         if module is not None and not _initializing(module):  # one being imported is patched by the finder
             _apply(name, module)
-    return True
-

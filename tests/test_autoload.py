@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -94,9 +95,16 @@ def _last_json(proc) -> dict:
 
 
 def _venv(path: Path) -> Path:
-    # no pip of its own: the system pip, seen through --system-site-packages, installs into the venv's prefix
-    _run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", path])
-    return path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    """A fresh venv that sees this interpreter's packages (torch, transformers, pip) but none of its .pth files.
+
+    ``--system-site-packages`` would show the base interpreter's packages, not those of the venv the tests
+    may run in; plain path lines in a .pth add this interpreter's site-packages without processing the .pth
+    files there (this checkout's own editable install and hook stay out).
+    """
+    _run([sys.executable, "-m", "venv", "--without-pip", path])
+    python = path / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    (_site_packages(python) / "parent_site_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
 
 
 def _site_packages(python: Path) -> Path:
@@ -106,6 +114,12 @@ def _site_packages(python: Path) -> Path:
 @pytest.fixture(scope="module")
 def installs(tmp_path_factory):
     """``{"wheel": python, "editable": python}``: interpreters of two fresh installs of this checkout."""
+    try:  # built offline with this interpreter's setuptools; >= 70.1 has bdist_wheel and editable_wheel
+        import setuptools
+    except ImportError:
+        pytest.fail("tests/test_autoload.py builds the package offline: pip install 'setuptools>=70.1'")
+    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (70, 1):
+        pytest.fail(f"setuptools {setuptools.__version__} is too old to build offline: pip install 'setuptools>=70.1'")
     root = tmp_path_factory.mktemp("autoload")
     pip = ["-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation"]
     wheel_src = _copy_source(root / "wheel_src")
