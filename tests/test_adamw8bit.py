@@ -242,8 +242,8 @@ def test_compiled_equals_eager_and_compiles_once(monkeypatch):
 
 def test_failed_compile_falls_back_to_eager(monkeypatch, caplog):
     def broken(*args, **kwargs):
-        def fail(*a, **k):
-            raise RuntimeError("no C++ compiler here")
+        def fail(*a, **k):  # what inductor raises when it finds no C++ compiler
+            raise torch._inductor.exc.InductorError(RuntimeError("no C++ compiler here"), None)
         return fail
 
     monkeypatch.setattr(mod, "_COMPILED", {})
@@ -566,3 +566,123 @@ def test_quantize_moments_equals_a_step_and_round_trips():
     assert all(torch.equal(fresh.state[p2][k], opt.state[p][k]) for k in opt.state[p])
     with pytest.raises(ValueError, match="shape"):
         mod.quantize_moments(torch.zeros(3), torch.zeros(4))
+
+
+def test_a_failing_compiled_kernel_is_not_run_again(monkeypatch):
+    """Only compile errors fall back to the eager kernel: an error from a running kernel (after its in-place update,
+    here) propagates, and the update is not applied a second time by an eager re-run."""
+    def updates_then_fails(*args, **kwargs):
+        def run(p, *rest):
+            p.sub_(1.0)
+            raise RuntimeError("out of memory")
+        return run
+
+    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", updates_then_fails)
+    p = torch.nn.Parameter(torch.zeros(256))
+    p.grad = torch.ones(256)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        AdamW8bit([p], min_8bit_size=0, compile=True).step()
+    assert torch.equal(p.detach(), torch.full((256,), -1.0)) and mod._COMPILED["cpu"] is not None
+
+
+def _bad_state(change):
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = AdamW8bit([p], lr=1e-3, min_8bit_size=0, compile=False)
+    p.grad = torch.randn(300)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0] = dict(sd["state"][0])
+    change(sd)
+    return sd
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda sd: sd["state"][0].update(exp_avg_absmax=torch.zeros(1)), r"exp_avg_absmax.*shape \(2,\)"),
+    (lambda sd: sd["state"][0].update(exp_avg_sq_absmax=torch.zeros(2, dtype=torch.int32)), "exp_avg_sq_absmax"),
+    (lambda sd: sd["state"][0].update(exp_avg_sq=torch.zeros(299, dtype=torch.uint8)), "exp_avg_sq.*shape"),
+    (lambda sd: sd["state"][0].update(exp_avg_sq=torch.zeros(300)), "exp_avg_sq.*uint8"),
+    (lambda sd: sd["state"][0].pop("exp_avg_sq_absmax"), "keys"),
+    (lambda sd: sd["state"][0].update(step="1"), "step"),
+    (lambda sd: sd["state"][0].update(step=float("nan")), "step"),
+    (lambda sd: sd["state"].update({0: {"step": 1.0, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(300)}}),
+     "exp_avg.*shape"),
+    (lambda sd: sd["param_groups"][0].update(lr=float("nan")), "lr"),
+    (lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.5)), "beta2"),
+    (lambda sd: sd["param_groups"][0].update(maximize=True), "maximize"),
+    (lambda sd: sd["param_groups"][0].update(params=[0, 1]), "groups hold"),
+], ids=["absmax length", "absmax dtype", "codes shape", "codes dtype", "missing key", "step type", "step nan",
+        "fp32 moment shape", "lr nan", "beta2", "maximize", "group size"])
+def test_load_state_dict_validates_everything_first(change, match):
+    """Used directly (not through create_optimizer): a wrong absmax length used to load and corrupt the heap at the
+    next step (exit 139). Everything is checked before anything changes."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = AdamW8bit([p], lr=5e-4, min_8bit_size=0, compile=False)
+    p.grad = torch.randn(300)
+    opt.step()
+    before = ({k: v.clone() for k, v in opt.state[p].items()}, [dict(g) for g in opt.param_groups])
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(_bad_state(change))
+    assert all(torch.equal(v, before[0][k]) for k, v in opt.state[p].items()) and opt.param_groups == before[1]
+    opt.step()  # still usable
+
+
+def test_load_state_dict_accepts_a_number_step_and_missing_group_keys():
+    sd = _bad_state(lambda sd: (sd["state"][0].update(step=1), sd["param_groups"][0].pop("compile")))
+    opt = AdamW8bit([p := torch.nn.Parameter(torch.randn(300))], min_8bit_size=0)
+    opt.load_state_dict(sd)
+    assert opt.state[p]["step"].dtype == torch.float32 and opt.param_groups[0]["compile"] is None
+    p.grad = torch.randn(300)
+    opt.step()
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamWBF16"])
+def test_group_checks_in_every_path(cls):
+    """maximize (not implemented: refused), a parameter twice (the C kernels would race on it) and a tensor lr are
+    refused at construction and in add_param_group alike, naming the key or the parameter's index."""
+    from hf_efficient.optim import adamw_bf16
+
+    Opt = getattr(mod, cls, None) or getattr(adamw_bf16, cls)
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="maximize.*Negate the loss"):
+        Opt([{"params": [a], "maximize": True}])
+    with pytest.raises(ValueError, match="parameter 1 of the new param group .* same tensor as its parameter 0"):
+        Opt([a, a])
+    opt = Opt([a])
+    for group, match in (({"params": [b], "maximize": True}, "maximize"), ({"params": [b, b]}, "parameter 1"),
+                         ({"params": [a]}, "parameter 0 .* already in param group 0"),
+                         ({"params": [b], "lr": torch.tensor(0.1)}, "lr"), ({"params": [b], "eps": 0.0}, "eps")):
+        with pytest.raises(ValueError, match=match):
+            opt.add_param_group(group)
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": (q for q in [b]), "maximize": False})  # a generator, read once
+    assert opt.param_groups[1]["params"] == [b]
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamWBF16"])
+def test_sparse_gradient_refused_before_any_update(cls):
+    """A sparse gradient in a later group used to raise after earlier groups were stepped."""
+    from hf_efficient.optim import adamw_bf16
+
+    Opt = getattr(mod, cls, None) or getattr(adamw_bf16, cls)
+    dense, sparse = torch.nn.Parameter(torch.ones(8192)), torch.nn.Parameter(torch.ones(5, 3))
+    dense.grad, sparse.grad = torch.ones(8192), torch.ones(5, 3).to_sparse()
+    grad = dense.grad.clone()
+    opt = Opt([{"params": [dense]}, {"params": [sparse]}], lr=0.1)
+    with pytest.raises(RuntimeError, match="sparse.*nothing was updated"):
+        opt.step()
+    assert torch.equal(dense.detach(), torch.ones(8192)) and not opt.state[dense] and torch.equal(dense.grad, grad)
+
+
+@pytest.mark.parametrize("compile", _KERNELS)
+def test_gradients_are_never_written(compile):
+    """Every path (C kernel, compiled, eager, fp32-state tensors, bf16 weights) leaves p.grad as it was."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dt)) for s, dt in
+              (((64, 80), torch.float32), ((10,), torch.float32), ((64, 80), torch.bfloat16), ((90,), torch.bfloat16))]
+    opt = AdamW8bit(params, lr=1e-2, compile=compile)
+    for q in params:
+        q.grad = torch.randn(q.shape, generator=g).to(q.dtype)
+    grads = [q.grad.clone() for q in params]
+    opt.step()
+    assert all(torch.equal(q.grad, gr) for q, gr in zip(params, grads))

@@ -470,3 +470,52 @@ def test_invalid_arguments_are_named():
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "compensation": "stochastc"})
     with pytest.raises(TypeError):
         AdamWBF16(p, 1e-3)  # hyperparameters are keyword-only
+
+
+_PATHS = [pytest.param({}, id="C kernel (automatic)"), pytest.param({"compile": True}, id="compiled",
+                                                                    marks=needs_compiler),
+          pytest.param({"foreach": True}, id="foreach"), pytest.param({"foreach": False}, id="single tensor")]
+
+
+@pytest.mark.parametrize("path", _PATHS)
+@pytest.mark.parametrize("compensation", COMPENSATIONS)
+def test_gradients_whose_square_overflows_keep_state_finite(path, compensation):
+    """A gradient of 2e19 (g * g overflows fp32) and a run of 3e38 (bf16-finite): the moments are clamped to bf16's
+    largest value (fp32's rounds to bf16 inf), so state and weights stay finite, and the other elements move as
+    AdamW moves them, on every path."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000, generator=g).bfloat16())
+    before = p.detach().clone()
+    opt = AdamWBF16([p], lr=1e-2, weight_decay=0.0, compensation=compensation, **path)
+    for step in range(3):
+        grad = torch.randn(p.shape, generator=g) * 0.01
+        if step == 0:
+            grad[5], grad[300:310] = 2e19, 3e38
+        p.grad = grad.bfloat16()
+        opt.step()
+    assert all(t.isfinite().all() for t in opt.state[p].values() if t.is_floating_point()), opt.state[p]
+    assert p.isfinite().all()
+    moved = (p.detach().float() - before.float()).abs()
+    others = torch.ones(1000, dtype=torch.bool)
+    others[5], others[300:310] = False, False
+    assert (moved[others] < 0.1).all() and (moved[others] > 0).float().mean() > 0.5
+
+
+def test_number_step_in_loaded_state_becomes_a_tensor():
+    """torch accepts a Python number as a saved step; it used to crash the next step (_foreach_add_ on a float)."""
+    p = torch.nn.Parameter(torch.randn(100).bfloat16())
+    opt = AdamWBF16([p], lr=1e-3)
+    p.grad = torch.randn(100).bfloat16()
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = 1
+    fresh = AdamWBF16([q := torch.nn.Parameter(p.detach().clone())], lr=1e-3)
+    fresh.load_state_dict(sd)
+    assert torch.is_tensor(fresh.state[q]["step"]) and fresh.state[q]["step"].dtype == torch.float32
+    q.grad = p.grad.clone()
+    fresh.step()
+    assert fresh.state[q]["step"].item() == 2.0
+    sd["state"][0]["step"] = "two"
+    with pytest.raises(ValueError, match="step"):
+        fresh.load_state_dict(sd)
+    assert fresh.state[q]["step"].item() == 2.0

@@ -154,7 +154,8 @@ def load(source: str) -> ctypes.CDLL | None:
         return lib
     except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: CC that shlex cannot split
         detail = getattr(e, "stderr", "") or e
-        _warn_once(("build", source, cc), "hf_efficient: could not build %s (%s); using the slower path", source, detail)
+        _warn_once(("build", source, cc), "hf_efficient: could not build %s (%s); using the slower path", source,
+                   detail)
         return None
 
 

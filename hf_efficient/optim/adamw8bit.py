@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import threading
 from functools import lru_cache
 
 import torch
@@ -198,27 +199,46 @@ def _eager_kernel(p, g, wm, wv, m_absmax, v_absmax, coef):
     return tuple(torch.cat(parts) for parts in zip(*outs))
 
 
-_COMPILED: dict = {}  # device type -> compiled kernel, or None where compiling failed
+_COMPILED: dict = {}  # device type -> compiled kernel, or None where compiling failed; "native" -> the C kernel
+_LOCK = threading.RLock()  # a kernel is published in _COMPILED once, after its probe passed
+
+
+def compile_errors() -> tuple:
+    """What ``torch.compile``'d code raises when compiling fails (before anything ran: no C++ compiler, no Triton,
+    an unsupported Python). Only those may fall back to the eager kernel: an error from a running kernel may come
+    after its in-place weight update, and re-running the step would apply it twice."""
+    from torch._dynamo.exc import TorchDynamoException  # BackendCompilerFailed, InductorError, Unsupported
+    from torch._inductor.exc import CppCompileError
+
+    return TorchDynamoException, CppCompileError
 
 
 def _compiled_kernel(device: torch.device):
-    if device.type not in _COMPILED:
-        _COMPILED[device.type] = torch.compile(_kernel, fullgraph=True)
-    return _COMPILED[device.type]
+    with _LOCK:
+        if device.type not in _COMPILED:
+            try:
+                _COMPILED[device.type] = torch.compile(_kernel, fullgraph=True)
+            except Exception as e:  # torch.compile itself (unsupported Python): nothing ran, nothing to undo
+                _drop_compiled(device, e)
+        return _COMPILED[device.type]
+
+
+def _drop_compiled(device, e: Exception) -> None:
+    logger.warning("AdamW8bit: the compiled kernel failed on %s (%s: %s); continuing with the eager kernel "
+                   "(same results, slower). Pass compile=False to skip compiling.", device.type, type(e).__name__, e)
+    with _LOCK:
+        _COMPILED[device.type] = None
 
 
 def _run_kernel(kernel, device, *args):
-    """One kernel call. A compiled kernel that fails (before it ran: no C++ compiler, no Triton) is dropped
-    for the rest of the process, with a warning, and the eager kernel does this call."""
+    """One kernel call. A compiled kernel that fails to compile is dropped for the rest of the process, with a
+    warning, and the eager kernel does this call; any other error propagates (see :func:`compile_errors`)."""
     if kernel is _eager_kernel:
         return kernel(*args)
     try:
         return kernel(*args)
-    except Exception as e:
-        logger.warning("AdamW8bit: the compiled kernel failed on %s (%s: %s); continuing with the eager kernel "
-                       "(same results, slower). Pass compile=False to skip compiling.", device.type,
-                       type(e).__name__, e)
-        _COMPILED[device.type] = None
+    except compile_errors() as e:
+        _drop_compiled(device, e)
         return _eager_kernel(*args)
 
 
@@ -264,17 +284,18 @@ def _maps() -> Tensor:
 
 def _native_kernel():
     """The C kernel, after a probe showing it gives the eager kernel's codes and absmaxes exactly; else None."""
-    if "native" not in _COMPILED:
-        _COMPILED["native"] = None
-        lib = _native.load("adamw8bit_cpu.c")
-        if lib is not None:
-            fn = _native.bind(lib, "adamw8bit_step",
-                              [ctypes.c_int64] + [ctypes.c_void_p] * 10 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
-            if _native_agrees_with_eager(fn):
-                _COMPILED["native"] = fn
-            else:
-                logger.warning("AdamW8bit: the C kernel disagrees with the eager kernel on the probe; not using it")
-    return _COMPILED["native"]
+    with _LOCK:
+        if "native" not in _COMPILED:
+            fn = None
+            lib = _native.load("adamw8bit_cpu.c")
+            if lib is not None:
+                fn = _native.bind(lib, "adamw8bit_step", [ctypes.c_int64] + [ctypes.c_void_p] * 10
+                                  + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+                if not _native_agrees_with_eager(fn):
+                    logger.warning("AdamW8bit: the C kernel disagrees with the eager kernel on the probe; not using it")
+                    fn = None
+            _COMPILED["native"] = fn
+        return _COMPILED["native"]
 
 
 def _native_agrees_with_eager(fn) -> bool:
@@ -625,7 +646,8 @@ class AdamW8bit(Optimizer):
         sizes = [len(g.get("params", ())) if isinstance(g, dict) else None for g in saved]
         if sizes != [len(g["params"]) for g in self.param_groups]:
             raise ValueError(f"AdamW8bit.load_state_dict: the saved param groups hold {sizes} parameters, this "
-                             f"optimizer's {[len(g['params']) for g in self.param_groups]}: the state belongs to another "
+                             f"optimizer's {[len(g['params']) for g in self.param_groups]}: the state belongs to "
+                             "another "
                              "model or grouping; nothing was loaded")
         out = []
         for gi, g in enumerate(saved):
@@ -659,8 +681,9 @@ def _checked_state(saved, p: Tensor, where: str) -> dict:
         t = saved[key]
         good = isinstance(t, Tensor) and (t.dtype == torch.uint8 if eight_bit else t.is_floating_point())
         if not good or tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"{where}: {key} is {_describe(t)}; expected {'uint8 codes' if eight_bit else 'a float tensor'}"
-                             f" of the parameter's shape {tuple(p.shape)}; nothing was loaded")
+            want = "uint8 codes" if eight_bit else "a float tensor"
+            raise ValueError(f"{where}: {key} is {_describe(t)}; expected {want} of the parameter's shape "
+                             f"{tuple(p.shape)}; nothing was loaded")
     st = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().reshape(())}
     if not eight_bit:
         for key in ("exp_avg", "exp_avg_sq"):

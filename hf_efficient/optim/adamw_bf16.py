@@ -43,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import threading
 import warnings
 from collections import defaultdict
 
@@ -51,8 +52,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..options import check_hyperparams
 from . import _native
+from .adamw8bit import _NoGroups, _check_step, checked_group, compile_errors, refuse_sparse
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
@@ -300,17 +301,19 @@ def _compiled(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, c
 
 
 def _call(kernel, mode, *args):
-    """A compiled call; if compiling it fails (before anything ran), the eager kernel does this call instead."""
+    """A compiled call; if compiling it fails (before anything ran), the eager kernel does this call instead. Any
+    other error propagates: it may come after the in-place update, which a re-run would apply twice."""
     try:
         with warnings.catch_warnings():  # fp16 weights with bf16 state: inductor notes the mix, harmlessly
             warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
             kernel(*args)
-    except Exception as e:
+    except compile_errors() as e:
         logger.warning("AdamWBF16: compiled %s kernel failed (%s: %s); continuing without it. Pass compile=False "
                        "to skip compiling.", mode, type(e).__name__, e)
-        for key, fn in _COMPILED.items():
-            if fn is kernel:
-                _COMPILED[key] = None
+        with _LOCK:
+            for key, fn in _COMPILED.items():
+                if fn is kernel:
+                    _COMPILED[key] = None
         _KERNELS[mode](*args)
 
 
@@ -319,6 +322,7 @@ def _call(kernel, mode, *args):
 # ----------------------------------------------------------------------------------------------------
 
 _COMPILED: dict = {}  # (mode, device type, dtype) -> compiled kernel, or None where it failed or disagreed
+_LOCK = threading.RLock()  # a kernel is published in _COMPILED once, after its probe passed
 _LOGGED: set = set()
 
 
@@ -349,27 +353,33 @@ def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run,
 def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     """The torch.compile'd kernel, after a probe showing it agrees with eager on a sub-ulp update; else None."""
     key = (mode, device.type, dtype)
-    if key not in _COMPILED:
-        try:
-            # dynamic_threads: a parallel loop whatever the size of the first call (inductor otherwise decides
-            # from it, and the probe's size would have made every later call run on one thread)
-            fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
-                               options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
+    with _LOCK:
+        return _COMPILED[key] if key in _COMPILED else _probed_compiled(key, mode, device, dtype)
 
-            def run(p, g, m, v, c, k, coef):
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
-                    fn(p, g, m, v, c, torch.tensor(k, dtype=torch.int32, device=device), None,
-                       torch.tensor(coef, device=device))
 
-            if not _agrees_with_eager(mode, device, dtype, run):
-                raise RuntimeError("compiled kernel disagrees with eager on a sub-ulp update (rounding elided?)")
-            _COMPILED[key] = fn
-        except Exception as e:  # no C++ compiler, unsupported Python/platform, numerics: all mean "use foreach"
-            logger.warning("AdamWBF16: no compiled %s kernel for %s %s (%s: %s); using the foreach path. "
-                           "Pass compile=False to skip the attempt.", mode, device.type, dtype, type(e).__name__, e)
-            _COMPILED[key] = None
-    return _COMPILED[key]
+def _probed_compiled(key, mode: str, device: torch.device, dtype: torch.dtype):
+    """Compile and probe (caller holds _LOCK); publish the kernel, or None, only then. The probe runs on fresh
+    tensors: whatever it raises, nothing of the user's was touched."""
+    try:
+        # dynamic_threads: a parallel loop whatever the size of the first call (inductor otherwise decides
+        # from it, and the probe's size would have made every later call run on one thread)
+        fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
+                           options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
+
+        def run(p, g, m, v, c, k, coef):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+                fn(p, g, m, v, c, torch.tensor(k, dtype=torch.int32, device=device), None,
+                   torch.tensor(coef, device=device))
+
+        if not _agrees_with_eager(mode, device, dtype, run):
+            raise RuntimeError("compiled kernel disagrees with eager on a sub-ulp update (rounding elided?)")
+    except Exception as e:  # no C++ compiler, unsupported Python/platform, numerics: all mean "use foreach"
+        logger.warning("AdamWBF16: no compiled %s kernel for %s %s (%s: %s); using the foreach path. "
+                       "Pass compile=False to skip the attempt.", mode, device.type, dtype, type(e).__name__, e)
+        fn = None
+    _COMPILED[key] = fn
+    return fn
 
 
 _MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernel's mode numbers
@@ -380,21 +390,23 @@ def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None
     key = (mode, "native")
-    if key not in _COMPILED:
-        _COMPILED[key] = None
-        lib = _native.load("adamw_bf16_cpu.c")
-        if lib is not None:
-            fn = _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                              + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+    with _LOCK:  # published once, after the probe
+        if key not in _COMPILED:
+            fn = None
+            lib = _native.load("adamw_bf16_cpu.c")
+            if lib is not None:
+                fn = _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
+                                  + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
 
-            def run(p, g, m, v, c, k, coef):  # 3 threads: whatever team OpenMP gives, every element is done
-                _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef, threads=3)
+                def run(p, g, m, v, c, k, coef):  # 3 threads: whatever team OpenMP gives, every element is done
+                    _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef,
+                                 threads=3)
 
-            if _agrees_with_eager(mode, device, dtype, run, n=2 * _native._MIN_PER_THREAD + 37):
-                _COMPILED[key] = fn
-            else:
-                logger.warning("AdamWBF16: the C kernel disagrees with eager on the probe; not using it")
-    return _COMPILED[key]
+                if not _agrees_with_eager(mode, device, dtype, run, n=2 * _native._MIN_PER_THREAD + 37):
+                    logger.warning("AdamWBF16: the C kernel disagrees with eager on the probe; not using it")
+                    fn = None
+            _COMPILED[key] = fn
+        return _COMPILED[key]
 
 
 def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef, threads=None):
@@ -508,6 +520,12 @@ def _check_compensation(compensation) -> None:
         raise ValueError(f"Invalid compensation={compensation!r}: expected one of {allowed}")
 
 
+def _check_family_keys(group: dict) -> None:
+    _check_compensation(group["compensation"])
+    if group["foreach"] and group["compile"]:
+        raise ValueError("foreach=True and compile=True are exclusive: pick one path (or leave both None)")
+
+
 class AdamWBF16(Optimizer):
     """AdamW for bf16/fp16 weights, with Kahan-compensated or stochastically rounded updates.
 
@@ -545,12 +563,8 @@ class AdamWBF16(Optimizer):
         self._report_dtypes()
 
     def add_param_group(self, param_group: dict) -> None:
-        group = {**self.defaults, **param_group}
-        check_hyperparams(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-        _check_compensation(group["compensation"])
-        if group["foreach"] and group["compile"]:
-            raise ValueError("foreach=True and compile=True are exclusive: pick one path (or leave both None)")
-        super().add_param_group(param_group)
+        """As torch's, after :func:`.adamw8bit.checked_group` (hyperparameters, maximize, parameters listed twice)."""
+        super().add_param_group(checked_group(self, param_group, "AdamWBF16", _check_family_keys))
 
     def _report_dtypes(self) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
@@ -576,8 +590,25 @@ class AdamWBF16(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, except that fp16 parameters keep their bf16 state (torch casts state to the param dtype)."""
+        """As torch's, except that fp16 parameters keep their bf16 state (torch casts state to the param dtype), and
+        a saved ``step`` that is a number (torch accepts one) becomes the float32 tensor step() counts in. Saved
+        steps and groups are checked first (a ValueError, nothing loaded)."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            for i, saved in state_dict["state"].items():
+                if isinstance(saved, dict) and "step" in saved:
+                    _check_step(saved["step"], f"AdamWBF16.load_state_dict: parameter {i}")
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
+            for gi, g in enumerate(state_dict["param_groups"]):
+                try:
+                    checked_group(_NoGroups(self.defaults), {**self.defaults, **g, "params": ()}, "AdamWBF16",
+                                  _check_family_keys)
+                except ValueError as e:
+                    raise ValueError(f"AdamWBF16.load_state_dict: saved param group {gi}: {e}; nothing was "
+                                     "loaded") from e
         super().load_state_dict(state_dict)
+        for st in self.state.values():
+            if "step" in st and not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, params):
@@ -592,13 +623,12 @@ class AdamWBF16(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_sparse(self, "AdamWBF16")
         position = 0  # a parameter's index across groups, as in state_dict(): its noise stream
         for group in self.param_groups:
             lists = [[] for _ in range(7)]
             for p in group["params"]:
                 if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise RuntimeError("AdamWBF16 does not support sparse gradients")
                     state = self._init_state(p, group["compensation"])
                     for lst, item in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                                  state.get("kahan_comp"), state["step"], position)):
