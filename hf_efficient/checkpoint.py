@@ -328,7 +328,9 @@ def _live_order(saved_groups: list, live_groups: list[dict]) -> list[dict]:
     ``param_names``, else by position (torch's rule). Refuses differing names, naming them."""
     out = []
     for gi, (g, live) in enumerate(zip(saved_groups, live_groups)):
-        if "param_names" not in g or "param_names" not in live:
+        # names that do not describe the live group's parameters (a wrapper such as DeepSpeed's ZeRO swapped them
+        # for flat partitions) say nothing: position is torch's rule
+        if "param_names" not in g or "param_names" not in live or len(live["param_names"]) != len(live["params"]):
             out.append(g)
             continue
         names, want = list(g["param_names"]), list(live["param_names"])

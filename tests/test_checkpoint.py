@@ -310,3 +310,20 @@ def test_same_shape_parameters_in_another_order_are_matched_by_name(name, backen
                                          r"model"):
         opt3.load_state_dict(copy.deepcopy(sd))
     _assert_unchanged(renamed, opt3, snap)
+
+
+def test_stale_live_param_names_fall_back_to_position():
+    """A wrapper that swaps a group's parameters (DeepSpeed's ZeRO: one flat partition) leaves param_names that
+    no longer describe them: such names say nothing, and the state loads by position, as torch's does."""
+    import hf_efficient as hfe
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    for g in opt.param_groups:
+        g["param_names"] = g["param_names"][:1] + ["stale"] * 3  # names of tensors the group no longer holds
+    sd = {**sd, "param_groups": [dict(g, param_names=g["param_names"][:1]) for g in sd["param_groups"]]}
+    opt.load_state_dict(sd)
+    assert all(torch.is_tensor(st["exp_avg"]) for st in opt.state.values())
