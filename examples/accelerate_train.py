@@ -25,7 +25,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from data import MLMCollator, build_datasets, evaluate, load_model_and_tokenizer  # noqa: E402
+try:
+    from data import MLMCollator, build_datasets, evaluate, load_model_and_tokenizer  # noqa: E402
+except ModuleNotFoundError as exc:  # copied without its neighbour
+    if exc.name != "data":
+        raise
+    raise SystemExit(f"{os.path.basename(__file__)} needs data.py (the shared task, examples/data.py in the "
+                     "hf_efficient repository) in the same directory: copy it there") from None
 
 from hf_efficient import optimizer_info  # noqa: E402
 from hf_efficient.integrations.accelerate import (  # noqa: E402

@@ -16,9 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:
+    from data import MLMCollator, build_datasets, load_model_and_tokenizer  # noqa: E402
+except ModuleNotFoundError as exc:  # copied without its neighbour
+    if exc.name != "data":
+        raise
+    raise SystemExit(f"{Path(__file__).name} needs data.py (the shared task, examples/data.py in the hf_efficient "
+                     "repository) in the same directory: copy it there") from None
 
-import hf_efficient as hfe  # noqa: E402  (registers the hf_eff_* names before the parser is built)
-from data import MLMCollator, build_datasets, load_model_and_tokenizer  # noqa: E402
+import hf_efficient as hfe  # noqa: E402  (for the memory figures; the hf_eff_* names need no import)
 from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
 
 
@@ -36,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((ExampleArgs, TrainingArguments))
     ex, args = parser.parse_args_into_dataclasses(defaults + list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_efficient").setLevel(logging.INFO)  # the backend (and hf_eff_auto) choice, with why
 
     model, tokenizer = load_model_and_tokenizer(ex.model)
     train_set, eval_set = build_datasets(tokenizer, max_length=ex.max_length)
