@@ -180,9 +180,8 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
     decode_block(wv, &maps[1], v);
     for (int e = 0; e < BLOCK; e++) {
         float g32 = g[e];
-        /* clamped to fp32's range: a finite gradient with g * g (or a sum) past it would make the block's
-         * absmax inf and every code of the block NaN at the next step */
-        m[e] = clamp_abs(m[e] * m_scale * b1 + g32 * omb1, F32_MAX);
+        /* v clamped to fp32's range (see adamw8bit._kernel; m, a convex combination, needs none) */
+        m[e] = m[e] * m_scale * b1 + g32 * omb1;
         v[e] = clamp_max(v[e] * v_scale * b2 + (g32 * g32) * omb2, F32_MAX);
     }
     /* absmax as the largest bit pattern of |x|: the same order for non-negative floats, vectorizable, and a NaN

@@ -91,9 +91,10 @@ def _adamw_update(p32: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, no
     moment has its own stale-weights problem. None rounds to nearest (``compensation="none"``).
     """
     g32 = g.float()
-    # clamped to bf16's largest finite value (fp32's largest rounds to bf16 inf): a finite gradient whose square
-    # overflows would otherwise store inf, and the moments would stay inf (or turn NaN) for good
-    m32 = (m.float() * coef[0] + g32 * coef[1]).clamp(-_BF16_MAX, _BF16_MAX)
+    # v clamped to bf16's largest finite value (fp32's largest rounds to bf16 inf): a finite gradient whose square
+    # overflows would otherwise store inf, and v would stay inf (or turn m / v into NaN) for good. m needs no
+    # clamp: it is a convex combination of m and g, both within bf16's range (a clamp costs the C kernel 15%).
+    m32 = m.float() * coef[0] + g32 * coef[1]
     v32 = (v.float() * coef[2] + (g32 * g32) * coef[3]).clamp(max=_BF16_MAX)
     m.copy_(m32)
     v.copy_(v32 if noise is None else _round_stochastic(v32, v.dtype, noise))
@@ -231,9 +232,7 @@ def _foreach_chunk(mode, P, G, M, V, C, noise, coef):
     torch._foreach_mul_(g2, omb2)
     torch._foreach_add_(v32, g2)
     del g32, g2
-    torch._foreach_clamp_min_(m32, -_BF16_MAX)  # as in _adamw_update
-    torch._foreach_clamp_max_(m32, _BF16_MAX)
-    torch._foreach_clamp_max_(v32, _BF16_MAX)
+    torch._foreach_clamp_max_(v32, _BF16_MAX)  # as in _adamw_update
     torch._foreach_copy_(M, m32)
     if noise is None:
         torch._foreach_copy_(V, v32)

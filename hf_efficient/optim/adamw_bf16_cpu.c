@@ -37,8 +37,8 @@ static inline uint16_t round_stochastic(float x, uint32_t noise) { /* adamw_bf16
     for (int64_t i = start; i < end; i++) {                                                               \
         float p32 = bf16_to_f32(p[i]);                                                                     \
         float g32 = bf16_to_f32(g[i]);                                                                     \
-        float m32 = clamp_abs(bf16_to_f32(m[i]) * b1 + g32 * omb1, BF16_MAX); /* bf16-finite, see .py */  \
-        float v32 = clamp_max(bf16_to_f32(v[i]) * b2 + (g32 * g32) * omb2, BF16_MAX);                      \
+        float m32 = bf16_to_f32(m[i]) * b1 + g32 * omb1;                                                   \
+        float v32 = clamp_max(bf16_to_f32(v[i]) * b2 + (g32 * g32) * omb2, BF16_MAX); /* see .py */      \
         m[i] = f32_to_bf16(m32);                                                                           \
         v[i] = MODE == 2 ? f32_to_bf16(v32) : round_stochastic(v32, hash32((uint32_t)key, (uint32_t)i));  \
         float denom = sqrtf(v32) * inv_bc2 + eps;                                                          \

@@ -21,17 +21,12 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-/* Largest finite values: a moment at most this large stays finite in its storage (fp32 max rounds to bf16 inf). */
+/* Largest finite values: a second moment at most this large stays finite in its storage (fp32 max rounds to bf16
+ * inf). */
 #define F32_MAX 3.40282346638528859811704183484516925e+38f
 #define BF16_MAX 3.38953138925153547590470800371487867e+38f /* 0x7F7F */
 
-/* x limited to [-limit, limit], as torch.clamp: a NaN stays NaN (comparisons with it are false). */
-static inline float clamp_abs(float x, float limit) {
-    x = x > limit ? limit : x;
-    return x < -limit ? -limit : x;
-}
-
-/* x limited to at most limit, as torch.clamp(max=limit); a NaN stays NaN. */
+/* x limited to at most limit, as torch.clamp(max=limit): a NaN stays NaN (comparisons with it are false). */
 static inline float clamp_max(float x, float limit) { return x > limit ? limit : x; }
 
 /* BODY for each tensor t among `count` whose items [piece_start, piece_end), numbered within t, fall in
