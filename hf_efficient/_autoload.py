@@ -75,7 +75,9 @@ class _Loader:
         self._loader.exec_module(module)
         _apply(self._name, module)
 
-    def __getattr__(self, attr):
+    def __getattr__(self, attr):  # get_source, get_resource_reader, is_package...: the real loader's
+        if attr == "_loader":  # not set yet (a copy): no recursion
+            raise AttributeError(attr)
         return getattr(self._loader, attr)
 
 
