@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -86,8 +87,8 @@ def _list(args) -> int:
     rows = []
     for spec in SPECS.values():
         for dev in _devices():
-            row = {"name": spec.trainer_name, "device": dev, "state_bytes_per_param": spec.state_bytes,
-                   "notes": spec.notes}
+            nominal = spec.state_bytes if math.isfinite(spec.state_bytes) else None  # auto has none (NaN): JSON null
+            row = {"name": spec.trainer_name, "device": dev, "state_bytes_per_param": nominal, "notes": spec.notes}
             if not spec.backends:
                 row.update(backend=None, runs_as=None, reason="chooses one of the names above per model")
             else:
@@ -98,13 +99,13 @@ def _list(args) -> int:
                     row.update(backend=None, runs_as=None, reason=f"unavailable: {e}")
             rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows, indent=2, allow_nan=False))
         return 0
     width = max(len(r["name"]) for r in rows)
     print(f"{'name':<{width}}  {'device':<6}  {'backend':<8}  {'B/param':>7}  why")
     for r in rows:
         ran = f" (runs as {r['runs_as']})" if r["runs_as"] and r["runs_as"] != r["name"] else ""
-        nominal = "-" if r["state_bytes_per_param"] != r["state_bytes_per_param"] else f"{r['state_bytes_per_param']:.2f}"
+        nominal = "-" if r["state_bytes_per_param"] is None else f"{r['state_bytes_per_param']:.2f}"
         print(f"{r['name']:<{width}}  {r['device']:<6}  {r['backend'] or '-':<8}  {nominal:>7}  {r['reason']}{ran}")
     return 0
 
@@ -146,7 +147,7 @@ def _estimate(args, parser) -> int:
     except RuntimeError as e:  # no free-memory reading for this device here
         auto = f"cannot tell: {e}"
     if args.json:
-        print(json.dumps(_as_json(what, estimates, measured, auto, unavailable), indent=2, default=str))
+        print(json.dumps(_as_json(what, estimates, measured, auto, unavailable), indent=2, default=str, allow_nan=False))
     else:
         _print_table(what, estimates, measured, auto, unavailable)
     return 0

@@ -33,13 +33,15 @@ from .param_groups import split_parameters
 from .registry import PREFIX, get_spec, resolve
 
 __all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "choose_auto", "AutoChoice",
-           "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN"]
+           "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN",
+           "MAX_PARAMS"]
 
 logger = logging.getLogger(__name__)
 
 MB = 2**20
 ASSUMED_COLUMNS = 1024  # --params N: N elements as matrices of this many columns, 2**20 elements per tensor
 _ASSUMED_TENSOR = ASSUMED_COLUMNS**2
+MAX_PARAMS = 10**15  # a bare count above this is a typo (500x the largest models), refused before any arithmetic
 _STEP = 4  # torch / torchao / our optimizers keep ``step`` as a float32 scalar tensor per parameter
 _QMAP = 256 * 4  # an 8-bit code book: 256 float32 values
 _BLOCK = 256  # elements per absmax / scale of blockwise 8-bit state (bnb, torchao)
@@ -128,13 +130,19 @@ def peak_memory(device: torch.device | str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class _T:
-    """What the rules need of one parameter: size, shape, dtype, and whether it is an embedding matrix."""
+    """What the rules need of one parameter: size, shape, dtype, whether it is an embedding matrix, and how
+    many parameters are alike (``count``: a bare count's identical matrices are one entry, not millions)."""
 
     numel: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     embedding: bool = False
     trainable: bool = True
+    count: int = 1
+
+    @property
+    def elements(self) -> int:
+        return self.numel * self.count
 
 
 @dataclass(frozen=True)
@@ -220,16 +228,16 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
     train = [t for t in tensors if t.trainable]
     dtypes = {_dtype_name(t.dtype) for t in train}
     return MemoryEstimate(
-        name=PREFIX + res.name, backend=res.backend, device=dev.type, num_params=sum(t.numel for t in train),
+        name=PREFIX + res.name, backend=res.backend, device=dev.type, num_params=sum(t.elements for t in train),
         param_dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
-        param_bytes=sum(t.numel * t.dtype.itemsize for t in tensors),
-        grad_bytes=sum(t.numel * t.dtype.itemsize for t in train),
+        param_bytes=sum(t.elements * t.dtype.itemsize for t in tensors),
+        grad_bytes=sum(t.elements * t.dtype.itemsize for t in train),
         state_bytes=rule(train, opts), fp32_adamw_state_bytes=_adamw([_as_fp32(t) for t in train], {}),
         options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason)
 
 
 def _as_fp32(t: _T) -> _T:
-    return _T(t.numel, t.shape, torch.float32, t.embedding, t.trainable)
+    return _T(t.numel, t.shape, torch.float32, t.embedding, t.trainable, t.count)
 
 
 def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, bool]:
@@ -239,15 +247,20 @@ def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, b
     default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
         raise TypeError(f"model={model!r}: pass a module, parameters, a config or an integer parameter count")
+    if isinstance(model, str):
+        raise TypeError(f"model={model!r} is a string: estimate_memory takes a module, its parameters, a transformers "
+                        f"config or a parameter count. For a hub name or a directory with config.json run "
+                        f"`hf-efficient estimate {model}`, or pass model_from_config(AutoConfig.from_pretrained({model!r}))")
     if isinstance(model, (int, float)):
         n = int(model)
-        if n <= 0:
-            raise ValueError(f"a parameter count must be positive, got {model!r}")
+        if n <= 0 or n > MAX_PARAMS:
+            raise ValueError(f"a parameter count must be positive and at most {MAX_PARAMS:.0e} (the largest models "
+                             f"have ~2e12), got {model!r}: check the number")
         full, rest = divmod(n, _ASSUMED_TENSOR)
-        sizes = [_ASSUMED_TENSOR] * full + ([rest] if rest else [])
-        tensors = [_T(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32) for s in sizes]
+        tensors = [_T(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32, count=c)
+                   for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
         return tensors, (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
-                         f"{len(sizes)} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small"), default_dev, False
+                         f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small"), default_dev, False
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
         model = model_from_config(model)
     if isinstance(model, nn.Module):
@@ -305,7 +318,7 @@ def _keeps_32bit(t: _T, opts: Mapping) -> bool:
 
 def _adamw(ts: list[_T], opts: Mapping) -> int:
     """torch.optim.AdamW: exp_avg and exp_avg_sq shaped and typed like the parameter, and a step."""
-    return sum(2 * t.numel * t.dtype.itemsize + _STEP for t in ts)
+    return sum(t.count * (2 * t.numel * t.dtype.itemsize + _STEP) for t in ts)
 
 
 def _bnb_8bit(ts: list[_T], opts: Mapping) -> int:
@@ -317,9 +330,9 @@ def _bnb_8bit(ts: list[_T], opts: Mapping) -> int:
     total, quantized = 0, False
     for t in ts:
         if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
-            total += 2 * 4 * t.numel
+            total += t.count * 2 * 4 * t.numel
         else:
-            total += 2 * (t.numel + 4 * -(-t.numel // _BLOCK))
+            total += t.count * 2 * (t.numel + 4 * -(-t.numel // _BLOCK))
             quantized = True
     return total + (2 * _QMAP if quantized else 0)
 
@@ -334,10 +347,10 @@ def _torchao_8bit(ts: list[_T], opts: Mapping) -> int:
     for t in ts:
         small = t.numel < opts["min_8bit_size"] or t.numel % _BLOCK
         if _keeps_32bit(t, opts) or small:
-            total += 2 * t.numel * t.dtype.itemsize
+            total += t.count * 2 * t.numel * t.dtype.itemsize
         else:
-            total += 2 * (t.numel + 4 * (t.numel // _BLOCK) + _QMAP)
-        total += _STEP
+            total += t.count * 2 * (t.numel + 4 * (t.numel // _BLOCK) + _QMAP)
+        total += t.count * _STEP
     return total
 
 
@@ -347,13 +360,12 @@ def _adafactor(ts: list[_T], opts: Mapping) -> int:
     total = 0
     for t in ts:
         if len(t.shape) >= 2:
-            lead = math.prod(t.shape[:-2])
-            total += 4 * lead * (t.shape[-2] + t.shape[-1])
+            one = 4 * math.prod(t.shape[:-2]) * (t.shape[-2] + t.shape[-1])
         else:
-            total += 4 * t.numel
+            one = 4 * t.numel
         if opts.get("beta1") is not None:
-            total += 4 * t.numel
-        total += _STEP
+            one += 4 * t.numel
+        total += t.count * (one + _STEP)
     return total
 
 
@@ -363,7 +375,7 @@ def _adamw_bf16(ts: list[_T], opts: Mapping) -> int:
     total = 0
     for t in ts:
         buffers = 3 if opts.get("compensation") == "kahan" and t.dtype in (torch.bfloat16, torch.float16) else 2
-        total += buffers * t.numel * t.dtype.itemsize + _STEP
+        total += t.count * (buffers * t.numel * t.dtype.itemsize + _STEP)
     return total
 
 
@@ -373,11 +385,11 @@ def _torch_8bit(ts: list[_T], opts: Mapping) -> int:
     total = 0
     for t in ts:
         if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
-            total += 2 * 4 * t.numel
+            total += t.count * 2 * 4 * t.numel
         else:
             blocks = -(-t.numel // _BLOCK)
-            total += 2 * (blocks * _BLOCK + 4 * blocks)
-        total += _STEP
+            total += t.count * 2 * (blocks * _BLOCK + 4 * blocks)
+        total += t.count * _STEP
     return total
 
 
@@ -470,11 +482,11 @@ def _choose(tensors: list[_T], dev: torch.device, resident: bool, given: dict, s
         available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
     else:
         free = free_memory_bytes(dev)
-        held = sum(t.numel * t.dtype.itemsize for t in tensors) if resident else 0
+        held = sum(t.elements * t.dtype.itemsize for t in tensors) if resident else 0
         available, where = free + held, f"free on {dev} {_gb(free)} + parameters already there {_gb(held)}"
     usable = int(available * (1 - AUTO_MARGIN))
     train = [t for t in tensors if t.trainable]
-    bf16 = sum(t.numel for t in train if t.dtype == torch.bfloat16) * 2 > sum(t.numel for t in train)
+    bf16 = sum(t.elements for t in train if t.dtype == torch.bfloat16) * 2 > sum(t.elements for t in train)
     candidates = []
     for name in AUTO_ORDER_BF16 if bf16 else AUTO_ORDER:
         mine = {k: v for k, v in given.items() if k in get_spec(name).options}

@@ -273,3 +273,46 @@ def test_callback_on_its_own_with_a_transformers_optimizer(tmp_path):
     assert first["hf_eff/optimizer_state_saving"] == 0.0  # fp32 AdamW is the baseline itself
     assert rec.seen[0]["hf_eff/fp32_adamw_state_mb"] == first["hf_eff/optimizer_state_mb"]
     assert not any(isinstance(cb, MemoryCallback) for cb in _trainer(tmp_path, "adamw_torch").callback_handler.callbacks)
+
+
+# ------------------------------------------------------------------------------------------- misuse
+
+def test_a_string_is_not_a_model():
+    for call in (lambda: estimate_memory("bert-base-uncased", "adamw"), lambda: choose_auto("bert-base-uncased")):
+        with pytest.raises(TypeError, match=r"is a string.*hf-efficient estimate bert-base-uncased.*model_from_config"):
+            call()
+
+
+def test_a_meta_model_is_estimated_like_the_real_one():
+    with torch.device("meta"):
+        meta = Small()
+    for name in ("adamw", "adam8bit", "adafactor"):
+        assert estimate_memory(meta, name).state_bytes == estimate_memory(Small(), name).state_bytes
+    assert choose_auto(meta, {"budget_gb": 100}).name == "adamw"
+
+
+def test_a_huge_count_is_refused_before_any_arithmetic():
+    with pytest.raises(ValueError, match=r"at most 1e\+15.*got 99999999999999999999"):
+        estimate_memory(99999999999999999999, "adamw")
+    with pytest.raises(ValueError, match="budget_gb' must be a finite number, got inf"):
+        estimate_memory(10**6, "auto", budget_gb=float("inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adamw_on_half_precision_params_holds_state_in_their_dtype(dtype):
+    """torch's AdamW keeps exp_avg / exp_avg_sq like the parameter: 4 B/param on bf16 and fp16, not 8."""
+    model = Small().to(dtype)
+    opt = one_step(model, "adamw")
+    est = estimate_memory(model, "adamw")
+    assert optimizer_state_bytes(opt) == est.state_bytes == 2 * 2 * (EMB + BIG + VECTORS) + STEPS
+    assert est.state_bytes_per_param == pytest.approx(4, abs=0.01)
+    assert estimate_memory(Small(), "adamw", param_dtype=dtype).state_bytes == est.state_bytes
+
+
+def test_a_count_is_counted_by_kinds_of_tensor_not_one_by_one():
+    n = 10**12 + 5  # 953,675 assumed tensors of 2**20 elements and one of the rest: two kinds
+    tensors = memory._describe(n, None)[0]
+    assert len(tensors) == 2 and sum(t.elements for t in tensors) == n
+    n = memory.MAX_PARAMS  # at the cap, still instant
+    est = estimate_memory(n, "adamw", device="cpu")
+    assert est.num_params == n and est.state_bytes == 8 * n + 4 * -(-n // 2**20)
