@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .guard import check_group_flags, check_params, check_unique, protect
+from .optim import _native
 from .options import check_hyperparams, parse_options
 from .param_groups import DecaySplit, build_param_groups, param_device, split_parameters
 from .registry import Resolution, get_spec, resolve
@@ -84,6 +85,8 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
     for g in groups:
         check_group_flags(g, {"maximize": None, "amsgrad": None} if spec.name == "adamw" else {}, spec.trainer_name)
     device = param_device(p for _, p in named)
+    if device.type == "cpu":
+        _native.check_thread_limit()
     res = resolve(spec.name, device, options["backend"])
     optimizer = res.spec.backends[res.backend].build(
         groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,

@@ -244,3 +244,54 @@ def test_every_rank_enters_the_nonfinite_all_reduce_also_without_gradients(monke
     assert guard.first_nonfinite(opt) is None and calls == [0]  # no gradient here: entered all the same
     opt.param_groups[0]["params"][0].grad = torch.full((8,), NAN)
     assert guard.first_nonfinite(opt) == "group0.param0" and calls == [0, 1]
+
+
+def test_a_c_scan_that_misses_values_is_not_used(monkeypatch, caplog):
+    """The C gradient scan is admitted by a probe over 3 threads on a range that splits unevenly: a scan that does
+    only part of the range (the old split under OMP_THREAD_LIMIT=1) is refused, and the torch check is used."""
+    from hf_efficient import guard
+    from hf_efficient.optim import _native
+
+    if _native.load("grad_check_cpu.c") is None:
+        pytest.skip("no C compiler: the C scan is not built here")
+    real_bind = _native.bind
+
+    def half_scan(lib, symbol, argtypes, restype=None):
+        fn = real_bind(lib, symbol, argtypes, restype)
+
+        def first_half(*args):  # scans only the first half of its range, as a team of 1 did with 2 asked for
+            *rest, start, end, threads = args
+            return fn(*rest, start, start + (end - start) // 2, threads)
+        first_half.openmp = fn.openmp
+        return first_half
+
+    monkeypatch.setattr(_native, "bind", half_scan)
+    monkeypatch.setattr(guard, "_SCAN", {})
+    with caplog.at_level("WARNING", logger="hf_efficient.guard"):
+        assert guard._scan_kernel() is None
+    assert "failed its probe" in caplog.text
+    grads = [torch.zeros(300_000)]
+    grads[0][-1] = NAN
+    assert guard._first_bad_native(grads) is None and guard._first_bad_torch(grads) == 0
+    monkeypatch.setattr(guard, "_SCAN", {})
+
+
+def test_a_thread_limit_below_torchs_thread_count_is_warned(monkeypatch, caplog):
+    """OMP_THREAD_LIMIT below torch's thread count makes some of torch's own kernels wrong (oneDNN's bf16 linear
+    backward gives NaN there): creating an optimizer says so once, with the cure."""
+    from hf_efficient.optim import _native
+
+    monkeypatch.setattr(_native, "_THREAD_LIMIT_WARNED", set())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("OMP_THREAD_LIMIT", "1")
+        with caplog.at_level("WARNING", logger="hf_efficient.optim._native"):
+            hfe.create_optimizer(Net(), "adamw")
+            hfe.create_optimizer(Net(), "adamw")
+        assert caplog.text.count("OMP_THREAD_LIMIT=1 is below torch's thread count (2)") == 1
+        assert "torch.set_num_threads(1)" in caplog.text
+        monkeypatch.setenv("OMP_THREAD_LIMIT", "2")
+        assert _native.check_thread_limit() is None
+    finally:
+        torch.set_num_threads(threads)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["c_compiler", "load", "bind", "plain", "pointers", "run_split"]
+__all__ = ["check_thread_limit", "c_compiler", "load", "bind", "plain", "pointers", "run_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,3 +194,26 @@ def run_split(fn, args: tuple, n: int, unit: int = 1, align: int = 64, threads: 
     per = -(-n // threads // align) * align
     futures = [_pool(threads).submit(fn, *args, a, min(a + per, n), 1) for a in range(0, n, per)]
     return [f.result() for f in futures]
+
+
+_THREAD_LIMIT_WARNED: set = set()
+
+
+def check_thread_limit() -> str | None:
+    """Warn once if ``OMP_THREAD_LIMIT`` is below torch's thread count, and return the warning.
+
+    Our kernels split by the team OpenMP really gives them, but torch's own are not all so careful: with
+    ``OMP_THREAD_LIMIT=1`` and 2 threads asked for, torch 2.13's oneDNN bf16 linear backward returns NaN input
+    gradients (seen on this project's CI machine). The guard then refuses the step; the cure is to ask torch
+    for no more threads than the limit allows.
+    """
+    limit = os.environ.get("OMP_THREAD_LIMIT", "").strip()
+    if not limit.isdigit() or int(limit) >= torch.get_num_threads():
+        return None
+    msg = (f"OMP_THREAD_LIMIT={limit} is below torch's thread count ({torch.get_num_threads()}): some of torch's own "
+           f"CPU kernels then compute wrong results (NaN bf16 gradients seen with torch 2.13). Call "
+           f"torch.set_num_threads({limit}) (or set OMP_NUM_THREADS={limit}) before training.")
+    if msg not in _THREAD_LIMIT_WARNED:
+        _THREAD_LIMIT_WARNED.add(msg)
+        logger.warning("hf_efficient: %s", msg)
+    return msg
