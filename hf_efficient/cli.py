@@ -147,7 +147,8 @@ def _estimate(args, parser) -> int:
     except RuntimeError as e:  # no free-memory reading for this device here
         auto = f"cannot tell: {e}"
     if args.json:
-        print(json.dumps(_as_json(what, estimates, measured, auto, unavailable), indent=2, default=str, allow_nan=False))
+        data = _as_json(what, estimates, measured, auto, unavailable)
+        print(json.dumps(data, indent=2, default=str, allow_nan=False))
     else:
         _print_table(what, estimates, measured, auto, unavailable)
     return 0

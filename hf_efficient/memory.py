@@ -250,7 +250,8 @@ def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, b
     if isinstance(model, str):
         raise TypeError(f"model={model!r} is a string: estimate_memory takes a module, its parameters, a transformers "
                         f"config or a parameter count. For a hub name or a directory with config.json run "
-                        f"`hf-efficient estimate {model}`, or pass model_from_config(AutoConfig.from_pretrained({model!r}))")
+                        f"`hf-efficient estimate {model}`, or pass "
+                        f"model_from_config(AutoConfig.from_pretrained({model!r}))")
     if isinstance(model, (int, float)):
         n = int(model)
         if n <= 0 or n > MAX_PARAMS:
@@ -259,8 +260,9 @@ def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, b
         full, rest = divmod(n, _ASSUMED_TENSOR)
         tensors = [_T(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32, count=c)
                    for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
-        return tensors, (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
-                         f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small"), default_dev, False
+        assumption = (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
+                      f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
+        return tensors, assumption, default_dev, False
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
         model = model_from_config(model)
     if isinstance(model, nn.Module):

@@ -169,3 +169,13 @@ def test_loaded_number_step_is_accepted_like_torch():
     for a, b in zip(as_tensor[0], as_number[0]):
         assert torch.equal(a, b)
     assert all(torch.is_tensor(st["step"]) and st["step"].item() == 3 for st in as_number[1].state.values())
+
+
+def test_a_gradient_in_another_layout_gives_the_same_step():
+    w, g = torch.randn(8, 16), torch.randn(8, 16)
+    a, b = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    opt_a, opt_b = Adafactor([a], lr=LR), Adafactor([b], lr=LR)
+    a.grad, b.grad = g, g.t().contiguous().t()  # column-major: strides (1, 8)
+    opt_a.step()
+    opt_b.step()
+    assert torch.equal(a, b)

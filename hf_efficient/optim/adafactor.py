@@ -82,11 +82,11 @@ class Adafactor(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for i, (p, _) in enumerate(todo):  # refuse before any tensor is updated: no half-done step
+        for p, _ in todo:  # refuse before any tensor is updated: no half-done step
             if p.grad.is_sparse:
-                raise RuntimeError(f"Adafactor does not support sparse gradients (parameter of shape {tuple(p.shape)}, "
-                                   f"{i + 1}. with a gradient); nothing was updated. Use dense gradients "
-                                   f"(e.g. nn.Embedding(..., sparse=False)) or torch.optim.SparseAdam for it")
+                raise RuntimeError(f"Adafactor does not support sparse gradients (parameter of shape "
+                                   f"{tuple(p.shape)}); nothing was updated. Use dense gradients (e.g. nn.Embedding(..., sparse=False)) "
+                                   f"or torch.optim.SparseAdam for that parameter")
         for p, group in todo:
             state = self.state[p] if self.state[p] else self._init_state(p, group["beta1"])
             _adafactor_step(p, p.grad, state, group)
@@ -102,7 +102,8 @@ def _check_group(group: dict) -> None:
     check_hyperparams(lr=group["lr"], betas=None if beta1 is None else (beta1, 0.0), eps=group["eps"],
                       weight_decay=group["weight_decay"])
     if not group["decay_rate"] < 0:
-        raise ValueError(f"Invalid decay_rate={group['decay_rate']!r}: it must be negative (beta2_t = 1 - t**decay_rate)")
+        raise ValueError(f"Invalid decay_rate={group['decay_rate']!r}: it must be negative "
+                         f"(beta2_t = 1 - t**decay_rate)")
     if not group["clip_threshold"] > 0:
         raise ValueError(f"Invalid clip_threshold={group['clip_threshold']!r}: it must be > 0")
 
