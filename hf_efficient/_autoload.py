@@ -1,10 +1,11 @@
 """Registers hf_efficient's ``hf_eff_*`` names with transformers in every process, at no cost until it matters.
 
 ``hf_efficient-autoload.pth`` (installed into site-packages by wheels and editable installs alike) loads
-this module when Python starts, through ``_hf_efficient_autoload``. It only puts a finder on ``sys.meta_path`` that watches for two module
-names; when ``transformers.training_args`` or ``transformers.trainer`` has been imported, it applies
-hf_efficient's patches to it (``hf_efficient.integrations.transformers``). A process that never imports
-transformers pays one dictionary lookup per import and never imports hf_efficient or torch.
+this module when Python starts, through ``_hf_efficient_autoload``. It only puts a finder on
+``sys.meta_path`` that watches for two module names; when ``transformers.training_args`` or
+``transformers.trainer`` has been imported, it applies hf_efficient's patches to it
+(``hf_efficient.integrations.transformers``). A process that never imports transformers pays one
+dictionary lookup per import and never imports hf_efficient or torch.
 
 The start-up hook loads this file by path, without running ``hf_efficient/__init__`` (torch: over a
 second); ``import hf_efficient`` later finds it in ``sys.modules`` and uses the same hook. So this file
@@ -23,7 +24,8 @@ __all__ = ["install", "patched"]
 # training_args first: trainer imports it, and a module already loaded is patched in this order.
 _TARGETS = {"transformers.training_args": "patch_training_args", "transformers.trainer": "patch_trainer"}
 _INTEGRATION = "hf_efficient.integrations.transformers"
-_applied = {}  # module name -> id of the module object patched (a reload gets a new object)
+_applied = set()  # modules patched so far
+_busy = set()  # modules being patched: patching imports hf_efficient, whose import calls install() again
 _reported = []  # the one failure logged, if any
 
 
@@ -37,24 +39,26 @@ def _initializing(module) -> bool:
 
 
 def _apply(name: str, module) -> None:
-    """Patch ``module`` once; any error is logged (once per process) and swallowed."""
-    if _applied.get(name) == id(module):
+    """Patch ``module`` (the patches are idempotent); any error is logged (once per process) and swallowed."""
+    if name in _busy:
         return
-    _applied[name] = id(module)  # before the call: patching imports hf_efficient, which calls install()
+    _busy.add(name)
     try:
         from importlib import import_module
 
         getattr(import_module(_INTEGRATION), _TARGETS[name])(module)
+        _applied.add(name)
     except Exception as exc:  # noqa: BLE001 (a broken plugin must not break the user's program)
-        del _applied[name]
         if not _reported:
             _reported.append(exc)
             import logging
 
             logging.getLogger("hf_efficient.autoload").warning(
                 "hf_efficient could not register its optimizer names with %s (%s: %s); transformers works "
-                "without them. Set HF_EFF_AUTOLOAD=0 to skip this hook, or `import hf_efficient` to see the "
-                "error raised.", name, type(exc).__name__, exc, exc_info=True)
+                "without them (the hf_eff_* names are unknown). Reinstall hf_efficient, or set HF_EFF_AUTOLOAD=0 "
+                "to skip this hook.", name, type(exc).__name__, exc, exc_info=True)
+    finally:
+        _busy.discard(name)
 
 
 class _Loader:
