@@ -110,7 +110,8 @@ _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
     for s in [
-        OptimizerSpec("adamw", "adamw", 8.0, "fp32 AdamW; torch's fused kernel where the device has one, else foreach",
+        OptimizerSpec("adamw", "adamw", 8.0, "AdamW, state in the parameters' dtype (8 B/param on fp32, 4 on bf16/fp16); torch's fused kernel "
+                      "where the device has one, else foreach",
                       {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON,
                       dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)),
         OptimizerSpec("adam8bit", "adamw8bit", 2.03,
