@@ -129,7 +129,12 @@ def patch_training_args(module) -> None:
     def __post_init__(self, *args, **kwargs):
         if is_hf_eff_name(self.optim):
             check_optim_args(self.optim, self.optim_args)
-        return original_post_init(self, *args, **kwargs)
+        out = original_post_init(self, *args, **kwargs)
+        if is_hf_eff_name(self.optim):  # a distributed set-up the name cannot train under: refused before the model
+            from .distributed import check_training_arguments
+
+            check_training_arguments(self)
+        return out
 
     @functools.wraps(original_set_optimizer)
     def set_optimizer(self, name="adamw_torch", *args, **kwargs):
