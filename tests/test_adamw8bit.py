@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from hf_efficient.optim import adamw8bit as mod
+from hf_efficient.optim import quant8
 from hf_efficient.optim.adamw8bit import AdamW8bit, dynamic_map
 
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
@@ -110,17 +111,17 @@ def test_maps_equal_bitsandbytes():
 def test_decode_is_the_map_and_encode_is_nearest(signed):
     table = dynamic_map(signed)
     codes = torch.arange(256, dtype=torch.float32)
-    decoded = mod._decode(codes, signed)
+    decoded = quant8.decode(codes, signed)
     ulps = (decoded.view(torch.int32).long() - table.view(torch.int32).long()).abs()
     assert ulps.max() <= 2
-    assert torch.equal(mod._encode(decoded, signed), codes)  # every value encodes to its own code
+    assert torch.equal(quant8.encode(decoded, signed), codes)  # every value encodes to its own code
     g = torch.Generator().manual_seed(0)
     mids = ((decoded[1:].double() + decoded[:-1].double()) / 2).float().view(torch.int32)
     near = torch.cat([(mids + k).view(torch.float32) for k in range(-2, 3)])  # around every midpoint
     x = torch.cat([torch.randn(20000, generator=g).clamp(-1, 1), torch.logspace(-12, 0, 5000), near,
                    torch.tensor([0.0, 1.0, -1.0])])
     x = torch.cat([x, -x]) if signed else x.abs()
-    got = mod._encode(x, signed).long()
+    got = quant8.encode(x, signed).long()
     best = (x[:, None] - decoded[None]).abs().argmin(1)
     if not signed:  # the floor: a positive value keeps the smallest positive code, never 0.0's
         assert (got[x > 0] >= 1).all() and got[x == 0].eq(0).all()
@@ -428,7 +429,7 @@ def test_state_dict_is_canonical():
             assert torch.equal(st[key].reshape(-1), live[key][stored])
             words = live[key].view(torch.float32).view(blocks, 64)
             codes = ((words.view(torch.int32).repeat(1, 4) >> (torch.arange(256) // 64 * 8)) & 255).float()
-            ours = (mod._decode(codes, signed) * live[f"{key}_absmax"][:, None]).reshape(-1)[: p.numel()]
+            ours = (quant8.decode(codes, signed) * live[f"{key}_absmax"][:, None]).reshape(-1)[: p.numel()]
             theirs = F.dequantize_blockwise(st[key].reshape(-1), absmax=st[f"{key}_absmax"], code=dynamic_map(signed),
                                             blocksize=256)
             torch.testing.assert_close(ours, theirs, atol=0, rtol=3e-7)

@@ -1,11 +1,8 @@
 """Blockwise 8-bit AdamW in plain PyTorch, with a C kernel for fp32 and bf16 weights on CPU.
 
 Math: ``torch.optim.AdamW`` (decoupled weight decay, bias correction), fp32 arithmetic inside the step, and
-bitsandbytes' 8-bit state (``bnb.optim.AdamW8bit``): after each step the moments are stored as uint8 codes
-into bitsandbytes' dynamic maps, ``exp_avg`` signed and ``exp_avg_sq`` unsigned, each block of 256 elements
-scaled by its absolute maximum. Every code is the nearest one (bitsandbytes' CPU kernel misses the nearest
-code for ~0.2% of values, by up to 5 codes, in its binary search; its pure-torch reference takes the
-nearest, as here).
+bitsandbytes' 8-bit state (``bnb.optim.AdamW8bit``): after each step the moments are stored through the
+8-bit codec of :mod:`.quant8`, ``exp_avg`` signed and ``exp_avg_sq`` unsigned.
 
 State per 8-bit parameter: ``step``, ``exp_avg`` / ``exp_avg_sq`` (uint8, one byte per element) and
 ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, one per block): 2 bytes per element + 8 per 256 = 2.03.
@@ -13,17 +10,9 @@ The two maps are module constants (:func:`dynamic_map`), not state: they never c
 per tensor would only cost bytes. Tensors under ``min_8bit_size`` elements and ``fp32_state_params`` (the
 registry passes the embeddings) keep fp32 moments and get ``torch.optim.AdamW``'s own kernel.
 
-Layout. ``state_dict()`` writes the canonical layout of :mod:`hf_efficient.checkpoint` (codes of the
-parameter's shape, in element order, as bitsandbytes), so a checkpoint moves to and from bnb and torchao.
-In memory the last block is padded and the codes of each block are interleaved: byte ``4 * j + k`` holds
-element ``64 * k + j``, so the kernel reads 32-bit words whose four bytes belong to four contiguous runs of
-elements. Why: inductor's C++ loads 8 bytes at a time through a stack buffer, a store-forwarding stall
-that costs as much as a whole fp32 AdamW step; 32-bit words read as float32 are plain vector loads.
-
-Decoding and encoding follow the structure of the maps (a decade per power of ten, linear codes inside
-it) instead of looking codes up in a table: inductor's C++ turns a gather into a scalar loop, slower than
-this arithmetic. Decoded values are within 2 ulp of the table's (a relative 2e-7, far below
-the 8-bit step); encoding picks the nearest decoded value (ties within an ulp may go either way).
+Layout. ``state_dict()`` writes :mod:`.quant8`'s canonical layout (codes of the parameter's shape, in element
+order, as bitsandbytes), so a checkpoint moves to and from bnb and torchao; in memory the codes are in the
+kernels' interleaved layout (see :mod:`.quant8` for why).
 
 Kernels, chosen per tensor by :func:`_choose`. On CPU, contiguous fp32 or bf16 weights and gradients go through a C
 kernel (``adamw8bit_cpu.c``, built once per machine with the system C compiler, see :mod:`._native`): the
@@ -46,7 +35,6 @@ import ctypes
 import logging
 import math
 import threading
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -54,106 +42,16 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_hyperparams
-from . import _native
+from . import _native, quant8
+from .quant8 import BLOCK, WORDS as _WORDS, _describe, dynamic_map, quantize_moments
 
 __all__ = ["AdamW8bit", "dynamic_map", "quantize_moments", "BLOCK"]
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 256  # elements per absmax block (bitsandbytes' and torchao's)
-_WORDS = BLOCK // 4  # int32 words per block in memory
-_ZERO_CODE = {True: 127, False: 0}  # code of 0.0 in the signed / unsigned map
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
 _F32_MAX = torch.finfo(torch.float32).max
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
-
-
-# ----------------------------------------------------------------------------------------------------
-# The dynamic maps and their arithmetic decode / nearest-code encode
-# ----------------------------------------------------------------------------------------------------
-
-
-def dynamic_map(signed: bool) -> Tensor:
-    """bitsandbytes' ``create_dynamic_map(signed)`` (its defaults), computed the same way in plain torch.
-
-    Decade ``d`` (0..6) of ``[10**(d-7), 10**(d-6)]`` holds ``2**d`` (signed: and their negatives) or
-    ``2**(d+1)`` (unsigned) linearly spaced codes; then 0 and 1.0.
-    """
-    data = []
-    for i in range(7):
-        n = 2**i + 1 if signed else 2 ** (i + 1) + 1
-        bounds = torch.linspace(0.1, 1, n, dtype=torch.float32)
-        means = (bounds[:-1] + bounds[1:]) / 2.0
-        data += ((10 ** (-6 + i)) * means).tolist()
-        if signed:
-            data += (-(10 ** (-6 + i)) * means).tolist()
-    data += [0, 1.0]
-    data.sort()
-    return torch.tensor(data, dtype=torch.float32)
-
-
-def _first(signed: bool) -> int:
-    return 1 if signed else 2  # codes in decade 0
-
-
-def _decode(c: Tensor, signed: bool) -> Tensor:
-    """Map values of codes ``c`` (as float): ``10**(d-7) * (9 * (J + 0.5) / n - 8)`` in decade ``d``.
-
-    ``J`` counts codes away from zero, ``n`` is the number of codes in the decade; the decade is
-    ``J >= first * 2**d``.
-    """
-    first = _first(signed)
-    J = (c - 127).abs() if signed else c + 1
-    scale = torch.full_like(J, 1e-7)
-    n = torch.full_like(J, float(first))
-    for d in range(1, 7):
-        above = J >= first * 2**d
-        scale = torch.where(above, 10.0 ** (d - 7), scale)
-        n = torch.where(above, float(first * 2**d), n)
-    val = scale * ((J * 9 + 4.5) / n - 8)
-    val = torch.where(J == (0 if signed else 1), 0.0, torch.where(J == (128 if signed else 256), 1.0, val))
-    return torch.where(c < 127, -val, val) if signed else val
-
-
-def _encode_thresholds(signed: bool) -> tuple[list[float], float]:
-    """Midpoints (fp32) below the first code of each decade, and between the last code and 1.0."""
-    codes = _decode(torch.arange(256, dtype=torch.float32), signed).double()
-    pos = codes[127:] if signed else codes  # 0.0, then the positive codes in order
-    mids = (pos[1:] + pos[:-1]) / 2
-    first = _first(signed)
-    return [mids[first * 2**d - first].float().item() for d in range(7)], mids[-1].float().item()
-
-
-_THRESHOLDS = {s: _encode_thresholds(s) for s in (True, False)}
-
-
-def _encode(x: Tensor, signed: bool) -> Tensor:
-    """Code (as float) of the map value nearest to ``x`` (in [-1, 1] signed, [0, 1] unsigned); in the unsigned map,
-    at least the smallest positive code for a positive ``x``.
-
-    Picking the decade by the midpoints between decades makes the nearest code inside it the only
-    candidate: ``J = n + k`` with ``k`` the linear bin, clamped to the decade. Below the first midpoint
-    the code is 0.0's (``n = J0``, scale 0), above the last one it is 1.0's (positive values only).
-    """
-    first = _first(signed)
-    mids, top = _THRESHOLDS[signed]
-    a = x.abs() if signed else x
-    n = torch.full_like(a, 0.0 if signed else 1.0)
-    inv_scale = torch.zeros_like(a)
-    for d in range(7):
-        above = a >= mids[d]
-        n = torch.where(above, float(first * 2**d), n)
-        inv_scale = torch.where(above, 10.0 ** (7 - d), inv_scale)
-    above = x > top
-    n = torch.where(above, float(first * 128), n)
-    inv_scale = torch.where(above, 0.0, inv_scale)
-    k = torch.floor((a * inv_scale - 1) * (n * (1 / 9)))
-    J = n + torch.clamp_min(torch.minimum(k, n - 1), 0)
-    if signed:
-        return torch.where(x < 0, 127 - J, 127 + J)
-    # A positive value never gets 0.0's code (bitsandbytes keeps such a floor too): a second moment stored as 0
-    # beside a non-zero first moment would make a later zero gradient move the weight by lr * m / eps.
-    return torch.maximum(J - 1, (x > 0).float())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -168,29 +66,16 @@ def _kernel(p: Tensor, g: Tensor, wm: Tensor, wv: Tensor, m_absmax: Tensor, v_ab
     form) and absmaxes. Returned rather than written in place: inductor then keeps the moments of a block
     in a local buffer instead of a tensor of the parameter's size.
     """
-    shift = (torch.arange(BLOCK, dtype=torch.int32, device=p.device) // _WORDS * 8)[None, :]
-    cm = ((wm.view(torch.int32).repeat(1, 4) >> shift) & 255).float()
-    cv = ((wv.view(torch.int32).repeat(1, 4) >> shift) & 255).float()
     g32 = g.float()
     # v clamped to fp32's range: a finite gradient whose square overflows would make the block's absmax inf, and
     # every code of the block NaN at the next step. m, a convex combination of m and g, stays in range (a clamp of
     # it costs the C kernel 10%).
-    m = _decode(cm, True) * m_absmax[:, None] * coef[0] + g32 * coef[1]
-    v = (_decode(cv, False) * v_absmax[:, None] * coef[2] + (g32 * g32) * coef[3]).clamp(max=_F32_MAX)
-    m_max = m.abs().amax(1, keepdim=True)
-    v_max = v.amax(1, keepdim=True)
+    m = quant8.unpack(wm, m_absmax, True) * coef[0] + g32 * coef[1]
+    v = (quant8.unpack(wv, v_absmax, False) * coef[2] + (g32 * g32) * coef[3]).clamp(max=_F32_MAX)
     denom = v.sqrt() * coef[4] + coef[5]
     p.copy_(p.float() * coef[6] - (m / denom) * coef[7])
-    # normalized by the reciprocal, as bitsandbytes' kernels do: one division per block, not per element
-    qm = _encode(m * (1.0 / torch.where(m_max > 0, m_max, 1.0)), True)
-    qv = _encode(v * (1.0 / torch.where(v_max > 0, v_max, 1.0)), False)
-    return _pack(qm), _pack(qv), m_max.flatten(), v_max.flatten()
-
-
-def _pack(q: Tensor) -> Tensor:
-    """Codes ``(nb, 256)`` (float) -> ``(nb, 64)`` int32 words viewed as float32: word j = codes j, 64+j, ..."""
-    w = [q[:, k * _WORDS:(k + 1) * _WORDS].to(torch.int32) for k in range(4)]
-    return (w[0] | (w[1] << 8) | (w[2] << 16) | (w[3] << 24)).view(torch.float32)
+    (wm, m_max), (wv, v_max) = quant8.pack(m, True), quant8.pack(v, False)
+    return wm, wv, m_max, v_max
 
 
 def _eager_kernel(p, g, wm, wv, m_absmax, v_absmax, coef):
@@ -262,25 +147,15 @@ def _choose(p: Tensor, g: Tensor, compile: bool | None):
 
 def _zero_8bit_state(numel: int, device) -> dict:
     """Fresh 8-bit moments of a tensor of ``numel`` elements: zero codes in whole blocks, zero absmaxes."""
-    blocks = -(-numel // BLOCK)
     state = {}
     for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-        state[key] = torch.full((blocks * BLOCK,), _ZERO_CODE[signed], dtype=torch.uint8, device=device)
-        state[f"{key}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=device)
+        state[key], state[f"{key}_absmax"] = quant8.zero_codes(numel, signed, device)
     return state
 
 
 def _native_fits(p: Tensor, g: Tensor) -> bool:
     return (_native.plain(p, g) and p.device.type == "cpu" and p.dtype == g.dtype and p.dtype in (torch.float32, torch.bfloat16)
             and p.is_contiguous() and g.is_contiguous())
-
-
-@lru_cache(maxsize=None)
-def _maps() -> Tensor:
-    """The C kernel's tables: both maps' decoded values (so its lookups equal ``_decode``), then the thresholds."""
-    codes = torch.arange(256, dtype=torch.float32)
-    return torch.cat([_decode(codes, True), _decode(codes, False)] + [
-        torch.tensor([*_THRESHOLDS[s][0], _THRESHOLDS[s][1]], dtype=torch.float32) for s in (True, False)])
 
 
 def _native_kernel():
@@ -336,7 +211,7 @@ def _native_step(fn, items, threads: int | None = None) -> None:
     bf16 = [p.dtype == torch.bfloat16 for p, _, _, _ in items]
     args = (len(items), pointers([p for p, _, _, _ in items]), pointers([g for _, g, _, _ in items]),
             *map(pointers, map(column, ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"))),
-            (ctypes.c_int64 * len(numel))(*numel), (ctypes.c_int32 * len(items))(*bf16), _maps().data_ptr(),
+            (ctypes.c_int64 * len(numel))(*numel), (ctypes.c_int32 * len(items))(*bf16), quant8.c_tables().data_ptr(),
             (ctypes.c_float * len(coef))(*coef))
     _native.run_split(fn, args, sum(-(-n // BLOCK) for n in numel), unit=BLOCK, threads=threads)
 
@@ -405,22 +280,6 @@ def _step_32bit(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
             torch._foreach_copy_([params[i].detach() for i in idx], ps)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Layouts: in memory (padded, interleaved words) <-> canonical (parameter's shape, element order)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _to_canonical(codes: Tensor, p: Tensor) -> Tensor:
-    return codes.view(-1, _WORDS, 4).transpose(1, 2).reshape(-1)[: p.numel()].view(p.shape).clone()
-
-
-def _from_canonical(codes: Tensor, p: Tensor, signed: bool) -> Tensor:
-    blocks = -(-p.numel() // BLOCK)
-    flat = torch.full((blocks * BLOCK,), _ZERO_CODE[signed], dtype=torch.uint8, device=p.device)
-    flat[: p.numel()] = codes.reshape(-1).to(p.device)
-    return flat.view(blocks, 4, _WORDS).transpose(1, 2).reshape(-1).contiguous()
-
-
 def checked_group(optimizer: Optimizer, param_group: dict, family: str, check=None) -> dict:
     """``param_group`` ready for ``Optimizer.add_param_group``, or a ValueError before anything changed: every
     hyperparameter through :func:`..options.check_hyperparams` (so construction, later groups and loaded groups
@@ -479,43 +338,6 @@ def _check_family_keys(group: dict) -> None:
         raise ValueError(f"Invalid min_8bit_size={size!r}: it must be an int >= 0 (elements)")
     if group["compile"] not in (None, True, False):
         raise ValueError(f"Invalid compile={group['compile']!r}: expected None (automatic), True or False")
-
-
-def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor) -> dict:
-    """fp32 moments of one parameter as the 8-bit state a step would store for them, in the canonical layout.
-
-    Returns ``exp_avg`` / ``exp_avg_sq`` (uint8 codes of the moments' shape, element order) and ``exp_avg_absmax``
-    / ``exp_avg_sq_absmax`` (fp32, one per block of 256 elements): the kernels' encoder exactly, with its floor (a
-    positive second moment never becomes 0). For converting another optimizer's state (checkpoint loading).
-
-    Raises:
-        ValueError: the moments differ in shape, are not floating point, or hold non-finite values or (second
-            moment) negative ones.
-    """
-    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise ValueError(f"quantize_moments: {name} is {_describe(t)}; expected a floating-point tensor")
-    if exp_avg.shape != exp_avg_sq.shape:
-        raise ValueError(f"quantize_moments: exp_avg has shape {tuple(exp_avg.shape)}, exp_avg_sq "
-                         f"{tuple(exp_avg_sq.shape)}: the moments of one parameter have its shape")
-    m, v = (_blocks_of(t.detach().float()) for t in (exp_avg, exp_avg_sq))
-    if not (m.isfinite().all() and v.isfinite().all() and (v >= 0).all()):
-        raise ValueError("quantize_moments: the moments hold non-finite values, or exp_avg_sq negative ones: "
-                         "they are not AdamW moments")
-    out = {}
-    for key, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
-        absmax = x.abs().amax(1, keepdim=True)  # as _kernel (v >= 0: its amax)
-        codes = [_encode(c * (1.0 / torch.where(a > 0, a, 1.0)), signed).to(torch.uint8)  # _kernel's normalization
-                 for c, a in zip(x.split(_EAGER_BLOCKS), absmax.split(_EAGER_BLOCKS))]  # bounded temporaries
-        out[key] = torch.cat(codes).reshape(-1)[: exp_avg.numel()].view(exp_avg.shape)
-        out[f"{key}_absmax"] = absmax.flatten()
-    return out
-
-
-def _blocks_of(x: Tensor) -> Tensor:
-    """Flat ``x`` zero-padded to whole blocks, as (blocks, 256): the kernels' padding."""
-    flat = x.reshape(-1)
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
 
 
 class AdamW8bit(Optimizer):
@@ -612,8 +434,8 @@ class AdamW8bit(Optimizer):
         for i, p in zip(ids, params):
             st = sd["state"].get(i)
             if st is not None and st["exp_avg"].dtype == torch.uint8:
-                sd["state"][i] = {**st, "exp_avg": _to_canonical(st["exp_avg"], p),
-                                  "exp_avg_sq": _to_canonical(st["exp_avg_sq"], p)}
+                sd["state"][i] = {**st, "exp_avg": quant8.to_canonical(st["exp_avg"], p),
+                                  "exp_avg_sq": quant8.to_canonical(st["exp_avg_sq"], p)}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -699,10 +521,6 @@ def _checked_state(saved, p: Tensor, where: str) -> dict:
         st[key] = t.to(device=p.device, dtype=torch.float32).clone()
         if not (st[key].isfinite().all() and (st[key] >= 0).all()):
             raise ValueError(f"{where}: {key} holds negative or non-finite values; nothing was loaded")
-    st["exp_avg"] = _from_canonical(saved["exp_avg"], p, True)
-    st["exp_avg_sq"] = _from_canonical(saved["exp_avg_sq"], p, False)
+    st["exp_avg"] = quant8.from_canonical(saved["exp_avg"], p, True)
+    st["exp_avg_sq"] = quant8.from_canonical(saved["exp_avg_sq"], p, False)
     return st
-
-
-def _describe(t) -> str:
-    return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"

@@ -1,0 +1,240 @@
+/* The blockwise 8-bit codec of quant8.py in C, shared by every 8-bit kernel: the maps' tables, decoding a block's
+ * codes, encoding a block's normalized values, the block's absmax, and the in-memory layout (64 words per block,
+ * byte 4j+k holding element 64k+j). Decoding and encoding have an AVX-512 version (byte-table lookups need VBMI)
+ * beside the plain one: same tables, same arithmetic, same codes (the plain one is what other CPUs run; the tests
+ * compare both with the compiled kernel). Compiled with -ffp-contract=off, every operation rounds as torch's.
+ *
+ * maps (quant8.c_tables()): the signed and the unsigned map's decoded values (256 floats each, quant8.decode's),
+ * then their encoding thresholds (7 decade midpoints and the top one, 8 floats each, quant8.THRESHOLDS).
+ */
+#ifndef HF_EFF_QUANT8_H
+#define HF_EFF_QUANT8_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 256
+#define WORDS 64
+#define EXP0 96 /* binade i of the encoding tables holds [2**(EXP0 + i - 127), twice that) */
+
+/* One map's tables, built once per call from `maps` (build_map). */
+typedef struct {
+    float decoded[256];     /* the map's values */
+    uint8_t planes[4][256]; /* byte b of each value, for byte-table lookups */
+    float thresholds[8];    /* 7 decade midpoints, then the top one */
+    int32_t base[32];       /* decade midpoints at or below binade i's bottom */
+    float inner[32];        /* the one midpoint inside binade i (there is at most one: they are 10x apart), or inf */
+    float n[16], inv_scale[16]; /* quant8.encode's n and inv_scale by count of midpoints passed; 8: the top */
+    int is_signed;
+    uint8_t lo_index[4][64], hi_index[4][64]; /* decode_block's byte shuffles, per run k */
+} map_t;
+
+static const float INV_SCALE[7] = {1e7f, 1e6f, 1e5f, 1e4f, 1e3f, 1e2f, 1e1f}; /* 10**(7 - decade) */
+
+static void build_map(map_t *t, const float *decoded, const float *thresholds, int is_signed) {
+    const float first = is_signed ? 1.0f : 2.0f;
+    memcpy(t->decoded, decoded, sizeof t->decoded);
+    for (int c = 0; c < 256; c++) {
+        uint32_t bits;
+        memcpy(&bits, &decoded[c], 4);
+        for (int b = 0; b < 4; b++)
+            t->planes[b][c] = (uint8_t)(bits >> (8 * b));
+    }
+    memcpy(t->thresholds, thresholds, sizeof t->thresholds);
+    for (int i = 0; i < 32; i++) {
+        float lo = ldexpf(1.0f, EXP0 + i - 127), hi = 2.0f * lo;
+        t->base[i] = 0;
+        t->inner[i] = INFINITY;
+        for (int d = 0; d < 7; d++) {
+            t->base[i] += thresholds[d] <= lo;
+            if (lo < thresholds[d] && thresholds[d] < hi)
+                t->inner[i] = thresholds[d];
+        }
+    }
+    t->n[0] = is_signed ? 0.0f : 1.0f;
+    t->inv_scale[0] = 0.0f;
+    for (int d = 0; d < 7; d++) {
+        t->n[d + 1] = first * (float)(1 << d);
+        t->inv_scale[d + 1] = INV_SCALE[d];
+    }
+    t->n[8] = first * 128.0f;
+    t->inv_scale[8] = 0.0f;
+    for (int c = 9; c < 16; c++)
+        t->n[c] = t->inv_scale[c] = 0.0f;
+    t->is_signed = is_signed;
+    for (int k = 0; k < 4; k++) /* byte 4j + b of run k's floats: byte b of element 64k + j's value */
+        for (int j = 0; j < 16; j++)
+            for (int b = 0; b < 4; b++) {
+                t->lo_index[k][4 * j + b] = (uint8_t)((b == 1 ? 64 : 0) + 4 * j + k); /* bytes 0, 1: planes 0, 1 */
+                t->hi_index[k][4 * j + b] = (uint8_t)((b == 3 ? 64 : 0) + 4 * j + k); /* bytes 2, 3: planes 2, 3 */
+            }
+}
+
+/* quant8.encode's last steps, given n and inv_scale: the code of x (a = |x| signed, x unsigned) */
+static inline float code_of(float x, float a, float n, float inv_scale, int is_signed) {
+    float k = floorf((a * inv_scale - 1.0f) * (n * (float)(1.0 / 9.0)));
+    float nm1 = n - 1.0f;
+    k = k < nm1 ? k : nm1; /* torch.minimum */
+    k = k > 0.0f ? k : 0.0f; /* clamp_min */
+    float J = n + k;
+    return is_signed ? (x < 0.0f ? 127.0f - J : 127.0f + J) : J - 1.0f;
+}
+
+/* quant8.encode of 256 values: the nearest code of each (x in [-1, 1] signed, [0, 1] unsigned), but never
+ * the unsigned map's 0 for a positive x. The decade is the count of midpoints at or below |x|, as eager's chain of
+ * comparisons finds it. */
+static void encode_block(const float *restrict x, const map_t *restrict t, uint32_t *restrict q) {
+#if defined(__AVX512F__)
+    const __m512i b0 = _mm512_loadu_si512(t->base), b1 = _mm512_loadu_si512(t->base + 16);
+    const __m512 i0 = _mm512_loadu_ps(t->inner), i1 = _mm512_loadu_ps(t->inner + 16);
+    const __m512 nt = _mm512_loadu_ps(t->n), it = _mm512_loadu_ps(t->inv_scale);
+    const __m512 top = _mm512_set1_ps(t->thresholds[7]), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const __m512 ninth = _mm512_set1_ps((float)(1.0 / 9.0)), c127 = _mm512_set1_ps(127.0f);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    for (int e = 0; e < BLOCK; e += 16) {
+        __m512 v = _mm512_loadu_ps(x + e);
+        __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+        __m512 a = t->is_signed ? _mm512_castsi512_ps(bits) : v;
+        __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(EXP0));
+        idx = _mm512_min_epi32(_mm512_max_epi32(idx, _mm512_setzero_si512()), _mm512_set1_epi32(31));
+        __m512i count = _mm512_permutex2var_epi32(b0, idx, b1);
+        __mmask16 up = _mm512_cmp_ps_mask(a, _mm512_permutex2var_ps(i0, idx, i1), _CMP_GE_OQ);
+        count = _mm512_mask_add_epi32(count, up, count, _mm512_set1_epi32(1));
+        count = _mm512_mask_mov_epi32(count, _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ), _mm512_set1_epi32(8));
+        __m512 n = _mm512_permutexvar_ps(count, nt), inv_scale = _mm512_permutexvar_ps(count, it);
+        __m512 k = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(a, inv_scale), one), _mm512_mul_ps(n, ninth));
+        k = _mm512_roundscale_ps(k, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        k = _mm512_max_ps(_mm512_min_ps(k, _mm512_sub_ps(n, one)), zero);
+        __m512 J = _mm512_add_ps(n, k), code;
+        if (t->is_signed)
+            code = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), _mm512_add_ps(c127, J),
+                                        _mm512_sub_ps(c127, J));
+        else /* a positive value keeps the smallest positive code (see quant8.encode) */
+            code = _mm512_mask_max_ps(_mm512_sub_ps(J, one), _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ),
+                                      _mm512_sub_ps(J, one), one);
+        _mm512_storeu_si512(q + e, _mm512_cvttps_epi32(code));
+    }
+#else
+    for (int e = 0; e < BLOCK; e++) {
+        float a = t->is_signed ? fabsf(x[e]) : x[e];
+        int count = 0;
+        for (int d = 0; d < 7; d++)
+            count += a >= t->thresholds[d];
+        count = x[e] > t->thresholds[7] ? 8 : count;
+        float code = code_of(x[e], a, t->n[count], t->inv_scale[count], t->is_signed);
+        /* unsigned: a positive value keeps the smallest positive code (see quant8.encode) */
+        code = !t->is_signed && x[e] > 0.0f && code < 1.0f ? 1.0f : code;
+        q[e] = (uint32_t)(int32_t)code;
+    }
+#endif
+}
+
+/* The 256 decoded values of a block's codes, in element order. */
+static void decode_block(const uint32_t *restrict w, const map_t *restrict t, float *restrict out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+    /* 64 codes at a time: the 4 bytes of their values from 4 byte tables (256 entries: two 128-byte lookups and a
+     * blend on the code's top bit), then the bytes of element 64k + j (byte 4j + k of each plane) gathered into
+     * one float: dword j of run k. */
+    __m512i planes[4][4];
+    for (int b = 0; b < 4; b++)
+        for (int h = 0; h < 4; h++)
+            planes[b][h] = _mm512_loadu_si512(t->planes[b] + 64 * h);
+    for (int c = 0; c < WORDS / 16; c++) {
+        __m512i codes = _mm512_loadu_si512(w + 16 * c), bytes[4];
+        __mmask64 high = _mm512_movepi8_mask(codes);
+        for (int b = 0; b < 4; b++)
+            bytes[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(planes[b][0], codes, planes[b][1]),
+                                              _mm512_permutex2var_epi8(planes[b][2], codes, planes[b][3]));
+        for (int k = 0; k < 4; k++) {
+            __m512i lo = _mm512_permutex2var_epi8(bytes[0], _mm512_loadu_si512(t->lo_index[k]), bytes[1]);
+            __m512i hi = _mm512_permutex2var_epi8(bytes[2], _mm512_loadu_si512(t->hi_index[k]), bytes[3]);
+            _mm512_storeu_si512(out + WORDS * k + 16 * c, _mm512_mask_blend_epi8(0xCCCCCCCCCCCCCCCCull, lo, hi));
+        }
+    }
+#else
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < WORDS; j++)
+            out[WORDS * k + j] = t->decoded[(w[j] >> (8 * k)) & 255u];
+#endif
+}
+
+/* Both maps' tables from quant8.c_tables(): tables[0] signed, tables[1] unsigned. */
+static void quant8_maps(map_t tables[2], const float *maps) {
+    build_map(&tables[0], maps, maps + 512, 1);
+    build_map(&tables[1], maps + 256, maps + 520, 0);
+}
+
+/* The largest |x| of a block, as the largest bit pattern of |x|: the same order for non-negative floats,
+ * vectorizable, and a NaN (above inf) wins as in torch's amax. */
+static inline float block_absmax(const float *restrict x) {
+    uint32_t bits = 0;
+    for (int e = 0; e < BLOCK; e++) {
+        uint32_t a;
+        memcpy(&a, &x[e], 4);
+        a &= 0x7FFFFFFFu;
+        bits = a > bits ? a : bits;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* x (a block of values, overwritten) normalized by its absmax (quant8.pack's reciprocal) and encoded into the
+ * block's 64 in-memory words; returns the absmax. */
+static inline float store_block(float *restrict x, const map_t *restrict t, uint32_t *restrict w) {
+    const float a = block_absmax(x);
+    const float inv = 1.0f / (a > 0.0f ? a : 1.0f);
+    for (int e = 0; e < BLOCK; e++)
+        x[e] = x[e] * inv;
+    uint32_t q[BLOCK];
+    encode_block(x, t, q);
+    for (int j = 0; j < WORDS; j++)
+        w[j] = (q[j] & 255u) | (q[WORDS + j] & 255u) << 8 | (q[2 * WORDS + j] & 255u) << 16 |
+               (q[3 * WORDS + j] & 255u) << 24;
+    return a;
+}
+
+/* A block's values from its in-memory words and absmax (quant8.unpack). */
+static inline void load_codes(const uint32_t *restrict w, float scale, const map_t *restrict t, float *restrict x) {
+    decode_block(w, t, x);
+    for (int e = 0; e < BLOCK; e++)
+        x[e] = x[e] * scale;
+}
+/* Block i of tensor x (fp32, or bf16 where is_bf16) into 256 floats, zero-padded past `valid` elements. */
+static inline void load_block(float *restrict out, const void *x, int64_t i, int64_t valid, int is_bf16) {
+    memset(out, 0, BLOCK * sizeof(float));
+    if (is_bf16)
+        for (int64_t e = 0; e < valid; e++)
+            out[e] = bf16_to_f32(((const uint16_t *)x)[i * BLOCK + e]);
+    else
+        memcpy(out, (const float *)x + i * BLOCK, valid * sizeof(float));
+}
+
+/* STEP for blocks [first, last) of a tensor of n elements: weights p and gradients g (fp32, or bf16 where is_bf16)
+ * as 256 floats `pb` / `gb` of block `i`. Whole fp32 blocks are stepped in place; others through buffers, the last,
+ * partial block zero-padded (a zero weight and gradient keep zero moments there), bf16 rounded to nearest even on
+ * store (as torch's copy_). Needs native.h. */
+#define FOR_EACH_BLOCK(p, g, n, is_bf16, first, last, STEP)                                                \
+    for (int64_t i = (first); i < (last); i++) {                                                          \
+        int64_t valid_ = (n) - i * BLOCK < BLOCK ? (n) - i * BLOCK : BLOCK;                               \
+        if (valid_ == BLOCK && !(is_bf16)) {                                                              \
+            float *pb = (float *)(p) + i * BLOCK;                                                         \
+            const float *gb = (const float *)(g) + i * BLOCK;                                             \
+            STEP;                                                                                         \
+            continue;                                                                                     \
+        }                                                                                                 \
+        float pb[BLOCK], gb_[BLOCK];                                                                      \
+        const float *gb = gb_;                                                                            \
+        load_block(pb, (p), i, valid_, (is_bf16));                                                        \
+        load_block(gb_, (g), i, valid_, (is_bf16));                                                       \
+        STEP;                                                                                             \
+        if (is_bf16)                                                                                      \
+            for (int64_t e = 0; e < valid_; e++)                                                          \
+                ((uint16_t *)(p))[i * BLOCK + e] = f32_to_bf16(pb[e]);                                    \
+        else                                                                                              \
+            memcpy((float *)(p) + i * BLOCK, pb, valid_ * sizeof(float));                                 \
+    }
+#endif
