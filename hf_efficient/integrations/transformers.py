@@ -174,13 +174,20 @@ def _allow_numpy_rng_on_resume(trainer_cls) -> None:
     Those versions read ``rng_state.pth`` (numpy RNG arrays the Trainer itself wrote) with torch.load's
     default, which torch 2.6 turned into ``weights_only=True``: every resume then fails. Newer versions
     allowlist exactly these numpy types (``trainer_pt_utils.safe_globals``); do the same for older ones.
+    Not an optimizer concern, so it is opt-out (``HF_EFF_PATCH_RNG_RESUME=0``) and goes with 4.46's support.
     """
+    import os
+
     import numpy as np
 
     trainer_pt_utils = importlib.import_module("transformers.trainer_pt_utils")
 
     if hasattr(trainer_pt_utils, "safe_globals") or not hasattr(torch.serialization, "safe_globals"):
         return
+    if os.environ.get("HF_EFF_PATCH_RNG_RESUME", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    logger.info("hf_efficient: transformers < 4.47 under torch >= 2.6: Trainer._load_rng_state allowlists the numpy "
+                "types of its own rng_state.pth (HF_EFF_PATCH_RNG_RESUME=0 to leave it alone)")
     np_core = getattr(np, "_core", None) or np.core
     allow = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     original = trainer_cls._load_rng_state
