@@ -1,20 +1,28 @@
-"""Builders: turn param groups + validated hyperparameters and options into an optimizer of one backend.
+"""What each backend brings to a registry entry: how to build its optimizer, how it lays out state, what it costs.
 
-Each builder has the same keyword signature so the registry can call any of them, and an
-``optimizer_cls()`` attribute that imports (lazily) and returns the class it builds.
+Builders turn param groups + validated hyperparameters and options into an optimizer of one backend; each has the
+same keyword signature so the registry can call any of them, and an ``optimizer_cls()`` attribute that imports
+(lazily) and returns the class it builds. Layouts convert a backend's per-parameter state to and from the
+canonical layout checkpoints hold (:mod:`hf_efficient.checkpoint`). Memory rules predict a backend's state bytes
+tensor by tensor (:mod:`hf_efficient.memory`). 8-bit rules say which tensors a backend keeps in 8 bits.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
+from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
 
-__all__ = ["build_torch_adamw", "build_torch_adamw8bit", "build_bnb_adamw8bit", "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit",
-           "build_adafactor", "build_adamw_bf16"]
+__all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit", "build_bnb_paged_adamw8bit",
+           "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16", "Layout", "bnb_layout", "torchao_layout",
+           "bnb_keeps_8bit", "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
+           "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory"]
 
 
 def _with_cls(load: Callable[[], type]):
@@ -40,48 +48,45 @@ def build_torch_adamw(groups, *, lr, betas, eps, weight_decay, options, fp32_sta
 
 
 @lru_cache(maxsize=None)
-def _bnb_class(paged: bool) -> type:
-    bnb = require("bitsandbytes", "hf_eff_adam8bit with backend=bnb")
-    base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+def _bnb_class(base_name: str) -> type:
+    """bitsandbytes' ``bnb.optim.<base_name>`` (any of its 8-bit optimizers) keeping 32-bit state for the parameters
+    in ``fp32_state_params``: per optimizer, unlike bnb's process-wide GlobalOptimManager, so two optimizers over
+    the same model cannot leak each other's overrides."""
+    bnb = require("bitsandbytes", f"bitsandbytes' {base_name} (backend=bnb)")
+    base = getattr(bnb.optim, base_name)
 
-    class AdamW8bit(base):
-        """bitsandbytes' 8-bit AdamW keeping 32-bit state for the parameters in ``fp32_state_params``.
+    def __init__(self, params, *, fp32_state_params=(), **kwargs):
+        self._fp32_ids = {id(p) for p in fp32_state_params}
+        base.__init__(self, params, **kwargs)
 
-        Per-optimizer, unlike bnb's process-wide GlobalOptimManager, so two optimizers over the same
-        model cannot leak each other's overrides.
-        """
+    def get_config(self, gindex, pindex, group):
+        config = base.get_config(self, gindex, pindex, group)
+        if id(self.param_groups[gindex]["params"][pindex]) in self._fp32_ids:
+            config["optim_bits"] = 32
+        return config
 
-        def __init__(self, params, *, fp32_state_params=(), **kwargs):
-            self._fp32_ids = {id(p) for p in fp32_state_params}
-            super().__init__(params, **kwargs)
-
-        def get_config(self, gindex, pindex, group):
-            config = super().get_config(gindex, pindex, group)
-            if id(self.param_groups[gindex]["params"][pindex]) in self._fp32_ids:
-                config["optim_bits"] = 32
-            return config
-
-    AdamW8bit.__name__ = "PagedAdamW8bit" if paged else "AdamW8bit"
-    AdamW8bit.__qualname__ = "BnbPagedAdamW8bit" if paged else "BnbAdamW8bit"  # found by pickle: __getattr__ below
-    return AdamW8bit
+    cls = type(base_name, (base,), {"__init__": __init__, "get_config": get_config, "__doc__": _bnb_class.__doc__,
+                                    "__module__": __name__})
+    cls.__qualname__ = "Bnb" + base_name  # found by pickle: __getattr__ below
+    return cls
 
 
-def _build_bnb(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, paged):
-    cls = _bnb_class(paged)
-    return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-               min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params)
+def bnb_builder(base_name: str, *, uses_eps: bool = True) -> Callable:
+    """The builder of bitsandbytes' ``bnb.optim.<base_name>``: betas, weight decay, ``min_8bit_size``, 32-bit state for
+    ``fp32_state_params`` (and eps, where the algorithm has one)."""
+
+    @_with_cls(lambda: _bnb_class(base_name))
+    def build(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+        extra = {"eps": eps} if uses_eps else {}
+        return _bnb_class(base_name)(groups, lr=lr, betas=betas, weight_decay=weight_decay, **extra,
+                                     min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params)
+
+    build.__name__ = build.__qualname__ = f"build_bnb_{base_name.lower()}"
+    return build
 
 
-@_with_cls(lambda: _bnb_class(False))
-def build_bnb_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _build_bnb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,
-                      fp32_state_params=fp32_state_params, paged=False)
-
-
-@_with_cls(lambda: _bnb_class(True))
-def build_bnb_paged_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _build_bnb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,
-                      fp32_state_params=fp32_state_params, paged=True)
+build_bnb_adamw8bit = bnb_builder("AdamW8bit")
+build_bnb_paged_adamw8bit = bnb_builder("PagedAdamW8bit")
 
 
 TORCHAO_MIN_SIZE = 4096  # torchao quantizes only tensors of at least this many elements
@@ -108,15 +113,14 @@ def _torchao_class() -> type:
     return AdamW8bit
 
 
-_LAZY_CLASSES = {"BnbAdamW8bit": lambda: _bnb_class(False), "BnbPagedAdamW8bit": lambda: _bnb_class(True),
-                 "TorchaoAdamW8bit": _torchao_class}
-
-
 def __getattr__(name: str):
     """The wrapper classes of optional backends, built on first use, by name: so that pickle (a saved optimizer
-    object, ``copy.deepcopy``) finds them as ``hf_efficient.backends.<name>``."""
-    if name in _LAZY_CLASSES:
-        return _LAZY_CLASSES[name]()
+    object, ``copy.deepcopy``) finds them as ``hf_efficient.backends.<name>`` (``Bnb<bnb class>``,
+    ``TorchaoAdamW8bit``)."""
+    if name == "TorchaoAdamW8bit":
+        return _torchao_class()
+    if name.startswith("Bnb") and name[3:].isidentifier():
+        return _bnb_class(name[3:])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -177,3 +181,220 @@ def _adamw_bf16_cls():
 def build_adamw_bf16(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
     return _adamw_bf16_cls()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              compensation=options["compensation"])
+
+
+# --- state layouts: a backend's per-parameter state <-> the canonical layout -------------------------------------
+# Canonical 8-bit state: each moment as uint8 codes of the parameter's shape plus ``<moment>_absmax`` (fp32, one per
+# BLOCK elements), or a float tensor where the tensor keeps 32-bit state; ``step`` a float tensor. bitsandbytes and
+# torchao use quant8's maps and block size, so converting is relabelling, never requantizing.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one backend stores a family's per-parameter state, and the conversions to and from the canonical one."""
+
+    library: str  # who writes it, for messages ("bitsandbytes")
+    detect: Callable[[dict], bool]  # an untagged per-parameter state is in this layout
+    to_canonical: Callable[[dict], dict]
+    from_canonical: Callable[[dict, torch.Tensor], dict]  # (canonical state, its parameter) -> the backend's
+
+
+def _step_as_tensor(step):
+    """bnb counts in an int; canonical is a float tensor (anything else: refused by validation)."""
+    numeric = isinstance(step, (int, float)) and not isinstance(step, bool)
+    return torch.tensor(float(step)) if numeric else step
+
+
+def bnb_layout(what: str, *moments: tuple[str, bool]) -> Layout:
+    """bitsandbytes' blockwise state of ``what`` (``"AdamW"``): ``state<i>`` / ``absmax<i>`` / ``qmap<i>`` hold the
+    i-th of ``moments`` ((canonical key, signed), in bnb's order)."""
+    idx = range(1, len(moments) + 1)
+    known = {"step", "unorm_vec", *(f"{k}{i}" for i in idx for k in ("state", "qmap", "absmax"))}
+
+    def to_canonical(st: dict) -> dict:
+        for key in [k for k, v in st.items() if isinstance(v, dict)]:  # bnb nests quantization state for FSDP
+            st = {**{k: v for k, v in st.items() if k != key}, **st[key]}
+        if "state1" not in st:
+            raise ValueError(f"this optimizer state has keys {sorted(st)}, not bitsandbytes' (state1, ...): it was "
+                             "written by another optimizer")
+        unknown = set(st) - known
+        quantized = torch.is_tensor(st["state1"]) and st["state1"].dtype == torch.uint8
+        missing = {"step", *(f"state{i}" for i in idx)} | (
+            {f"{k}{i}" for i in idx for k in ("absmax", "qmap")} if quantized else set())
+        if unknown or missing - set(st):
+            raise ValueError(f"bitsandbytes state with keys {sorted(st)}: blockwise {what} state has "
+                             f"{sorted(known - {'unorm_vec'})}; "
+                             + (f"{sorted(unknown)} belong to another bitsandbytes optimizer or setting, which only "
+                                "it can resume" if unknown else
+                                f"{sorted(missing - set(st))} missing: the checkpoint is incomplete"))
+        out = {"step": _step_as_tensor(st["step"])}
+        for i, (key, signed) in zip(idx, moments):
+            out[key] = st[f"state{i}"]
+            if quantized:
+                if not torch.equal(st[f"qmap{i}"].float(), dynamic_map(signed).to(st[f"qmap{i}"].device)):
+                    raise ValueError("this bitsandbytes state uses non-standard quantization maps; it can only be "
+                                     "resumed with backend=bnb")
+                out[f"{key}_absmax"] = st[f"absmax{i}"]
+        return out
+
+    def from_canonical(st: dict, p: torch.Tensor) -> dict:
+        out = {"step": int(st["step"])}
+        for i, (key, signed) in zip(idx, moments):
+            out[f"state{i}"] = st[key]
+            if f"{key}_absmax" in st:
+                out[f"qmap{i}"], out[f"absmax{i}"] = dynamic_map(signed).to(st[key].device), st[f"{key}_absmax"]
+        return out
+
+    return Layout("bitsandbytes", lambda st: "state1" in st or any(isinstance(v, dict) for v in st.values()),
+                  to_canonical, from_canonical)
+
+
+def torchao_layout(*moments: tuple[str, bool]) -> Layout:
+    """torchao's low-bit state: each of ``moments`` ((key, signed)) an ``OptimState8bit`` (codes + per-block
+    ``scale``, its absmax) for tensors it quantizes, else a plain tensor."""
+
+    def to_canonical(st: dict) -> dict:
+        out = {k: v for k, v in st.items() if k not in dict(moments)}
+        if torch.is_tensor(out.get("step")):
+            out["step"] = st["step"].detach().float().reshape(())
+        for key, _ in moments:
+            v = st.get(key)
+            if hasattr(v, "codes"):
+                out[key], out[f"{key}_absmax"] = v.codes.clone(), v.scale.clone()
+            elif torch.is_tensor(v):
+                out[key] = v.detach().clone()
+        return out
+
+    def from_canonical(st: dict, p: torch.Tensor) -> dict:
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        out = {"step": st["step"].to(p.device)}
+        for key, signed in moments:
+            codes = st[key]
+            if f"{key}_absmax" not in st:
+                out[key] = codes
+            elif p.numel() % BLOCK == 0:
+                out[key] = OptimState8bit(codes.reshape(p.shape), st[f"{key}_absmax"],
+                                          dynamic_map(signed).to(p.device), signed)
+            else:  # torchao keeps such tensors in full precision: give it the exact values the codes stand for
+                out[key] = dequantize_blockwise(codes, st[f"{key}_absmax"], signed).reshape(p.shape)
+        return out
+
+    return Layout("torchao", lambda st: any(hasattr(v, "codes") for v in st.values()), to_canonical, from_canonical)
+
+
+# --- which tensors a backend keeps in 8 bits: optimizer -> rule(group index, index in group, param) -> bool --------
+
+
+def bnb_keeps_8bit(optimizer):
+    def rule(gi, pi, p):
+        config = optimizer.get_config(gi, pi, optimizer.param_groups[gi])
+        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+    return rule
+
+
+def torchao_keeps_8bit(optimizer):
+    """torchao's _new_buffer: >= 4096 elements in whole blocks, and >= our wrapper's min_8bit_size."""
+    def rule(gi, pi, p):
+        return (id(p) not in optimizer._fp32_ids and p.numel() >= max(optimizer._min_8bit_size, TORCHAO_MIN_SIZE)
+                and p.numel() % optimizer.block_size == 0)
+    return rule
+
+
+def torch_keeps_8bit(optimizer):
+    """This package's 8-bit optimizers: not in fp32_state_params, and >= the group's min_8bit_size."""
+    fp32_ids = getattr(optimizer, "_fp32_ids", set())
+
+    def rule(gi, pi, p):
+        return id(p) not in fp32_ids and p.numel() >= optimizer.param_groups[gi]["min_8bit_size"]
+    return rule
+
+
+# --- memory rules: predicted state bytes of a list of tensors (memory._T: numel, shape, dtype, embedding, count) ---
+
+_STEP = 4  # torch / torchao / our optimizers keep ``step`` as a float32 scalar tensor per parameter
+_QMAP = 256 * 4  # an 8-bit code book: 256 float32 values
+
+
+def _keeps_32bit(t, opts: Mapping) -> bool:
+    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state=8bit``."""
+    return t.embedding and opts.get("embedding_state") == "32bit"
+
+
+def adamw_memory(ts, opts: Mapping) -> int:
+    """torch.optim.AdamW: exp_avg and exp_avg_sq shaped and typed like the parameter, and a step."""
+    return sum(t.count * (2 * t.numel * t.dtype.itemsize + _STEP) for t in ts)
+
+
+def bnb_memory(moments: int) -> Callable:
+    """bitsandbytes: uint8 ``state<i>`` + float32 ``absmax<i>`` per 256 elements per moment; else float32 state.
+
+    ``step`` is a Python int; the code books are shared by all params, one per moment (after ``load_state_dict``
+    each parameter holds its own copies: 1 KB more per moment and 8-bit tensor, measured).
+    """
+    def rule(ts, opts: Mapping) -> int:
+        total, quantized = 0, False
+        for t in ts:
+            if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
+                total += t.count * moments * 4 * t.numel
+            else:
+                total += t.count * moments * (t.numel + 4 * -(-t.numel // BLOCK))
+                quantized = True
+        return total + (moments * _QMAP if quantized else 0)
+    return rule
+
+
+def torchao_memory(moments: int) -> Callable:
+    """torchao: per moment an OptimState8bit (uint8 codes, float32 scale per 256, its own code book) when the
+    tensor is >= 4096 elements and a multiple of 256; else a tensor like the parameter. Step: float32."""
+    def rule(ts, opts: Mapping) -> int:
+        if opts["min_8bit_size"] < TORCHAO_MIN_SIZE:  # as build_torchao_adamw8bit refuses it
+            raise ValueError(f"min_8bit_size={opts['min_8bit_size']} is below torchao's fixed threshold of "
+                             f"{TORCHAO_MIN_SIZE} elements: use backend=bnb for a lower threshold")
+        total = 0
+        for t in ts:
+            if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"] or t.numel % BLOCK:
+                total += t.count * moments * t.numel * t.dtype.itemsize
+            else:
+                total += t.count * moments * (t.numel + 4 * (t.numel // BLOCK) + _QMAP)
+            total += t.count * _STEP
+        return total
+    return rule
+
+
+def torch_8bit_memory(moments: int) -> Callable:
+    """This package's 8-bit optimizers: per moment uint8 codes padded to whole blocks + float32 absmax per block;
+    else float32 moments. Step: float32. The code books are module constants, not state."""
+    def rule(ts, opts: Mapping) -> int:
+        total = 0
+        for t in ts:
+            if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
+                total += t.count * moments * 4 * t.numel
+            else:
+                blocks = -(-t.numel // BLOCK)
+                total += t.count * moments * (blocks * BLOCK + 4 * blocks)
+            total += t.count * _STEP
+        return total
+    return rule
+
+
+def adafactor_memory(ts, opts: Mapping) -> int:
+    """optim/adafactor.py: float32 row + column statistics of a matrix (full exp_avg_sq for vectors),
+    float32 exp_avg when beta1 is set, a step."""
+    total = 0
+    for t in ts:
+        one = 4 * math.prod(t.shape[:-2]) * (t.shape[-2] + t.shape[-1]) if len(t.shape) >= 2 else 4 * t.numel
+        if opts.get("beta1") is not None:
+            one += 4 * t.numel
+        total += t.count * (one + _STEP)
+    return total
+
+
+def adamw_bf16_memory(ts, opts: Mapping) -> int:
+    """optim/adamw_bf16.py: exp_avg, exp_avg_sq (and, for bf16/fp16 params with ``compensation=kahan``,
+    kahan_comp) shaped and typed like the parameter; a float32 step."""
+    total = 0
+    for t in ts:
+        buffers = 3 if opts.get("compensation") == "kahan" and t.dtype in (torch.bfloat16, torch.float16) else 2
+        total += t.count * (buffers * t.numel * t.dtype.itemsize + _STEP)
+    return total

@@ -1,5 +1,10 @@
 """The one table of optimizer names, and :func:`resolve`, which picks a backend for a device.
 
+Every fact about a family lives here, in its :class:`Family` (state keys and formats, which families convert into
+each other, distributed support and why not, bench label, quality target) and in its names' backends (build,
+checkpoint layout, memory rule, FSDP2 support). checkpoint, memory, cli, the distributed checks and the scripts
+iterate this table: a new family is one optimizer module, one entry here, its tests and docs.
+
 Rule: a name lists its backends; each backend says which device types it serves from which package
 version. For a device, the first backend in the name's preference order for that device type that is
 installed and serves it wins; ``backend=...`` forces one and fails loudly if it cannot serve.
@@ -18,7 +23,8 @@ import torch
 from . import backends
 from .optional import install_hint, version_of
 
-__all__ = ["Backend", "OptimizerSpec", "Resolution", "SPECS", "PREFIX", "get_spec", "resolve", "available_optimizers"]
+__all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "FAMILIES", "SPECS", "PREFIX",
+           "get_spec", "resolve", "available_optimizers"]
 
 logger = logging.getLogger(__name__)
 PREFIX = "hf_eff_"
@@ -26,13 +32,19 @@ PREFIX = "hf_eff_"
 
 @dataclass(frozen=True)
 class Backend:
-    """An implementation of a name: which package provides it, which devices it serves, how to build it."""
+    """An implementation of a name: which package provides it, which devices it serves, how to build it, how it
+    lays out state, what its state costs, and where it cannot run."""
 
     name: str  # "bnb" | "torchao" | "torch"
     package: str | None  # pip package providing it; None: torch / this package
     min_version: dict[str, str]  # device type ("cuda", "cpu", "*": any) -> oldest package version serving it
     build: Callable  # backends.build_*(groups, *, hyper..., options, fp32_state_params, device)
+    memory: Callable  # backends.*_memory: (tensors, parsed options) -> predicted state bytes
     needs: Callable[[str], str | None] | None = None  # device type -> why it cannot run here, or None
+    layout: backends.Layout | None = None  # its per-parameter state, when not already the canonical layout
+    keeps_8bit: Callable | None = None  # 8-bit families: optimizer -> rule(group i, index in group, param) -> bool
+    fsdp2: str | None = None  # why it cannot step FSDP2's DTensor shards (None: it can)
+    flaw: str | None = None  # why it is never chosen automatically: warned when forced
 
     def serves(self, device_type: str) -> bool:
         return device_type in self.min_version or "*" in self.min_version
@@ -55,12 +67,67 @@ class Backend:
 
 
 @dataclass(frozen=True)
-class OptimizerSpec:
-    """One optimizer name: its family, nominal state bytes per parameter, options and backends."""
+class StateKey:
+    """One tensor of a family's per-parameter state, in the canonical layout (checkpoints).
+
+    Formats: ``step`` (the step count); ``param`` (floating point, the parameter's shape); ``codes`` (8-bit
+    codes of the parameter's shape with ``<key>_absmax``, or floating point where the tensor keeps 32-bit
+    state); ``absmax`` (float32, one per ``quant8.BLOCK`` elements); ``row`` / ``col`` (floating point, a
+    matrix's shape less its last / second-to-last dimension).
+    """
+
+    format: str
+    signed: bool = False  # may hold negative values (first moments, compensation); else >= 0
+    label: str = ""  # its name in conversion messages ("Kahan compensation")
+
+
+_STEP_KEY = StateKey("step")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What every name of one optimizer family shares: state, conversions, distributed support, labels, targets.
+
+    Names of one family (``adam8bit`` and ``paged_adam8bit``) share one Family; backends hold what differs per
+    implementation (build, layout, memory rule, FSDP2 support).
+    """
 
     name: str
-    family: str
+    state: dict[str, StateKey]  # canonical keys its optimizers may hold
+    required: Callable[[torch.Tensor, dict], set[str]]  # (param, its saved group) -> keys its state always holds
+    # (the absmax of each 8-bit code tensor is required by the codec, not listed here)
+    math: str  # families of one math convert moments into each other ("adamw": adamw, adamw8bit, adamw_bf16)
+    bench_format: str = ""  # scripts/bench_step.py: rows of one format are alternatives to each other
+    quality_target: float | None = None  # scripts/convergence.py: allowed excess of final eval loss over fp32 AdamW
+    marks: frozenset[str] = frozenset()  # keys only its state holds: how an untagged checkpoint is recognised
+    moment_dtype: Callable[[torch.Tensor], torch.dtype] | None = None  # dtype of moments converted in (None: fp32)
+    check_state: Callable | None = None  # (state, param, where, trainer name) -> raise ValueError: its own checks
+    deepspeed: str | None = None  # why it cannot train under ZeRO (None: it can)
+    deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)  # option -> (value ZeRO needs, why)
+
+    @property
+    def quantized(self) -> bool:
+        """Holds blockwise 8-bit state (codes with absmaxes)."""
+        return any(k.format == "codes" for k in self.state.values())
+
+
+@dataclass(frozen=True)
+class EstimateRow:
+    """A line of ``hf-efficient estimate`` for a name: label after the Trainer name, options, parameter dtype."""
+
+    suffix: str = ""
+    options: dict = field(default_factory=dict)
+    param_dtype: torch.dtype | None = None  # None: the model's own
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer name: its family's facts, nominal state bytes per parameter, options and backends."""
+
+    name: str
+    facts: Family
     state_bytes: float
+    bytes_label: str  # state bytes / param as README's names table shows them
     notes: str
     backends: dict[str, Backend]
     prefer: dict[str, tuple[str, ...]]  # device type or "default" -> backend names, best first
@@ -68,6 +135,11 @@ class OptimizerSpec:
     uses_betas: bool = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     fallback: tuple[str, str] | None = None  # (device type it needs, name to run elsewhere)
+    estimate_rows: tuple[EstimateRow, ...] = (EstimateRow(),)
+
+    @property
+    def family(self) -> str:
+        return self.facts.name
 
     @property
     def trainer_name(self) -> str:
@@ -88,56 +160,144 @@ class Resolution:
     spec: OptimizerSpec = field(repr=False)
     device: str = "cpu"
 
+    @property
+    def implementation(self) -> Backend:
+        return self.spec.backends[self.backend]
+
+
+# --- families ------------------------------------------------------------------------------------------------
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_MOMENTS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _adamw_required(p, group) -> set[str]:
+    return _MOMENTS | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+
+
+def _adamw_bf16_required(p, group) -> set[str]:
+    kahan = group.get("compensation", "kahan") == "kahan" and p.dtype in _LOW_PRECISION
+    return _MOMENTS | ({"kahan_comp"} if kahan else set())
+
+
+def _adamw_bf16_dtype(p) -> torch.dtype:
+    from .optim.adamw_bf16 import _state_dtype
+
+    return _state_dtype(p)
+
+
+def _adafactor_required(p, group) -> set[str]:
+    need = {"step"} | ({"exp_avg_sq_row", "exp_avg_sq_col"} if p.dim() >= 2 else {"exp_avg_sq"})
+    return need | ({"exp_avg"} if group.get("beta1") is not None else set())
+
+
+def _adafactor_check(st: dict, p, where: str, trainer_name: str) -> None:
+    if p.dim() >= 2 and "exp_avg_sq" in st:
+        *rows, cols = p.shape
+        raise ValueError(f"{where} has a full exp_avg_sq (shape {tuple(getattr(st['exp_avg_sq'], 'shape', ()))}); "
+                         f"Adafactor keeps a matrix's second moment factored, as exp_avg_sq_row of shape {tuple(rows)} "
+                         f"and exp_avg_sq_col of shape {tuple(p.shape[:-2]) + (cols,)}: this state was written by "
+                         f"another optimizer (AdamW-like). Resume with the optimizer that wrote it, or start "
+                         f"{trainer_name} afresh (remove optimizer.pt from the checkpoint)")
+
+
+_M, _V = StateKey("param", signed=True, label="first moment"), StateKey("param", label="second moment")
+ADAMW = Family("adamw", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "max_exp_avg_sq": _V},
+               _adamw_required, "adamw", bench_format="fp32", quality_target=0.01)
+ADAMW8BIT = Family(
+    "adamw8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_sq": StateKey("codes"),
+                  "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax")},
+    lambda p, group: set(_MOMENTS), "adamw", bench_format="8-bit blockwise", quality_target=0.01,
+    deepspeed_options={"embedding_state": (
+        "8bit", "it keeps 32-bit state for embeddings and small tensors by default (embedding_state=32bit), which "
+                "ZeRO's one flat partition per param group does not allow")})
+ADAFACTOR = Family(
+    "adafactor", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "exp_avg_sq_row": StateKey("row"),
+                  "exp_avg_sq_col": StateKey("col")},
+    _adafactor_required, "adafactor", bench_format="factored", quality_target=0.03,
+    marks=frozenset({"exp_avg_sq_row", "exp_avg_sq_col"}), check_state=_adafactor_check,
+    deepspeed="ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, but "
+              "keeps a full fp32 second moment (4 bytes per parameter instead of << 1)")
+ADAMW_BF16 = Family(
+    "adamw_bf16", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V,
+                   "kahan_comp": StateKey("param", signed=True, label="Kahan compensation")},
+    _adamw_bf16_required, "adamw", bench_format="bf16 + Kahan", quality_target=0.01,
+    marks=frozenset({"kahan_comp"}), moment_dtype=_adamw_bf16_dtype,
+    deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
+              "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
+              f"{PREFIX}adamw), without the memory it exists to save")
+AUTO = Family("auto", {}, lambda p, group: set(), "auto")
+FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16)}
+PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state without marks is read as
+
+
+# --- backends ------------------------------------------------------------------------------------------------
 
 _ANY = {"*": None}
-_TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw)
-_BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.43", "cpu": "0.50"}, backends.build_bnb_adamw8bit)
-_BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.43"}, backends.build_bnb_paged_adamw8bit)
-_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, needs=backends.compiler_missing)
-_TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit)
-_TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor)
-_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16)
-
 # Why torchao is a backend only when forced: its AdamW8bit rounds a small second moment to exactly 0 while the
 # first moment stays non-zero, and a later zero gradient then moves the weight by lr * m / eps (4.2 against 0.0017
 # for fp32 AdamW in tests/test_adamw8bit.py's case). bitsandbytes and our kernel keep a non-zero floor.
 TORCHAO_FLAW = ("torchao's AdamW8bit stores small second moments as exactly 0, so a later zero gradient (dead "
                 "units, masked tokens, unused embedding rows) moves those weights by lr * exp_avg / eps, thousands of "
                 "times too far")
+_ADAM_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
+_BNB_NO_DTENSOR = "bitsandbytes' 8-bit kernels have no DTensor sharding rule"
+_TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.adamw_memory)
+_BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.43", "cpu": "0.50"}, backends.build_bnb_adamw8bit,
+                    backends.bnb_memory(2), layout=backends.bnb_layout("AdamW", *_ADAM_MOMENTS),
+                    keeps_8bit=backends.bnb_keeps_8bit, fsdp2=_BNB_NO_DTENSOR)
+_BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.43"}, backends.build_bnb_paged_adamw8bit,
+                     backends.bnb_memory(2), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
+                     fsdp2=_BNB_NO_DTENSOR)
+_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(2),
+                      needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
+                      fsdp2="our 8-bit kernels reshape each tensor into 256-element blocks, which a DTensor shard "
+                            "does not allow (not run on shards)")
+_TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit,
+                        backends.torchao_memory(2), layout=backends.torchao_layout(*_ADAM_MOMENTS),
+                        keeps_8bit=backends.torchao_keeps_8bit, flaw=TORCHAO_FLAW)
+_TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory,
+                           fsdp2="its factored row/column statistics are plain tensors that cannot mix with DTensor "
+                                 "shards")
+_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory,
+                      fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
 _COMMON = ("backend", "decay_embeddings", "nonfinite")
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
     for s in [
-        OptimizerSpec("adamw", "adamw", 8.0, "AdamW, state in the parameters' dtype (8 B/param on fp32, 4 on bf16/fp16); torch's fused kernel "
-                      "where the device has one, else foreach",
+        OptimizerSpec("adamw", ADAMW, 8.0, "8", "AdamW, state in the parameters' dtype (8 B/param on fp32, 4 on "
+                      "bf16/fp16); torch's fused kernel where the device has one, else foreach",
                       {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON,
                       dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)),
-        OptimizerSpec("adam8bit", "adamw8bit", 2.03,
+        OptimizerSpec("adam8bit", ADAMW8BIT, 2.03, "~2.03",
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
                       # measured (scripts/bench_step.py): on CPU our C kernel is over 10x faster than
                       # bitsandbytes' CPU kernel; on CUDA bitsandbytes' kernels are the reference. torchao is never
                       # chosen automatically: see TORCHAO_FLAW
-                      {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT),
-        OptimizerSpec("paged_adam8bit", "adamw8bit", 2.03, "as adam8bit, state paged to host memory (CUDA)",
+                      {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
+                      estimate_rows=(EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
+                                     EstimateRow(" (default: 32-bit embeddings)"))),
+        OptimizerSpec("paged_adam8bit", ADAMW8BIT, 2.03, "~2.03", "as adam8bit, state paged to host memory (CUDA)",
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
-        OptimizerSpec("adafactor", "adafactor", 0.0,
+        OptimizerSpec("adafactor", ADAFACTOR, 0.0, "<< 1",
                       "factored second moment (row + column statistics); lr is the step size",
                       {"torch": _TORCH_ADAFACTOR}, {"default": ("torch",)},
                       _COMMON + ("beta1", "decay_rate", "clip_threshold"), uses_betas=False),
-        OptimizerSpec("adamw_bf16", "adamw_bf16", 6.0,
+        OptimizerSpec("adamw_bf16", ADAMW_BF16, 6.0, "6",
                       "AdamW on bf16 params: bf16 m, v and Kahan compensation; no fp32 master copy",
-                      {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON + ("compensation",)),
+                      {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON + ("compensation",),
+                      estimate_rows=(EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)),
     ]
 }
 # hf_eff_auto is no optimizer of its own: create_optimizer picks one of the above from the model's predicted
 # footprint (memory.choose_auto) and passes on the options that name takes.
 SPECS["auto"] = OptimizerSpec(
-    "auto", "auto", float("nan"), "the most accurate of adamw > adamw_bf16 (bf16 models) > adam8bit > adafactor "
-    "whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
-    tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",))
+    "auto", AUTO, float("nan"), "that of the name picked", "the most accurate of adamw > adamw_bf16 (bf16 models) > "
+    "adam8bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
+    tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",), estimate_rows=())
 
 
 def available_optimizers() -> list[str]:
@@ -207,10 +367,11 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
             raise ValueError(f"backend={backend!r} cannot run {spec.trainer_name} on {dev}: {why_not}. "
                              f"{_what_would_work(spec, dev)}")
         reason = f"forced by backend={backend!r}"
-        if backend == "torchao" and (spec.name, dev, "torchao") not in _logged:
-            _logged.add((spec.name, dev, "torchao"))
-            logger.warning("hf_efficient: %s with backend='torchao' (forced): %s. backend='torch' or 'bnb' do not "
-                           "have this flaw.", spec.trainer_name, TORCHAO_FLAW)
+        if chosen.flaw and (spec.name, dev, backend) not in _logged:
+            _logged.add((spec.name, dev, backend))
+            others = " or ".join(repr(b) for b, impl in spec.backends.items() if not impl.flaw)
+            logger.warning("hf_efficient: %s with backend=%r (forced): %s. backend=%s do%s not have this flaw.",
+                           spec.trainer_name, backend, chosen.flaw, others, "es" if " or " not in others else "")
     else:
         reasons = []
         for b in spec.order(dev):
