@@ -193,6 +193,7 @@ def test_backend_and_decay_embeddings_inside_optim_args(monkeypatch):
     ("HF_EFF_GRADIENT_ACCUMULATION_STEPS", "0", "HF_EFF_GRADIENT_ACCUMULATION_STEPS: must be an integer >= 1"),
     ("HF_EFF_GRADIENT_ACCUMULATION_STEPS", "2.5", "HF_EFF_GRADIENT_ACCUMULATION_STEPS: expected an integer"),
     ("HF_EFF_OPTIM", "adam9bit", "HF_EFF_OPTIM: Unknown hf_efficient optimizer 'adam9bit'. Did you mean"),
+    ("HF_EFF_OPTIM", " ", "^HF_EFF_OPTIM: expected a non-empty string, got ' '$"),  # the source named once
     ("HF_EFF_LR_SCHEDULER_TYPE", "cosin", "HF_EFF_LR_SCHEDULER_TYPE: unknown lr_scheduler_type 'cosin'. Did you mean"),
     ("HF_EFF_BACKEND", "cuda", "HF_EFF_BACKEND: option 'backend' must be one of"),
     ("HF_EFF_DECAY_EMBEDDINGS", "maybe", "HF_EFF_DECAY_EMBEDDINGS: option 'decay_embeddings' must be true or false"),
@@ -367,12 +368,12 @@ def test_schedule_needing_total_steps_says_so():
 def test_fallback_schedules_match_transformers():
     from transformers import get_scheduler
 
-    from hf_efficient.integrations.accelerate import _lambda_schedule
+    from hf_efficient.integrations.schedules import lambda_schedule
 
     for kind in ("linear", "cosine", "constant", "constant_with_warmup"):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         hf = get_scheduler(kind, opt, num_warmup_steps=3, num_training_steps=10).lr_lambdas[0]
-        ours = _lambda_schedule(kind, 3, 10)
+        ours = lambda_schedule(kind, 3, 10)
         assert [ours(s) for s in range(12)] == pytest.approx([hf(s) for s in range(12)], abs=1e-12), kind
 
 
@@ -532,14 +533,14 @@ def test_deepspeed_rules():
 
 def test_fp32_state_ids_follow_a_parameter_swap():
     """FSDP2 preparation replaces every parameter in place; the 32-bit-state choice must follow by position."""
-    from hf_efficient.integrations.accelerate import _fp32_state_flags, _restore_fp32_state_ids
+    from hf_efficient.integrations.accelerator_checks import fp32_state_flags, restore_fp32_state_ids
 
     plugin = EfficientOptimPlugin(optim="adam8bit", backend="torchao")
     optimizer = plugin.create_optimizer(tiny_mlm())
-    flags = _fp32_state_flags(optimizer)
+    flags = fp32_state_flags(optimizer)
     assert sum(map(sum, flags)) == 3  # word, position and token-type embeddings
     for g in optimizer.param_groups:
         g["params"] = [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]
-    _restore_fp32_state_ids(optimizer, flags)
+    restore_fp32_state_ids(optimizer, flags)
     keep = {id(p) for g in optimizer.param_groups for p in g["params"]} & optimizer._fp32_ids
-    assert len(keep) == 3 and _fp32_state_flags(optimizer) == flags
+    assert len(keep) == 3 and fp32_state_flags(optimizer) == flags

@@ -81,7 +81,7 @@ def test_fsdp2_rank_without_gradients_does_not_hang(ranks):
 
 
 def test_fsdp2_support_table_matches_what_runs(ranks):
-    """The refusal table in integrations/accelerate.py against torch's FSDP2 on CPU: a combination runs on
+    """The refusal table in integrations/distributed.py against torch's FSDP2 on CPU: a combination runs on
     DTensor shards exactly when the table allows it (and 8-bit state keeps embeddings in full precision)."""
     from hf_efficient.integrations.distributed import FSDP2_UNSUPPORTED
 
@@ -94,7 +94,8 @@ def test_fsdp2_support_table_matches_what_runs(ranks):
         assert seen["ok"] == allowed, f"{key}: table says {'supported' if allowed else 'unsupported'}, saw {seen}"
         if seen["ok"]:
             assert seen["dtensor"] == "DTensor"
-    # torchao runs on shards (so it stays forcible), but is never chosen automatically: see test_accelerate.py
+    # torchao runs on shards (so it stays forcible), but is never chosen automatically: see
+    # test_accelerate.py::test_fsdp2_never_falls_back_to_torchao_and_says_why
     # 8-bit state for a matrix whose shard has 4096 elements (torchao decides per local shard), full precision
     # for embeddings: the 32-bit choice followed the parameter swap
     assert probe["adam8bit/torchao"]["matrix_state"] == "OptimState8bit"
@@ -199,8 +200,8 @@ def fsdp2_probe() -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import hf_efficient
-    from hf_efficient.integrations.accelerate import (EfficientOptimPlugin, _fp32_state_flags,
-                                                      _restore_fp32_state_ids, summed_token_loss)
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin, summed_token_loss
+    from hf_efficient.integrations.accelerator_checks import fp32_state_flags, restore_fp32_state_ids
     from test_accelerate import logits_of, tiny_mlm, variable_batches
 
     mesh = init_device_mesh("cpu", (2,))
@@ -220,12 +221,12 @@ def fsdp2_probe() -> dict:
             model = tiny_mlm(0, dtype=dtype, intermediate=128)  # a 128x64 matrix: 4096-element shards
             optimizer = EfficientOptimPlugin(optim=spec.name, backend=backend.name, lr=1e-3).create_optimizer(model)
             name_of = {id(p): n for n, p in model.named_parameters()}
-            flags = _fp32_state_flags(optimizer)
+            flags = fp32_state_flags(optimizer)
             fully_shard(model, mesh=mesh)
             new = dict(model.named_parameters())
             for g in optimizer.param_groups:
                 g["params"] = [new[name_of[id(p)]] for p in g["params"]]
-            _restore_fp32_state_ids(optimizer, flags)
+            restore_fp32_state_ids(optimizer, flags)
             try:
                 for _ in range(2):
                     summed_token_loss(logits_of(model, batch), batch["labels"]).backward()
