@@ -1,4 +1,4 @@
-"""Optional dependencies: cheap availability checks, and imports that name the pip extra when missing."""
+"""Optional dependencies: installed versions (read from metadata, no import), and imports that name the pip extra."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from packaging.version import Version
 
-__all__ = ["is_bitsandbytes_available", "is_torchao_available", "version_of", "require", "install_hint"]
+__all__ = ["version_of", "require", "install_hint"]
 
 # package -> pip extra of hf_efficient that installs it
 _EXTRAS = {"bitsandbytes": "bnb", "torchao": "torchao"}
@@ -26,14 +26,6 @@ def version_of(package: str) -> Version | None:
         return None
 
 
-def is_bitsandbytes_available() -> bool:
-    return version_of("bitsandbytes") is not None
-
-
-def is_torchao_available() -> bool:
-    return version_of("torchao") is not None
-
-
 def install_hint(package: str) -> str:
     """The pip command that installs ``package`` the way this project declares it."""
     extra = _EXTRAS.get(package)
@@ -43,5 +35,6 @@ def install_hint(package: str) -> str:
 def require(package: str, why: str):
     """Import ``package`` or raise ImportError saying how to install it."""
     if version_of(package) is None:
-        raise ImportError(f"{why} needs the optional package {package!r}, which is not installed: {install_hint(package)}")
+        raise ImportError(f"{why} needs the optional package {package!r}, which is not installed: "
+                          f"{install_hint(package)}")
     return importlib.import_module(package)
