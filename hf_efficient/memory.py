@@ -5,7 +5,7 @@ maps and block scales included, the inner tensors of tensor subclasses (torchao'
 DTensor) included, a storage shared by several entries (bitsandbytes' ``qmap1``/``qmap2``) counted once.
 
 Predicted (:func:`estimate_memory`): the same count done on paper, tensor by tensor, by the rule of the
-backend the registry picks for the device -- so 8-bit keeps 32-bit state for embeddings and tensors below
+backend the registry picks for the device (``Backend.memory``, written in backends.py) -- so 8-bit keeps 32-bit state for embeddings and tensors below
 ``min_8bit_size`` exactly where the optimizer will, Adafactor stores row + column statistics of each
 matrix, and ``adamw_bf16`` keeps bf16 buffers. ``MB`` here is 2**20 bytes (the unit of the 502 MB AdamW
 figure for a 65.8M-parameter model).
@@ -18,7 +18,6 @@ embedding and none below ``min_8bit_size``; the result says so in ``assumption``
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from .backends import TORCHAO_MIN_SIZE
+from .backends import adamw_memory
 from .options import parse_options
 from .param_groups import split_parameters
 from .registry import PREFIX, get_spec, resolve
@@ -42,9 +41,6 @@ MB = 2**20
 ASSUMED_COLUMNS = 1024  # --params N: N elements as matrices of this many columns, 2**20 elements per tensor
 _ASSUMED_TENSOR = ASSUMED_COLUMNS**2
 MAX_PARAMS = 10**15  # a bare count above this is a typo (500x the largest models), refused before any arithmetic
-_STEP = 4  # torch / torchao / our optimizers keep ``step`` as a float32 scalar tensor per parameter
-_QMAP = 256 * 4  # an 8-bit code book: 256 float32 values
-_BLOCK = 256  # elements per absmax / scale of blockwise 8-bit state (bnb, torchao)
 
 
 # ---------------------------------------------------------------------------------------------- measured
@@ -90,7 +86,7 @@ def state_metrics(optimizer) -> dict[str, float] | None:
     if not measured:
         return None
     with_state = {id(p): p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)}
-    baseline = _adamw([_T(p.numel(), tuple(p.shape), torch.float32) for p in with_state.values()], {})
+    baseline = adamw_memory([_T(p.numel(), tuple(p.shape), torch.float32) for p in with_state.values()], {})
     return {"optimizer_state_mb": measured / MB, "fp32_adamw_state_mb": baseline / MB,
             "optimizer_state_saving": 1.0 - measured / baseline if baseline else 0.0}
 
@@ -221,10 +217,7 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
         opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")
-    rule = _RULES.get((res.spec.family, res.backend))
-    if rule is None:
-        raise NotImplementedError(f"hf_efficient.memory has no rule for {PREFIX}{res.name} with backend "
-                                  f"{res.backend!r}: add one to memory._RULES beside the backend's code")
+    rule = res.implementation.memory  # the backend's rule, in the registry
     train = [t for t in tensors if t.trainable]
     dtypes = {_dtype_name(t.dtype) for t in train}
     return MemoryEstimate(
@@ -232,7 +225,7 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
         param_dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
         param_bytes=sum(t.elements * t.dtype.itemsize for t in tensors),
         grad_bytes=sum(t.elements * t.dtype.itemsize for t in train),
-        state_bytes=rule(train, opts), fp32_adamw_state_bytes=_adamw([_as_fp32(t) for t in train], {}),
+        state_bytes=rule(train, opts), fp32_adamw_state_bytes=adamw_memory([_as_fp32(t) for t in train], {}),
         options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason)
 
 
@@ -309,100 +302,6 @@ def model_from_config(config, auto_class: str | None = None, device: torch.devic
         raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
     with torch.device(device):
         return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
-
-
-# --------------------------------------------------------------------------------- rules, one per backend
-
-def _keeps_32bit(t: _T, opts: Mapping) -> bool:
-    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state=8bit``."""
-    return t.embedding and opts.get("embedding_state") == "32bit"
-
-
-def _adamw(ts: list[_T], opts: Mapping) -> int:
-    """torch.optim.AdamW: exp_avg and exp_avg_sq shaped and typed like the parameter, and a step."""
-    return sum(t.count * (2 * t.numel * t.dtype.itemsize + _STEP) for t in ts)
-
-
-def _bnb_8bit(ts: list[_T], opts: Mapping) -> int:
-    """bitsandbytes: uint8 state1/state2 + float32 absmax1/absmax2 per 256 elements; else float32 state.
-
-    ``step`` is a Python int; qmap1/qmap2 are one signed and one unsigned code book shared by all params
-    (after ``load_state_dict`` each parameter holds its own copies: 2 KB more per 8-bit tensor, measured).
-    """
-    total, quantized = 0, False
-    for t in ts:
-        if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
-            total += t.count * 2 * 4 * t.numel
-        else:
-            total += t.count * 2 * (t.numel + 4 * -(-t.numel // _BLOCK))
-            quantized = True
-    return total + (2 * _QMAP if quantized else 0)
-
-
-def _torchao_8bit(ts: list[_T], opts: Mapping) -> int:
-    """torchao: per state an OptimState8bit (uint8 codes, float32 scale per 256, its own code book) when the
-    tensor is >= 4096 elements and a multiple of 256; else a tensor like the parameter. Step: float32."""
-    if opts["min_8bit_size"] < TORCHAO_MIN_SIZE:  # as backends.build_torchao_adamw8bit refuses it
-        raise ValueError(f"min_8bit_size={opts['min_8bit_size']} is below torchao's fixed threshold of "
-                         f"{TORCHAO_MIN_SIZE} elements: use backend=bnb for a lower threshold")
-    total = 0
-    for t in ts:
-        small = t.numel < opts["min_8bit_size"] or t.numel % _BLOCK
-        if _keeps_32bit(t, opts) or small:
-            total += t.count * 2 * t.numel * t.dtype.itemsize
-        else:
-            total += t.count * 2 * (t.numel + 4 * (t.numel // _BLOCK) + _QMAP)
-        total += t.count * _STEP
-    return total
-
-
-def _adafactor(ts: list[_T], opts: Mapping) -> int:
-    """optim/adafactor.py: float32 row + column statistics of a matrix (full exp_avg_sq for vectors),
-    float32 exp_avg when beta1 is set, a step."""
-    total = 0
-    for t in ts:
-        if len(t.shape) >= 2:
-            one = 4 * math.prod(t.shape[:-2]) * (t.shape[-2] + t.shape[-1])
-        else:
-            one = 4 * t.numel
-        if opts.get("beta1") is not None:
-            one += 4 * t.numel
-        total += t.count * (one + _STEP)
-    return total
-
-
-def _adamw_bf16(ts: list[_T], opts: Mapping) -> int:
-    """optim/adamw_bf16.py: exp_avg, exp_avg_sq (and, for bf16/fp16 params with ``compensation=kahan``,
-    kahan_comp) shaped and typed like the parameter; a float32 step."""
-    total = 0
-    for t in ts:
-        buffers = 3 if opts.get("compensation") == "kahan" and t.dtype in (torch.bfloat16, torch.float16) else 2
-        total += t.count * (buffers * t.numel * t.dtype.itemsize + _STEP)
-    return total
-
-
-def _torch_8bit(ts: list[_T], opts: Mapping) -> int:
-    """optim/adamw8bit.py: uint8 codes padded to whole 256-blocks + float32 absmax per block, per moment; else
-    float32 moments. Step: float32. The code books are module constants, not state."""
-    total = 0
-    for t in ts:
-        if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
-            total += t.count * 2 * 4 * t.numel
-        else:
-            blocks = -(-t.numel // _BLOCK)
-            total += t.count * 2 * (blocks * _BLOCK + 4 * blocks)
-        total += t.count * _STEP
-    return total
-
-
-_RULES = {
-    ("adamw", "torch"): _adamw,
-    ("adamw8bit", "torch"): _torch_8bit,
-    ("adamw8bit", "bnb"): _bnb_8bit,
-    ("adamw8bit", "torchao"): _torchao_8bit,
-    ("adafactor", "torch"): _adafactor,
-    ("adamw_bf16", "torch"): _adamw_bf16,
-}
 
 
 # ----------------------------------------------------------------------------------------- hf_eff_auto

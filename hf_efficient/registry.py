@@ -105,6 +105,9 @@ class Family:
     deepspeed: str | None = None  # why it cannot train under ZeRO (None: it can)
     deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)  # option -> (value ZeRO needs, why)
 
+    def __reduce__(self):  # a registry singleton (its rules are closures): pickled by name, as a copy of an optimizer
+        return _family, (self.name,)
+
     @property
     def quantized(self) -> bool:
         """Holds blockwise 8-bit state (codes with absmaxes)."""
@@ -136,6 +139,9 @@ class OptimizerSpec:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     fallback: tuple[str, str] | None = None  # (device type it needs, name to run elsewhere)
     estimate_rows: tuple[EstimateRow, ...] = (EstimateRow(),)
+
+    def __reduce__(self):  # a registry singleton: pickled by name (a copy of an optimizer holds its Resolution)
+        return get_spec, (self.name,)
 
     @property
     def family(self) -> str:
@@ -228,6 +234,10 @@ ADAMW_BF16 = Family(
               f"{PREFIX}adamw), without the memory it exists to save")
 AUTO = Family("auto", {}, lambda p, group: set(), "auto")
 FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16)}
+def _family(name: str) -> Family:
+    return AUTO if name == AUTO.name else FAMILIES[name]
+
+
 PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state without marks is read as
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import hf_efficient as hfe
 from hf_efficient import checkpoint
+from hf_efficient.registry import FAMILIES
 from test_reliability import CASES, IDS, Net, _assert_unchanged, _loss, _make, _snapshot, _train
 
 BACKENDS_8BIT = ["torch", "bnb", "torchao"]
@@ -26,11 +27,11 @@ def _by_name(sd: dict) -> dict:
 
 def _moments(st: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 moments of a canonical state (8-bit codes decoded with the maps every backend shares)."""
-    from hf_efficient.optim.adamw8bit import dynamic_map
+    from hf_efficient.optim.quant8 import dequantize_blockwise
 
     if st["exp_avg"].dtype != torch.uint8:
         return st["exp_avg"].float(), st["exp_avg_sq"].float()
-    return tuple(checkpoint.dequantize(st[k], st[f"{k}_absmax"], dynamic_map(k == "exp_avg")).view(st[k].shape)
+    return tuple(dequantize_blockwise(st[k], st[f"{k}_absmax"], k == "exp_avg").view(st[k].shape)
                  for k in ("exp_avg", "exp_avg_sq"))
 
 
@@ -87,7 +88,7 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         src = (lib.optim.AdamW8bit)(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
         _train(src_model, src, 2)
         sd = src.state_dict()
-        canonical = {n: checkpoint._any_to_canonical(st)[0] for n, st in _by_name(sd).items()}
+        canonical = {n: checkpoint._any_to_canonical(st, FAMILIES["adamw"])[0] for n, st in _by_name(sd).items()}
     else:
         src_model, src = _make("adam8bit", backend, torch.float32)
         _train(src_model, src, 2)
