@@ -377,6 +377,28 @@ def test_fallback_schedules_match_transformers():
         assert [ours(s) for s in range(12)] == pytest.approx([hf(s) for s in range(12)], abs=1e-12), kind
 
 
+@pytest.mark.parametrize("warmup", [dict(warmup_steps=2), dict(warmup_ratio=0.25)])  # ratio: ceil(1.75) = 2
+def test_scheduler_without_transformers_is_transformers_schedule(monkeypatch, warmup):
+    """Without transformers the plugin's scheduler (warm-up, total and the per-process stretch) gives the same
+    learning rates as with it."""
+    from hf_efficient.integrations import schedules
+
+    def lrs(have_transformers: bool):
+        monkeypatch.setattr(schedules, "_have_transformers", lambda: have_transformers)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched, warm = schedules.build_scheduler(opt, "cosine", num_training_steps=7, steps_per_update=2, **warmup)
+        out = []
+        for _ in range(16):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return type(sched).__name__, warm, out
+
+    kind, warm, ours = lrs(False)
+    assert kind == "LambdaLR" and warm == 2 and ours[:5] == pytest.approx([0, 0.25, 0.5, 0.75, 1.0])
+    assert ours == pytest.approx(lrs(True)[2], abs=1e-12)
+
+
 # ------------------------------------------------------------------------------------ exact resume
 
 def _combos():
