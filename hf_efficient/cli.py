@@ -39,14 +39,8 @@ class Row:
     param_dtype: torch.dtype | None = None  # None: the model's own
 
 
-ROWS = (
-    Row("hf_eff_adamw", "adamw"),
-    Row("hf_eff_adam8bit, every tensor 8-bit", "adam8bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-    Row("hf_eff_adam8bit (default: 32-bit embeddings)", "adam8bit"),
-    Row("hf_eff_paged_adam8bit", "paged_adam8bit"),
-    Row("hf_eff_adafactor", "adafactor"),
-    Row("hf_eff_adamw_bf16 (bf16 params)", "adamw_bf16", param_dtype=torch.bfloat16),
-)
+ROWS = tuple(Row(spec.trainer_name + r.suffix, spec.name, dict(r.options), r.param_dtype)
+             for spec in SPECS.values() for r in spec.estimate_rows)  # the registry's rows, in its order
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,11 +99,13 @@ class Family:
     math: str  # families of one math convert moments into each other ("adamw": adamw, adamw8bit, adamw_bf16)
     bench_format: str = ""  # scripts/bench_step.py: rows of one format are alternatives to each other
     quality_target: float | None = None  # scripts/convergence.py: allowed excess of final eval loss over fp32 AdamW
+    param_dtype: torch.dtype = torch.float32  # the parameter dtype it is made for (bench and convergence runs)
     marks: frozenset[str] = frozenset()  # keys only its state holds: how an untagged checkpoint is recognised
     moment_dtype: Callable[[torch.Tensor], torch.dtype] | None = None  # dtype of moments converted in (None: fp32)
     check_state: Callable | None = None  # (state, param, where, trainer name) -> raise ValueError: its own checks
     deepspeed: str | None = None  # why it cannot train under ZeRO (None: it can)
-    deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)  # option -> (value ZeRO needs, why)
+    # option -> (the value ZeRO needs, why: "cannot ... . Set optim_args <option>=<value> to ...")
+    deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def __reduce__(self):  # a registry singleton (its rules are closures): pickled by name, as a copy of an optimizer
         return _family, (self.name,)
@@ -215,8 +217,9 @@ ADAMW8BIT = Family(
                   "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax")},
     lambda p, group: set(_MOMENTS), "adamw", bench_format="8-bit blockwise", quality_target=0.01,
     deepspeed_options={"embedding_state": (
-        "8bit", "it keeps 32-bit state for embeddings and small tensors by default (embedding_state=32bit), which "
-                "ZeRO's one flat partition per param group does not allow")})
+        "8bit", "cannot keep 32-bit state for embeddings and small tensors, as it does by default "
+                "(embedding_state=32bit): ZeRO hands the optimizer one flat partition per param group. Set optim_args "
+                "embedding_state=8bit to accept 8-bit state everywhere")})
 ADAFACTOR = Family(
     "adafactor", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "exp_avg_sq_row": StateKey("row"),
                   "exp_avg_sq_col": StateKey("col")},
@@ -227,7 +230,7 @@ ADAFACTOR = Family(
 ADAMW_BF16 = Family(
     "adamw_bf16", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V,
                    "kahan_comp": StateKey("param", signed=True, label="Kahan compensation")},
-    _adamw_bf16_required, "adamw", bench_format="bf16 + Kahan", quality_target=0.01,
+    _adamw_bf16_required, "adamw", bench_format="bf16 + Kahan", quality_target=0.01, param_dtype=torch.bfloat16,
     marks=frozenset({"kahan_comp"}), moment_dtype=_adamw_bf16_dtype,
     deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
               "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "

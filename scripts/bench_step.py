@@ -41,12 +41,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hf_efficient as hfe  # noqa: E402
-from hf_efficient.registry import SPECS  # noqa: E402
+from hf_efficient.registry import FAMILIES, SPECS  # noqa: E402
 
 LR, WD = 1e-4, 0.01
 BASELINE = "torch AdamW fused"
-FORMATS = {"adamw": "fp32", "adam8bit": "8-bit blockwise", "paged_adam8bit": "8-bit blockwise",
-           "adafactor": "factored", "adamw_bf16": "bf16 + Kahan"}
 FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",
                 "bf16 nearest"]
 
@@ -160,8 +158,7 @@ def ours(device: str) -> list[Candidate]:
     for spec in SPECS.values():
         if not spec.backends:  # hf_eff_auto chooses one of the others
             continue
-        dtype = torch.bfloat16 if spec.name == "adamw_bf16" else torch.float32
-        fmt_ = FORMATS[spec.name]
+        dtype, fmt_ = spec.facts.param_dtype, spec.facts.bench_format
 
         def build(name, **kw):
             return lambda m: hfe.create_optimizer(m, name, lr=LR, weight_decay=WD, **kw)
@@ -183,7 +180,7 @@ def ours(device: str) -> list[Candidate]:
         if res is not None and "nonfinite" in spec.options:  # the inf/NaN gradient check off, to show its cost
             out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=res.backend, nonfinite="ignore"),
                                  spec.trainer_name, res.backend, note="nonfinite=ignore"))
-        if spec.name == "adamw_bf16":
+        if dtype == torch.bfloat16 and "compensation" in spec.options:
             out.append(Candidate(spec.trainer_name, "bf16 stochastic", dtype,
                                  build(spec.name, compensation="stochastic"), spec.trainer_name, "torch",
                                  note="compensation=stochastic"))
@@ -199,9 +196,9 @@ def inductor_kernels(device: str) -> list[Candidate]:
     from hf_efficient.optim.adamw_bf16 import AdamWBF16
 
     note = "compile=True (inductor kernel), no check"
-    return [Candidate("hf_efficient AdamW8bit", FORMATS["adam8bit"], torch.float32,
+    return [Candidate("hf_efficient AdamW8bit", FAMILIES["adamw8bit"].bench_format, torch.float32,
                       lambda m: AdamW8bit(_groups(m), lr=LR, compile=True), note=note),
-            Candidate("hf_efficient AdamWBF16", FORMATS["adamw_bf16"], torch.bfloat16,
+            Candidate("hf_efficient AdamWBF16", FAMILIES["adamw_bf16"].bench_format, torch.bfloat16,
                       lambda m: AdamWBF16(_groups(m), lr=LR, compile=True), note=note)]
 
 

@@ -42,7 +42,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 BASELINE = "fp32 AdamW (torch, fused)"
-TARGETS = {"adam8bit": 0.01, "paged_adam8bit": 0.01, "adamw_bf16": 0.01, "adafactor": 0.03, "adamw": 0.01}
 
 
 @dataclass(frozen=True)
@@ -74,13 +73,13 @@ def planned_runs(device: str = "cpu", all_backends: bool = False) -> tuple[list[
         if res.name != spec.name:
             notes.append(f"`{spec.trainer_name}` is not run separately: on this device it runs `hf_eff_{res.name}`")
             continue
-        bf16 = spec.name == "adamw_bf16"
-        runs.append(Run(spec.trainer_name, spec.name, bf16, target=TARGETS.get(spec.name)))
+        bf16, target = spec.facts.param_dtype == torch.bfloat16, spec.facts.quality_target
+        runs.append(Run(spec.trainer_name, spec.name, bf16, target=target))
         for b, backend in spec.backends.items() if all_backends else ():
             if b != res.backend and backend.why_not(torch.device(device).type) is None:
                 runs.append(Run(f"{spec.trainer_name} backend={b}", spec.name, bf16, (("backend", b),),
-                                target=TARGETS.get(spec.name)))
-        if bf16:
+                                target=target))
+        if bf16 and "compensation" in spec.options:  # what the compensated update buys on bf16 weights
             runs.append(Run(f"{spec.trainer_name} compensation=none (ablation)", spec.name, True,
                             (("compensation", "none"),)))
     return runs, notes

@@ -5,7 +5,8 @@ Both integrations ask here: the Accelerate plugin from ``create_accelerator`` (t
 (:func:`check_training_arguments`). The checks take plain values and config dicts, so this module imports
 neither accelerate nor transformers.
 
-Every entry below was observed, not derived: FSDP2 by running each optimizer on torch's ``fully_shard``
+What each name supports is written on its registry entry (``Backend.fsdp2``, ``Family.deepspeed``,
+``Family.deepspeed_options``); every entry was observed, not derived: FSDP2 by running each optimizer on torch's ``fully_shard``
 DTensor parameters (tests/test_accelerate_distributed.py), DeepSpeed by training each name under ZeRO 1, 2
 and 3 in two gloo processes, through the plugin and through the Trainer (tests/test_deepspeed.py).
 """
@@ -16,85 +17,80 @@ import json
 import os
 from typing import Any, Mapping
 
-from ..options import parse_optim_args, parse_options
+from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, get_spec, resolve
 
 __all__ = ["FSDP2_UNSUPPORTED", "DEEPSPEED_UNSUPPORTED", "check_fsdp", "check_deepspeed", "check_training_arguments"]
 
-FSDP2_UNSUPPORTED = {
-    ("adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
-    ("paged_adam8bit", "bnb"): "bitsandbytes' 8-bit kernels have no DTensor sharding rule",
-    ("adam8bit", "torch"): "our 8-bit kernels reshape each tensor into 256-element blocks, which a DTensor shard "
-                           "does not allow (not run on shards)",
-    ("adafactor", "torch"): "its factored row/column statistics are plain tensors that cannot mix with DTensor shards",
-    ("adamw_bf16", "torch"): "its step uses ops with no DTensor sharding rule (aten._foreach_copy_)",
-}
+from ..registry import SPECS, Resolution
+
+# What the registry says, as tables: (name, backend) -> why not under FSDP2; name -> why not under DeepSpeed
+FSDP2_UNSUPPORTED = {(s.name, b): impl.fsdp2 for s in SPECS.values() for b, impl in s.backends.items() if impl.fsdp2}
+DEEPSPEED_UNSUPPORTED = {s.name: s.facts.deepspeed for s in SPECS.values() if s.facts.deepspeed}
 # torchao's AdamW8bit runs on shards, but is never chosen for a user (see registry.TORCHAO_FLAW).
 FSDP2_INSTEAD = (f"use {PREFIX}adamw, or this optimizer with DDP; backend=torchao runs 8-bit state on FSDP2 shards, "
                  "but only when forced, because its AdamW8bit stores small second moments as exactly 0 (a later "
                  "zero gradient then moves a weight by lr * exp_avg / eps, thousands of times too far)")
-
-# ZeRO (stages 1, 2 and 3 alike) hands the optimizer one flat fp32 1-D partition per param group in place of
-# the model's parameters: shapes, names and which tensor is an embedding are gone.
-DEEPSPEED_UNSUPPORTED = {
-    "adafactor": "ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, "
-                 "but keeps a full fp32 second moment (4 bytes per parameter instead of << 1)",
-    "adamw_bf16": "ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
-                  "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
-                  f"{PREFIX}adamw), without the memory it exists to save",
-}
 DEEPSPEED_INSTEAD = f"{PREFIX}adamw or {PREFIX}adam8bit (embedding_state=8bit) with DeepSpeed, or this optimizer " \
                     "with DDP / FSDP2"
 
 
-def _label(name: str, backend: str | None, device) -> str:
-    if get_spec(name).name == "auto":
-        return f"{PREFIX}auto"
-    res = resolve(name, device, backend, log=False)
-    return f"{PREFIX}{res.name} (backend={res.backend})"
+def _resolution(name, backend: str | None, device) -> Resolution | None:
+    """What ``name`` runs as on ``device`` (None for a name that picks another per model): a Resolution given by
+    the caller is used as it is, so a check never resolves twice."""
+    if isinstance(name, Resolution):
+        return name
+    return resolve(name, device, backend, log=False) if get_spec(name).backends else None
 
 
-def _refuse_auto(name: str, where: str) -> None:
-    if get_spec(name).name == "auto":
+def _label(res: Resolution | None) -> str:
+    return f"{PREFIX}auto" if res is None else f"{PREFIX}{res.name} (backend={res.backend})"
+
+
+def _refuse_auto(res: Resolution | None, where: str) -> None:
+    if res is None:
         raise ValueError(f"{PREFIX}auto is not supported with {where}: it sizes unsharded optimizer state, and the "
                          f"names it falls back to after {PREFIX}adamw do not run there as they are. Name the "
                          f"optimizer: {PREFIX}adamw" + (f", or {PREFIX}adam8bit with optim_args embedding_state=8bit"
                                                         if where == "DeepSpeed" else "") + ".")
 
 
-def check_fsdp(name: str, backend: str | None, *, version: int, device="cpu") -> None:
+def check_fsdp(name: str | Resolution, backend: str | None, *, version: int, device="cpu") -> None:
     """Raise ValueError, saying what to use instead, if ``name``/``backend`` cannot train under FSDP ``version``.
 
+    ``name`` may be the :class:`Resolution` already made for it (``backend`` and ``device`` then unused).
     ``backend=None`` is the registry's automatic choice, which never picks torchao: under FSDP2 that leaves
     no 8-bit backend, so ``adam8bit`` is refused unless ``backend="torchao"`` is forced (which logs why not).
     """
-    label = _label(name, backend, device)
+    res = _resolution(name, backend, device)
+    label = _label(res)
     if version != 2:
         raise ValueError(f"{label} with FSDP version {version} is not supported: FSDP1 hands the optimizer "
                          "flattened parameters (no shapes, names or decay groups). Set fsdp_version: 2 in the "
                          "accelerate config (or --fsdp_version 2).")
-    _refuse_auto(name, "FSDP2")
-    res = resolve(name, device, backend, log=False)
-    why = FSDP2_UNSUPPORTED.get((res.name, res.backend))
+    _refuse_auto(res, "FSDP2")
+    why = res.implementation.fsdp2
     if why:
         raise ValueError(f"{label} is not supported with FSDP2: {why}. Instead: {FSDP2_INSTEAD}.")
 
 
-def check_deepspeed(name: str, backend: str | None, options: Mapping, config: Mapping | None, *, device="cpu",
-                    offload: str | None = None, plugin_ga: tuple[int, str] | None = None,
+def check_deepspeed(name: str | Resolution, backend: str | None, options: Mapping, config: Mapping | None, *,
+                    device="cpu", offload: str | None = None, plugin_ga: tuple[int, str] | None = None,
                     config_ga: Any = "auto") -> None:
     """Raise ValueError, saying what to use instead, if ``name`` cannot train under this DeepSpeed config.
 
     Args:
-        name, backend: the optimizer name and forced backend (None: the registry's choice on ``device``).
-        options: the name's parsed options (``embedding_state`` decides for 8-bit names).
+        name, backend: the optimizer name and forced backend (None: the registry's choice on ``device``), or
+            the :class:`Resolution` already made for them.
+        options: the name's parsed options (a family's ``deepspeed_options`` are read).
         config: the DeepSpeed config dict (``optimizer`` and ``zero_optimization.offload_optimizer`` are read).
         offload: accelerate's ``offload_optimizer_device``, when set outside the config.
         plugin_ga, config_ga: the plugin's (gradient_accumulation_steps, its source) and the config's count,
             which must agree when both are numbers.
     """
     config = config or {}
-    label = _label(name, backend, device)
+    res = _resolution(name, backend, device)
+    label = _label(res)
     if "optimizer" in config:
         raise ValueError(f"the DeepSpeed config has an 'optimizer' section, which would replace {label}: remove it "
                          "and let hf_efficient build the optimizer")
@@ -105,16 +101,13 @@ def check_deepspeed(name: str, backend: str | None, options: Mapping, config: Ma
     if plugin_ga is not None and isinstance(config_ga, int) and config_ga != plugin_ga[0]:
         raise ValueError(f"the DeepSpeed config accumulates {config_ga} micro-batches but gradient_accumulation_steps"
                          f"={plugin_ga[0]} ({plugin_ga[1]}): set one of them (DeepSpeed accepts 'auto')")
-    _refuse_auto(name, "DeepSpeed")
-    res = resolve(name, device, backend, log=False)
-    why = DEEPSPEED_UNSUPPORTED.get(res.name)
-    if why:
-        raise ValueError(f"{label} is not supported with DeepSpeed: {why}. Instead: {DEEPSPEED_INSTEAD}.")
-    if res.spec.family == "adamw8bit" and options.get("embedding_state", "32bit") != "8bit":
-        raise ValueError(f"{label} with DeepSpeed cannot keep 32-bit state for embeddings and small tensors, as it "
-                         "does by default (embedding_state=32bit): ZeRO hands the optimizer one flat partition per "
-                         "param group. Set optim_args embedding_state=8bit to accept 8-bit state everywhere (trains "
-                         "under ZeRO 1, 2 and 3), or use DDP / FSDP2.")
+    _refuse_auto(res, "DeepSpeed")
+    facts = res.spec.facts
+    if facts.deepspeed:
+        raise ValueError(f"{label} is not supported with DeepSpeed: {facts.deepspeed}. Instead: {DEEPSPEED_INSTEAD}.")
+    for key, (needed, why) in facts.deepspeed_options.items():
+        if options.get(key, OPTIONS[key].default) != needed:
+            raise ValueError(f"{label} with DeepSpeed {why} (trains under ZeRO 1, 2 and 3), or use DDP / FSDP2.")
 
 
 def check_training_arguments(args) -> None:
