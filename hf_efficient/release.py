@@ -1,0 +1,326 @@
+"""Gradient release: each parameter is stepped inside backward, the moment its gradient is complete, and its gradient
+is freed at once, so training holds one gradient at a time instead of all of them (4 bytes per parameter in fp32).
+
+``attach(optimizer)`` registers a ``register_post_accumulate_grad_hook`` on every parameter of an optimizer made by
+:func:`hf_efficient.create_optimizer` (any name, any backend). The hook runs the optimizer's own step while that
+parameter is the only one holding a gradient, then sets ``p.grad = None``. The step therefore goes through the very
+code of the ordinary step, with the param groups untouched: the parameter's decay group, its current ``lr`` (LR
+schedulers keep working), its state and 8-bit codec, its compensation and its stochastic-rounding stream (AdamWBF16
+keys it by the parameter's position), and bitsandbytes' per-index configs (32-bit embeddings) all see exactly what
+the ordinary step sees. The update is elementwise, so it equals the ordinary step bit for bit (tests/test_release.py
+checks each backend). A tied weight has one ``AccumulateGrad`` node: its hook fires once per backward, after all uses.
+
+``optimizer.step()`` and ``zero_grad()`` keep working: no parameter holds a gradient when they run, so the step finds
+nothing to update and the guard still counts one step per ``step()`` call (``optimizer.hf_efficient.steps``); the
+Trainer's loop, an Accelerate loop and a user's loop run unchanged. Torch's step hooks run once per ``step()`` call,
+not per tensor. ``detach(optimizer)`` removes the hooks. A copy of the optimizer (``copy.deepcopy``, ``pickle``) is
+not attached; ``state_dict()`` / ``load_state_dict`` are the optimizer's own, so a resume is exact.
+
+Decided, and refused or checked where it cannot hold (never silent):
+
+- Gradient accumulation (the Trainer's or Accelerate's ``gradient_accumulation_steps > 1``) would need every gradient
+  kept across micro-batches: refused by :func:`check_trainer_args` / :func:`check_accelerate`. A larger per-device
+  batch is the same math. In a hand-written loop, every ``backward()`` is an optimizer step.
+- Clipping by the global norm needs every gradient before the first step: refused (``max_grad_norm`` must be 0). The
+  Trainer would otherwise "clip" gradients that are already None, i.e. not clip at all. In a hand-written loop,
+  ``clip_grad_norm_`` after ``backward()`` finds no gradients and returns 0: do not call it.
+- inf/NaN (``nonfinite``, :mod:`hf_efficient.guard`), decided per tensor, in the order backward completes them:
+  ``raise``: the tensors completed earlier in this backward were stepped; the bad one and every later one were not
+  (the FloatingPointError stops the backward; the bad gradient stays in ``.grad`` for inspection, and the next
+  backward refuses to start stepping until ``zero_grad()`` cleared it). ``skip``: that tensor is not stepped (its
+  gradient is dropped, its state untouched), the others are; ``info.skipped_steps`` counts the backward passes in
+  which some tensor was skipped, :func:`release_info` the tensors, and one warning per backward names them.
+- fp16 with a GradScaler: the scaler unscales and skips at ``step()``, after the release already stepped scaled
+  gradients: refused. bf16 autocast and bf16 weights need no scaler and are fine.
+- Distributed (DDP, FSDP, DeepSpeed): the hooks would see local gradients before their reduction: refused by the
+  checks, and by :func:`attach` when a process group of more than one process is up or a parameter is a DTensor.
+- Reentrant activation checkpointing (``use_reentrant=True``) runs nested backward passes, in which a weight used in
+  two checkpointed segments would be stepped once per segment: refused in the Trainer check (transformers' default is
+  ``use_reentrant=False``). A gradient arriving twice within one backward is refused at run time.
+- A parameter that did not require a gradient when ``attach`` ran has no hook: if it gets one later, the next backward
+  refuses to start (call ``attach`` again after unfreezing it). Gradients present at ``attach`` are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import Variable
+
+from . import guard
+
+__all__ = ["attach", "detach", "is_attached", "release_info", "ReleaseInfo", "check_trainer_args",
+           "check_accelerate"]
+
+logger = logging.getLogger(__name__)
+
+_WHY_ACCUMULATION = ("gradient_release steps each tensor inside backward and frees its gradient, so gradients cannot "
+                     "be summed over micro-batches")
+_OFF = "or turn gradient_release off (optim_args 'gradient_release=false', HF_EFF_GRADIENT_RELEASE=0)"
+
+
+@dataclass
+class ReleaseInfo:
+    """Counters of an attached optimizer (see :func:`release_info`)."""
+
+    params: int  # parameters with a release hook
+    stepped_tensors: int = 0  # per-tensor steps taken inside backward, since attach
+    skipped_tensors: int = 0  # tensors skipped for a non-finite gradient under nonfinite="skip"
+    frozen: list[str] = field(default_factory=list)  # parameters without a hook (no requires_grad at attach)
+
+
+def _unwrap(optimizer):
+    """The optimizer create_optimizer made, inside Accelerate's (or any) wrapper."""
+    while not hasattr(optimizer, "hf_efficient") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+_ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> _Release; no attribute: copies
+# of the optimizer (deepcopy, pickle) carry no hooks, and are not attached
+
+
+def is_attached(optimizer) -> bool:
+    return _unwrap(optimizer) in _ATTACHED
+
+
+def release_info(optimizer) -> ReleaseInfo | None:
+    """The counters of an attached optimizer, else None."""
+    rel = _ATTACHED.get(_unwrap(optimizer))
+    return None if rel is None else rel.info
+
+
+def _raw_step(cls: type):
+    """The backend's step without torch's profiling / step-hook wrapper (hooks run once per ``step()`` call)."""
+    fn = cls.step
+    return fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
+
+
+def attach(optimizer) -> None:
+    """Step every parameter of ``optimizer`` inside backward and free its gradient (see the module docstring).
+
+    Calling it again on an attached optimizer adds hooks for parameters that require a gradient since (unfrozen).
+
+    Args:
+        optimizer: made by :func:`hf_efficient.create_optimizer` (or Accelerate's wrapper of one).
+
+    Raises:
+        TypeError: another optimizer. RuntimeError: a parameter already holds a gradient, more than one process,
+        or DTensor (sharded) parameters. Nothing is attached then.
+    """
+    opt = _unwrap(optimizer)
+    if not isinstance(opt, guard._Protected):
+        raise TypeError(f"gradient release attaches to an optimizer made by hf_efficient.create_optimizer (or the "
+                        f"Trainer with an hf_eff_* optim), got {type(optimizer).__name__}: its step is what each "
+                        "hook runs, with the inf/NaN policy of hf_efficient.guard")
+    named = guard._named_params(opt)
+    _refuse_distributed(named)
+    holding = [n for n, p in named if p.grad is not None]
+    if holding:
+        raise RuntimeError(f"gradient release: parameters {holding[:3]} already hold gradients; released, they would "
+                           "be stepped at the next backward together with its gradients. Call "
+                           "optimizer.zero_grad(set_to_none=True) before attach")
+    rel = _ATTACHED.get(opt)
+    if rel is None:
+        rel = _ATTACHED[opt] = _Release(opt)
+    rel.hook(named)
+
+
+def detach(optimizer) -> None:
+    """Remove the hooks: backward keeps gradients again and ``step()`` steps them. A no-op if not attached."""
+    rel = _ATTACHED.pop(_unwrap(optimizer), None)
+    if rel is not None:
+        rel.remove()
+
+
+def _refuse_distributed(named) -> None:
+    sharded = [n for n, p in named if hasattr(p, "to_local")]
+    if sharded:
+        raise RuntimeError(f"gradient release: parameter {sharded[0]!r} is a DTensor (FSDP2 / tensor parallel): its "
+                           "hook would step a gradient before it is reduced across processes. Train without "
+                           "gradient_release under FSDP")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(f"gradient release runs in one process: this one is in a group of "
+                           f"{dist.get_world_size()}, where each hook would step a local gradient before DDP / "
+                           "DeepSpeed reduce it, and the replicas would diverge. Launch one process, "
+                           + _OFF)
+
+
+class _Release:
+    """The hooks of one optimizer, and the per-backward bookkeeping (a window per autograd graph task)."""
+
+    def __init__(self, opt):
+        self.ref = weakref.ref(opt)
+        self.step = _raw_step(type(opt)._hf_eff_base)
+        self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self.names: dict[int, str] = {}
+        self.info = ReleaseInfo(params=0)
+        self.task = None  # graph task id of the backward in progress (the open window)
+        self.seen: set[int] = set()  # parameters stepped (or skipped) in it
+        self.stepped = 0
+        self.skipped: list[str] = []
+        weakref.finalize(opt, _remove_handles, self.handles)  # a dead optimizer leaves no hooks behind
+
+    def hook(self, named) -> None:
+        self.info.frozen = []
+        for name, p in named:
+            self.names[id(p)] = name
+            if id(p) in self.handles:
+                continue
+            if not p.requires_grad:
+                self.info.frozen.append(name)
+                continue
+            self.handles[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+        self.info.params = len(self.handles)
+
+    def remove(self) -> None:
+        _remove_handles(self.handles)
+
+    # -- per backward ------------------------------------------------------------------------------------------
+
+    def _open(self, opt, p) -> None:
+        """First hook of a backward: refuse gradients this backward did not produce (they would be stepped with
+        the others) and parameters without a hook that now require one; close the window at the backward's end."""
+        for name, q in guard._named_params(opt):
+            if q is not p and q.grad is not None:
+                raise RuntimeError(
+                    f"gradient release: parameter {name!r} holds a gradient from before this backward (set by hand, or "
+                    "left by an earlier backward that raised); the per-tensor steps would apply it with this "
+                    "backward's. Call optimizer.zero_grad(set_to_none=True) before backward")
+            if q.requires_grad and id(q) not in self.handles:
+                raise RuntimeError(f"gradient release: parameter {name!r} requires a gradient but has no release hook "
+                                   "(it was frozen when attach ran). Call hf_efficient.release.attach(optimizer) "
+                                   "again after unfreezing parameters")
+        self.task, self.stepped, self.skipped = torch._C._current_graph_task_id(), 0, []
+        self.seen.clear()
+        task = self.task
+        Variable._execution_engine.queue_callback(lambda: self._close(task))
+
+    def _close(self, task) -> None:
+        if task != self.task:  # a later backward opened its own window already
+            return
+        self.task = None
+        opt = self.ref()
+        if self.skipped and opt is not None:
+            info = opt.hf_efficient
+            logger.warning("%s: step %d (gradient release): %d tensor(s) with a non-finite gradient skipped (%s), "
+                           "%d stepped; %d tensors skipped so far", info.resolution.spec.trainer_name, info.steps + 1,
+                           len(self.skipped), ", ".join(map(repr, self.skipped[:3])), self.stepped,
+                           self.info.skipped_tensors)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        opt = self.ref()
+        if opt is None or p.grad is None:
+            return
+        if self.task != torch._C._current_graph_task_id():
+            self._open(opt, p)
+        elif id(p) in self.seen:
+            raise RuntimeError(
+                f"gradient release: parameter {self.names[id(p)]!r} got a second gradient in the same backward "
+                "after it was stepped (a parameter reached through two backward graphs, e.g. reentrant activation "
+                "checkpointing of a shared weight): use use_reentrant=False checkpointing, " + _OFF)
+        self.seen.add(id(p))
+        info = opt.hf_efficient
+        if info.options.get("nonfinite", "ignore") != "ignore" and not p.grad.is_sparse and self._bad(p.grad):
+            self._nonfinite(opt, p, info)
+            return
+        guard._in_param_layout(opt)  # only p holds a gradient: its copy in p's layout, if the strides differ
+        with torch.no_grad():
+            self.step(opt)
+        p.grad = None
+        self.stepped += 1
+        self.info.stepped_tensors += 1
+
+    @staticmethod
+    def _bad(grad: torch.Tensor) -> bool:
+        first = guard._first_bad_native([grad])
+        return (guard._first_bad_torch([grad]) if first is None else first) >= 0
+
+    def _nonfinite(self, opt, p, info) -> None:
+        name, spec = self.names[id(p)], info.resolution.spec
+        if info.options["nonfinite"] == "raise":
+            raise FloatingPointError(
+                f"{spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 whose square "
+                f"overflows) in parameter {name!r} at step {info.steps + 1}, under gradient release: the {self.stepped} "
+                "tensor(s) completed earlier in this backward were stepped, this one and all later ones were not "
+                "(its gradient is left in .grad; call optimizer.zero_grad() before the next backward). Find the cause "
+                "(learning rate, bad data), or set optim_args='nonfinite=skip' to skip such tensors")
+        p.grad = None
+        if not self.skipped:
+            info.skipped_steps += 1
+        self.skipped.append(name)
+        self.info.skipped_tensors += 1
+
+
+def _remove_handles(handles: dict) -> None:
+    for h in handles.values():
+        h.remove()
+    handles.clear()
+
+
+# --------------------------------------------------------------------------------------- settings it cannot hold
+
+
+def _refuse(problems: list[str], where: str) -> None:
+    if problems:
+        raise ValueError(f"gradient_release cannot hold with these {where} settings:\n- " + "\n- ".join(problems))
+
+
+def check_trainer_args(args) -> None:
+    """Refuse ``TrainingArguments`` under which gradient release would be wrong (all problems in one ValueError).
+
+    Call where ``gradient_release`` is on, before the model loads (e.g. at the end of ``__post_init__``).
+    """
+    problems = []
+    ga = getattr(args, "gradient_accumulation_steps", 1)
+    if ga > 1:
+        problems.append(f"gradient_accumulation_steps={ga}: {_WHY_ACCUMULATION}. Set gradient_accumulation_steps=1 "
+                        f"(a larger per_device_train_batch_size gives the same batch) {_OFF}")
+    norm = getattr(args, "max_grad_norm", 0) or 0
+    if norm > 0:
+        problems.append(f"max_grad_norm={norm}: clipping by the global norm needs every gradient before the first "
+                        "step, and released gradients are gone when the Trainer clips (it would clip nothing). Set "
+                        f"max_grad_norm=0 (no clipping) {_OFF}")
+    if getattr(args, "fp16", False):
+        problems.append("fp16=True: the GradScaler unscales and skips overflowing steps at optimizer.step(), after "
+                        "the release already stepped scaled gradients. Use bf16=True (no scaler) " + _OFF)
+    dist = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
+    world = getattr(args, "world_size", 1)
+    if dist or world > 1:
+        what = f"{' and '.join(dist)} set" if dist else f"world_size={world}"
+        problems.append(f"{what}: each hook would step a local gradient before it is reduced across processes. "
+                        "Train in one process " + _OFF)
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or {}
+    if getattr(args, "gradient_checkpointing", False) and kwargs.get("use_reentrant", False):
+        problems.append("gradient_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing runs nested "
+                        "backward passes, in which a shared weight would be stepped once per segment. Use "
+                        "{'use_reentrant': False} " + _OFF)
+    _refuse(problems, "TrainingArguments")
+
+
+def check_accelerate(accelerator) -> None:
+    """Refuse an ``Accelerator`` under which gradient release would be wrong (all problems in one ValueError).
+
+    Clipping cannot be seen here: with gradient release, do not call ``accelerator.clip_grad_norm_`` (it finds no
+    gradients and clips nothing).
+    """
+    problems = []
+    ga = getattr(accelerator, "gradient_accumulation_steps", 1)
+    if ga > 1:
+        problems.append(f"gradient_accumulation_steps={ga} (Accelerator / EfficientOptimPlugin, "
+                        f"HF_EFF_GRADIENT_ACCUMULATION_STEPS): {_WHY_ACCUMULATION}. Set gradient_accumulation_steps=1 "
+                        f"(a larger batch is the same math) {_OFF}")
+    if str(getattr(accelerator, "mixed_precision", "no")) == "fp16" or getattr(accelerator, "scaler", None):
+        problems.append("mixed_precision='fp16': the GradScaler unscales and skips at optimizer.step(), after the "
+                        "release already stepped scaled gradients. Use mixed_precision='bf16' " + _OFF)
+    kind = getattr(getattr(accelerator, "distributed_type", None), "value", "NO")
+    processes = getattr(accelerator, "num_processes", 1)
+    if kind not in ("NO", "MPS", "XLA") or processes > 1:
+        problems.append(f"distributed_type={kind} with {processes} process(es): each hook would step a local "
+                        "gradient before it is reduced across processes. Launch one process " + _OFF)
+    _refuse(problems, "Accelerate")
