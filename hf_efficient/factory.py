@@ -11,9 +11,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from .guard import check_group_flags, check_params, check_unique, protect
+from .guard import check_params, protect
 from .optim import _native
-from .options import check_hyperparams, parse_options
+from .options import check_flags, check_hyperparams, check_unique, parse_options
 from .param_groups import DecaySplit, build_param_groups, param_device, split_parameters
 from .registry import Resolution, get_spec, resolve
 
@@ -81,9 +81,9 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
         split, groups, keep_fp32 = None, _as_groups(model), []
     named = list(_named(groups))
     check_params(named, spec)
-    check_unique(named)
+    check_unique(((f"parameter {n!r}", p) for n, p in named), owner=spec.trainer_name)
     for g in groups:
-        check_group_flags(g, {"maximize": None, "amsgrad": None} if spec.name == "adamw" else {}, spec.trainer_name)
+        check_flags(g, ("maximize", "amsgrad") if spec.name == "adamw" else (), spec.trainer_name)
     device = param_device(p for _, p in named)
     if device.type == "cpu":
         _native.check_thread_limit()

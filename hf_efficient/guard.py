@@ -29,7 +29,7 @@ import torch
 
 from . import checkpoint
 from .optim import _native
-from .options import check_hyperparams
+from .options import check_flags, check_hyperparams, check_unique
 
 __all__ = ["protect", "check_params", "check_unique", "first_nonfinite", "OVERFLOW"]
 
@@ -54,17 +54,6 @@ def check_params(params, spec, device: torch.device | None = None) -> None:
         if device is not None and p.device != device:
             raise ValueError(f"parameter {name!r} is on {p.device}, the optimizer's other parameters on {device}: "
                              "one optimizer steps parameters of one device")
-
-
-def check_unique(named, existing=()) -> None:
-    """Refuse a parameter listed twice (in one group, across groups, or already in the optimizer): it would be
-    stepped twice per step, and a kernel updating both copies at once races."""
-    seen = {id(p): n for n, p in existing}
-    for name, p in named:
-        if id(p) in seen:
-            raise ValueError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}: each parameter may appear "
-                             "once in an optimizer (a tied weight is listed once; model.parameters() does that)")
-        seen[id(p)] = name
 
 
 def _names(optimizer) -> list[str]:
@@ -247,7 +236,8 @@ class _Protected:
         names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(params))]
         device = next(p.device for g in self.param_groups for p in g["params"])
         check_params(zip(names, params), spec, device)
-        check_unique(zip(names, params), _named_params(self))
+        check_unique(((f"parameter {n!r}", p) for n, p in zip(names, params)),
+                     [(f"parameter {n!r}", p) for n, p in _named_params(self)], spec.trainer_name)
         named = all("param_names" in g for g in self.param_groups)  # torch: all groups named, or none
         super().add_param_group(dict(group, params=params, **({"param_names": names} if named else {})))
 
@@ -273,12 +263,8 @@ class _Protected:
 
 
 def check_group_flags(group: dict, defaults: dict, owner: str) -> None:
-    """Refuse group flags that change the math (``maximize``, ``amsgrad``) where the optimizer does not implement
-    them: it would silently ignore them."""
-    for key in ("maximize", "amsgrad"):
-        if group.get(key, False) and key not in defaults:
-            raise ValueError(f"{owner}: param group has {key}=True, which this optimizer does not implement (it would be "
-                             f"ignored). {'Negate the loss instead' if key == 'maximize' else 'Use hf_eff_adamw'}.")
+    """:func:`.options.check_flags` with the optimizer's defaults as what it implements (kept for callers)."""
+    check_flags(group, defaults, owner)
 
 
 def _rebuild(base: type, attrs: dict, info, fp32_positions, state_dict: dict):

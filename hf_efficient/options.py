@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["Option", "OPTIONS", "parse_options", "parse_optim_args", "check_hyperparams"]
+__all__ = ["Option", "OPTIONS", "parse_options", "parse_optim_args", "check_hyperparams", "check_group", "check_unique",
+           "check_flags", "check_step", "refuse_sparse"]
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -157,3 +158,84 @@ def check_hyperparams(*, lr: float, betas: tuple[float, float] | None = None, ep
                          "second moment is 0)")
     if not _number(weight_decay) or not 0.0 <= weight_decay < math.inf:
         raise ValueError(f"Invalid weight_decay={weight_decay!r}: it must be a finite number >= 0")
+
+
+def check_unique(named, existing=(), owner: str = "") -> None:
+    """Refuse a parameter listed twice (in one group, across groups, or already in the optimizer): it would be
+    stepped twice per step (torch only warns), and a kernel updating both copies at once races.
+
+    Args:
+        named: (name, tensor) pairs to add; a name is a noun phrase ("parameter 'encoder.weight'").
+        existing: (name, tensor) pairs already in the optimizer.
+        owner: optimizer named first in the message.
+    """
+    seen = {id(p): n for n, p in existing}
+    for name, p in named:
+        if id(p) in seen:
+            shape = tuple(p.shape) if hasattr(p, "shape") else None
+            raise ValueError(f"{owner + ': ' if owner else ''}{name} (shape {shape}) is the same tensor as "
+                             f"{seen[id(p)]}: it would be updated twice per step, by kernels racing on it. List each "
+                             "parameter once (a tied weight is listed once; model.parameters() does that)")
+        seen[id(p)] = name
+
+
+def check_flags(group: dict, implemented, owner: str) -> None:
+    """Refuse group flags that change the math (``maximize``, ``amsgrad``) where the optimizer does not implement
+    them (``implemented``: the keys it does): it would silently ignore them."""
+    for key in ("maximize", "amsgrad"):
+        if group.get(key, False) and key not in implemented:
+            fix = "Negate the loss instead (loss = -objective) and drop the 'maximize' key" if key == "maximize" \
+                else "Use hf_eff_adamw"
+            raise ValueError(f"{owner} got {key}={group[key]!r} in a param group, which it does not implement (it "
+                             f"would be ignored). {fix}")
+
+
+def check_group(optimizer, param_group, owner: str, check: Callable[[dict], None] | None = None):
+    """``param_group`` ready for ``Optimizer.add_param_group``, or a ValueError before anything changed: the one group
+    check of this package's optimizer classes (construction, later groups and loaded groups refuse the same values).
+
+    Every hyperparameter the group has through :func:`check_hyperparams`, ``maximize`` / ``amsgrad`` refused, no
+    parameter twice (a generator is read once, here); ``check(group)`` adds the family's own checks. ``optimizer``:
+    the optimizer the group joins (its defaults complete the group, its groups count for duplicates), or None for a
+    complete group alone (a saved one, whose parameters are ids).
+    """
+    if not isinstance(param_group, dict):
+        return param_group  # torch's own TypeError
+    defaults, groups = (optimizer.defaults, optimizer.param_groups) if optimizer is not None else ({}, [])
+    params = param_group.get("params")
+    if params is not None and not isinstance(params, set):  # a set: torch's own TypeError (unordered)
+        params = [params] if hasattr(params, "shape") else list(params)
+        param_group = {**param_group, "params": params}
+        check_unique(((f"parameter {i} of the new param group", p) for i, p in enumerate(params)),
+                     [(f"parameter {i} of param group {gi}", p) for gi, g in enumerate(groups)
+                      for i, p in enumerate(g["params"])], owner)
+    group = {**defaults, **param_group}
+    check_flags(group, (), owner)
+    check_hyperparams(lr=group["lr"], betas=group.get("betas"), eps=group.get("eps"),
+                      weight_decay=group.get("weight_decay", 0.0))
+    if check is not None:
+        check(group)
+    return param_group
+
+
+def check_step(step, where: str) -> None:
+    """A saved ``step``: a number or a one-element tensor, finite and >= 0 (torch accepts a Python number)."""
+    if hasattr(step, "numel") and step.numel() == 1 and not step.dtype.is_complex and str(step.dtype) != "torch.bool":
+        value = step.item()
+    elif _number(step):
+        value = step
+    else:
+        value = None
+    if value is None or not 0 <= value < math.inf:
+        raise ValueError(f"{where}: step={step!r} is not a step count (a finite number >= 0, or a one-element tensor "
+                         "holding one); the state dict is corrupt or not this optimizer's. Nothing was loaded")
+
+
+def refuse_sparse(optimizer, owner: str) -> None:
+    """Refuse sparse gradients before any tensor is updated: a step is done whole or not at all."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(f"{owner} does not support sparse gradients (parameter {i} of param group {gi}, "
+                                   f"shape {tuple(p.shape)}); nothing was updated. Use dense gradients (e.g. "
+                                   "nn.Embedding(..., sparse=False)) or torch.optim.SparseAdam for that parameter")

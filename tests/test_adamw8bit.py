@@ -34,10 +34,11 @@ import pytest
 import torch
 
 from hf_efficient.optim import adamw8bit as mod
-from hf_efficient.optim import quant8
+from hf_efficient.optim import _blockwise, _dispatch, quant8
 from hf_efficient.optim.adamw8bit import AdamW8bit, dynamic_map
 
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
+COMPILED, NATIVE = ("compiled", "adamw8bit", "cpu"), ("native", "adamw8bit_cpu.c", "adamw8bit_step")
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
 KEYS_8BIT = {"step", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
 
@@ -225,14 +226,14 @@ def test_fp32_state_params_are_torch_adamw():
 
 @needs_compiler
 def test_compiled_equals_eager_and_compiles_once(monkeypatch):
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
     torch._dynamo.reset()
     shapes = [(64, 80), (96, 128)]  # 20 and 48 whole blocks: one graph for both
     make = lambda: [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)) * 0.1)  # noqa: E731
                     for i, s in enumerate(shapes)]
     pe, pc = make(), make()
     eager, compiled = _run(pe, 4, compile=False), _run(pc, 4, compile=True)
-    assert mod._COMPILED["cpu"] is not None, "the compiled kernel failed"
+    assert _dispatch._COMPILED[COMPILED] is not None, "the compiled kernel failed"
     cache = torch._dynamo.eval_frame._debug_get_cache_entry_list(mod._kernel.__code__)
     assert len(cache) == 1, f"{len(cache)} graphs for one dtype and device: recompiling per shape"
     for a, b in zip(pe, pc):
@@ -247,11 +248,11 @@ def test_failed_compile_falls_back_to_eager(monkeypatch, caplog):
             raise torch._inductor.exc.InductorError(RuntimeError("no C++ compiler here"), None)
         return fail
 
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", broken)
-    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
         fallback = _run(ps := _params(), 3, compile=True)
-    assert "no C++ compiler here" in caplog.text and mod._COMPILED["cpu"] is None
+    assert "no C++ compiler here" in caplog.text and _dispatch._COMPILED[COMPILED] is None
     eager = _run(pe := _params(), 3, compile=False)
     for a, b in zip(ps, pe):
         assert torch.equal(a, b)
@@ -264,9 +265,9 @@ def _with_big(seed=0):  # _params() and a tensor whose blocks split over 2 threa
 
 def _counting_native(monkeypatch) -> list:
     calls = []
-    real = mod._native_step
-    monkeypatch.setattr(mod, "_native_step", lambda fn, items, threads=None: (calls.append(len(items)),
-                                                                             real(fn, items, threads)))
+    real = AdamW8bit.run_native  # what the op hf_efficient::adamw8bit_step runs
+    monkeypatch.setattr(AdamW8bit, "run_native", classmethod(
+        lambda cls, fn, params, *rest: (calls.append(len(params)), real(fn, params, *rest))))
     return calls
 
 
@@ -281,7 +282,7 @@ def _assert_same(pa, oa, pb, ob):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_kernel_equals_compiled_and_eager(threads, monkeypatch):
     """Automatic mode on CPU runs fp32 weights through the C kernel, all 8-bit tensors of a group in one call."""
-    if mod._native_kernel() is None:
+    if AdamW8bit.native_fn() is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     torch.set_num_threads(threads)
     calls = _counting_native(monkeypatch)
@@ -312,8 +313,8 @@ def test_native_kernel_every_decade(flags, monkeypatch, rebuild_native):
     (no VBMI) and all in plain C, give the compiled kernel's codes for values in every decade of both maps."""
     from hf_efficient.optim import _native
 
-    rebuild_native(mod, _FLAGS=_native._FLAGS + flags)
-    if mod._native_kernel() is None:
+    rebuild_native(_dispatch, _FLAGS=_native._FLAGS + flags)
+    if AdamW8bit.native_fn() is None:
         pytest.skip("the C kernel is not built here (no C compiler, or not an x86 one for -mno-avx512f)")
     calls = _counting_native(monkeypatch)
     pn, native = _wide_run()
@@ -327,7 +328,7 @@ def test_native_kernel_every_decade(flags, monkeypatch, rebuild_native):
 def test_native_kernel_bf16_weights_equal_eager(monkeypatch):
     """bf16 weights and gradients through the C kernel: the eager kernel's state exactly; weights rounded to bf16
     as torch's copy_ rounds, so the update's last-bit difference (sqrt) flips a few of them by one bf16 ulp."""
-    if mod._native_kernel() is None:
+    if AdamW8bit.native_fn() is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     calls = _counting_native(monkeypatch)
     runs = []
@@ -350,7 +351,7 @@ def test_native_kernel_bf16_weights_equal_eager(monkeypatch):
 
 def test_native_kernel_without_openmp(monkeypatch, rebuild_native):
     """A compiler without OpenMP: built without it, Python threads split the blocks, same results."""
-    lib = rebuild_native(mod, _OPENMP="-fno-such-openmp-flag").load("adamw8bit_cpu.c")
+    lib = rebuild_native(_dispatch, _OPENMP="-fno-such-openmp-flag").load("adamw8bit_cpu.c")
     if lib is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     assert lib.openmp is False
@@ -364,10 +365,10 @@ def test_native_kernel_without_openmp(monkeypatch, rebuild_native):
 
 def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog, rebuild_native):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    native = rebuild_native(mod)
+    native = rebuild_native(_dispatch)
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         opt = _run(ps := _params(), 2)
-    assert "could not build adamw8bit_cpu.c" in caplog.text and mod._COMPILED["native"] is None
+    assert "could not build adamw8bit_cpu.c" in caplog.text and _dispatch._COMPILED[NATIVE] is None
     _assert_same(ps, opt, pe := _params(), _run(pe, 2, compile=False))
 
 
@@ -472,8 +473,8 @@ def test_sparse_gradients_refused():
 
 def test_chunked_calls_equal_whole_calls(monkeypatch):
     whole = _run(pw := _params(), 3, compile=False)
-    monkeypatch.setattr(mod, "_CALL_BLOCKS", 7)  # 64x80 = 20 blocks: calls of 7, 7, 6
-    monkeypatch.setattr(mod, "_EAGER_BLOCKS", 3)
+    monkeypatch.setattr(_blockwise, "_CALL_BLOCKS", 7)  # 64x80 = 20 blocks: calls of 7, 7, 6
+    monkeypatch.setattr(_blockwise, "_EAGER_BLOCKS", 3)
     chunked = _run(pc := _params(), 3, compile=False)
     for a, b in zip(pw, pc):
         assert torch.equal(a, b)
@@ -578,13 +579,13 @@ def test_a_failing_compiled_kernel_is_not_run_again(monkeypatch):
             raise RuntimeError("out of memory")
         return run
 
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", updates_then_fails)
     p = torch.nn.Parameter(torch.zeros(256))
     p.grad = torch.ones(256)
     with pytest.raises(RuntimeError, match="out of memory"):
         AdamW8bit([p], min_8bit_size=0, compile=True).step()
-    assert torch.equal(p.detach(), torch.full((256,), -1.0)) and mod._COMPILED["cpu"] is not None
+    assert torch.equal(p.detach(), torch.full((256,), -1.0)) and _dispatch._COMPILED[COMPILED] is not None
 
 
 def _bad_state(change):
@@ -647,11 +648,11 @@ def test_group_checks_in_every_path(cls):
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="maximize.*Negate the loss"):
         Opt([{"params": [a], "maximize": True}])
-    with pytest.raises(ValueError, match="parameter 1 of the new param group .* same tensor as its parameter 0"):
+    with pytest.raises(ValueError, match="parameter 1 of the new param group .* same tensor as parameter 0 of the new param group"):
         Opt([a, a])
     opt = Opt([a])
     for group, match in (({"params": [b], "maximize": True}, "maximize"), ({"params": [b, b]}, "parameter 1"),
-                         ({"params": [a]}, "parameter 0 .* already in param group 0"),
+                         ({"params": [a]}, "parameter 0 of the new param group .* same tensor as parameter 0 of param group 0"),
                          ({"params": [b], "lr": torch.tensor(0.1)}, "lr"), ({"params": [b], "eps": 0.0}, "eps")):
         with pytest.raises(ValueError, match=match):
             opt.add_param_group(group)

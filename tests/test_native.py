@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_efficient.optim import _native
+from hf_efficient.optim import _dispatch, _native
 from hf_efficient.optim import adamw8bit as m8
 from hf_efficient.optim import adamw_bf16 as mbf
 
@@ -67,8 +67,8 @@ def check_every_element_done() -> None:
     f8, fb, scan = _bound_8bit(), _bound_bf16(), _bound_scan()
     for threads in (None, 2, 3, 4):
         p = torch.zeros(N)
-        m8._native_step(f8, [(p, torch.ones(N), m8._zero_8bit_state(N, CPU), m8._coefficients(
-            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1))], threads=threads)
+        m8.AdamW8bit.native_step(f8, [(p, torch.ones(N), m8.AdamW8bit.zero_state(N, CPU), m8.AdamW8bit.coefficients(
+            dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), 1))], threads=threads)
         assert (p != 0).all(), f"8-bit kernel, {threads} threads: {(p == 0).sum().item()} of {N} weights not updated"
         p = torch.ones(N, dtype=torch.bfloat16)
         state = [torch.zeros(N, dtype=torch.bfloat16) for _ in range(3)]
@@ -80,7 +80,7 @@ def check_every_element_done() -> None:
             g = torch.zeros(N, dtype=dtype)
             g[-1] = value
             assert _scan(scan, [torch.zeros(5, dtype=dtype), g], threads) == 1, (dtype, value, threads)
-    assert m8._native_kernel() is not None, "the 8-bit probe refused a correct kernel"
+    assert m8.AdamW8bit.native_fn() is not None, "the 8-bit probe refused a correct kernel"
     assert mbf._native_kernel("kahan", CPU, torch.bfloat16) is not None, "the bf16 probe refused a correct kernel"
 
 
@@ -117,11 +117,11 @@ def _first_share_only(real):
 def test_probes_refuse_a_kernel_that_splits_wrongly(monkeypatch, caplog):
     """The probes run the kernels on 3 threads over a range that splits: a kernel that leaves a share undone is
     refused (and the optimizers keep their other paths)."""
-    monkeypatch.setattr(m8, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
     monkeypatch.setattr(mbf, "_COMPILED", {})
     real_bind = _native.bind
     monkeypatch.setattr(_native, "bind", lambda *a, **k: _first_share_only(real_bind(*a, **k)))
-    assert m8._native_kernel() is None
+    assert m8.AdamW8bit.native_fn() is None
     assert mbf._native_kernel("kahan", CPU, torch.bfloat16) is None
     assert "disagrees" in caplog.text
 
@@ -147,7 +147,7 @@ _STEP = """
 import logging, sys, torch
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
 from hf_efficient.optim import adamw8bit as m, _native
-assert m._native_kernel() is not None, "no C kernel"
+assert m.AdamW8bit.native_fn() is not None, "no C kernel"
 p = torch.nn.Parameter(torch.zeros(8192)); p.grad = torch.ones(8192)
 m.AdamW8bit([p], lr=1e-3, weight_decay=0.0).step()
 assert torch.allclose(p, torch.full_like(p, -1e-3)), p

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..options import check_hyperparams
+from ..options import check_group, check_hyperparams, refuse_sparse
 
 __all__ = ["Adafactor"]
 
@@ -44,17 +44,12 @@ class Adafactor(torch.optim.Optimizer):
                  decay_rate: float = -0.8, clip_threshold: float = 1.0, eps: float = 1e-30):
         defaults = dict(lr=lr, weight_decay=weight_decay, beta1=beta1, decay_rate=decay_rate,
                         clip_threshold=clip_threshold, eps=eps)
-        _check_group(defaults)
+        check_group(None, defaults, "Adafactor", _check_family_keys)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """As torch's, after checking the group's hyperparameters and that no parameter is in it twice."""
-        params = param_group.get("params") if isinstance(param_group, dict) else None  # else torch's own error
-        if params is not None and not isinstance(params, (Tensor, set)):  # a set is refused by torch (unordered)
-            param_group = {**param_group, "params": list(params)}  # a generator is read once, here
-            _check_unique(param_group["params"])
-        _check_group({**self.defaults, **param_group})
-        super().add_param_group(param_group)
+        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
+        super().add_param_group(check_group(self, param_group, "Adafactor", _check_family_keys))
 
     def __setstate__(self, state: dict) -> None:
         # torch accepts a Python number as a saved ``step`` (older checkpoints): make it the tensor step() uses
@@ -81,43 +76,24 @@ class Adafactor(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_sparse(self, "Adafactor")  # before any tensor is updated: no half-done step
         todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p, _ in todo:  # refuse before any tensor is updated: no half-done step
-            if p.grad.is_sparse:
-                raise RuntimeError(f"Adafactor does not support sparse gradients (parameter of shape "
-                                   f"{tuple(p.shape)}); nothing was updated. Use dense gradients (e.g. nn.Embedding(..., sparse=False)) "
-                                   f"or torch.optim.SparseAdam for that parameter")
         for p, group in todo:
             state = self.state[p] if self.state[p] else self._init_state(p, group["beta1"])
             _adafactor_step(p, p.grad, state, group)
         return loss
 
 
-def _check_group(group: dict) -> None:
-    """Refuse a group's hyperparameters (the constructor's defaults, or a group added later) before use."""
-    if group.get("maximize"):
-        raise ValueError(f"Adafactor got maximize={group['maximize']!r} in a param group: it only minimizes. To "
-                         f"maximize an objective, negate the loss (loss = -objective) and drop the 'maximize' key")
+def _check_family_keys(group: dict) -> None:
+    """Adafactor's own keys (:func:`..options.check_group` checks lr, eps, weight_decay and maximize)."""
     beta1 = group["beta1"]
-    check_hyperparams(lr=group["lr"], betas=None if beta1 is None else (beta1, 0.0), eps=group["eps"],
-                      weight_decay=group["weight_decay"])
+    if beta1 is not None:
+        check_hyperparams(lr=group["lr"], betas=(beta1, 0.0))
     if not group["decay_rate"] < 0:
         raise ValueError(f"Invalid decay_rate={group['decay_rate']!r}: it must be negative "
                          f"(beta2_t = 1 - t**decay_rate)")
     if not group["clip_threshold"] > 0:
         raise ValueError(f"Invalid clip_threshold={group['clip_threshold']!r}: it must be > 0")
-
-
-def _check_unique(params: list) -> None:
-    """Refuse a parameter listed twice in a group: it would be stepped twice per step (torch only warns)."""
-    seen: dict[int, int] = {}
-    for i, p in enumerate(params):
-        if id(p) in seen:
-            shape = tuple(p.shape) if isinstance(p, Tensor) else None
-            raise ValueError(f"Adafactor: the parameter at positions {seen[id(p)]} and {i} of a param group is the "
-                             f"same tensor (shape {shape}); it would be updated twice per step. List each "
-                             f"parameter once (e.g. model.parameters() lists a tied weight once)")
-        seen[id(p)] = i
 
 
 def _adafactor_step(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:

@@ -53,7 +53,8 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
 from . import _native
-from .adamw8bit import _NoGroups, _check_step, checked_group, compile_errors, refuse_sparse
+from ..options import check_group, check_step, refuse_sparse
+from ._dispatch import compile_errors
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
@@ -540,8 +541,9 @@ class AdamWBF16(Optimizer):
         weight_decay: decoupled weight decay, ``p -= lr * weight_decay * p``.
         compensation: ``"kahan"`` (6 bytes/param), ``"stochastic"`` (4) or ``"none"`` (4, stale weights).
         foreach: True for the foreach path, False for the per-tensor loop; None: automatic.
-        compile: True/None (automatic: CPU only) for the torch.compile'd kernel, with a fallback to
-            foreach when compiling fails; False never compiles.
+        compile: None (automatic): on CPU the C kernel for bf16 weights (fp16: the torch.compile'd kernel), on
+            other devices foreach; True: the compiled kernel; False never compiles. A compiled kernel that fails
+            to compile falls back to foreach with a warning.
 
     Example::
 
@@ -562,8 +564,8 @@ class AdamWBF16(Optimizer):
         self._report_dtypes()
 
     def add_param_group(self, param_group: dict) -> None:
-        """As torch's, after :func:`.adamw8bit.checked_group` (hyperparameters, maximize, parameters listed twice)."""
-        super().add_param_group(checked_group(self, param_group, "AdamWBF16", _check_family_keys))
+        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
+        super().add_param_group(check_group(self, param_group, "AdamWBF16", _check_family_keys))
 
     def _report_dtypes(self) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
@@ -595,11 +597,11 @@ class AdamWBF16(Optimizer):
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             for i, saved in state_dict["state"].items():
                 if isinstance(saved, dict) and "step" in saved:
-                    _check_step(saved["step"], f"AdamWBF16.load_state_dict: parameter {i}")
+                    check_step(saved["step"], f"AdamWBF16.load_state_dict: parameter {i}")
         if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
             for gi, g in enumerate(state_dict["param_groups"]):
                 try:
-                    checked_group(_NoGroups(self.defaults), {**self.defaults, **g, "params": ()}, "AdamWBF16",
+                    check_group(None, {**self.defaults, **g, "params": ()}, "AdamWBF16",
                                   _check_family_keys)
                 except ValueError as e:
                     raise ValueError(f"AdamWBF16.load_state_dict: saved param group {gi}: {e}; nothing was "

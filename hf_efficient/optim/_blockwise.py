@@ -1,0 +1,377 @@
+"""What every optimizer with blockwise 8-bit state shares: a family is its math, nothing else.
+
+A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`) subclasses :class:`Blockwise8bit` and gives:
+
+- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``),
+  ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit state keys and whether each is signed (the map);
+- ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``: one step on ``nb`` blocks, in torch ops
+  (``p``, ``g`` ``(nb, 256)``, codes in :mod:`.quant8`'s in-memory form); compiled by inductor, or run as is;
+- ``coefficients(group, step) -> list[float]``: its per-step scalars (the C kernel reads them per tensor);
+- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``).
+
+Everything else is here, once: state creation, the choice of kernel per tensor (:meth:`Blockwise8bit.choose`),
+full blocks in bounded calls and the zero-padded last block, all C-kernel tensors of a group in one call of its
+``torch.library`` op, the canonical ``state_dict`` and an all-or-nothing ``load_state_dict``.
+
+Kernels. On CPU, contiguous fp32 or bf16 weights and gradients go through the family's C kernel (built once per
+machine with the system C compiler, see :mod:`._native`; the codec is ``quant8.h``), admitted by a probe that
+must give the eager kernel's codes and absmaxes exactly (3 steps, 3 threads, a gradient whose square overflows).
+Everything else (fp16 weights, other layouts, ``compile=True``, CUDA) gets the ``torch.compile``'d kernel, and
+without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..options import check_group, check_step, refuse_sparse
+from . import _dispatch, _native, quant8
+from .quant8 import BLOCK, WORDS, _describe
+
+__all__ = ["Blockwise8bit"]
+
+_EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
+_CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
+
+
+def _check_8bit_keys(group: dict) -> None:
+    size = group["min_8bit_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"Invalid min_8bit_size={size!r}: it must be an int >= 0 (elements)")
+    if group["compile"] not in (None, True, False):
+        raise ValueError(f"Invalid compile={group['compile']!r}: expected None (automatic: the C kernel where it "
+                         "applies, else the compiled one), True (the compiled kernel) or False (eager)")
+
+
+def _make_op(name: str, family: type):
+    """``hf_efficient::{name}_step``: the family's C kernel over lists of tensors, in place (shows in the profiler,
+    composes with torch.compile). ``codes`` / ``absmax``: every tensor's first moment, then every tensor's second..."""
+    def step(params: list[Tensor], grads: list[Tensor], codes: list[Tensor], absmax: list[Tensor],
+             coef: list[float], threads: int) -> None:
+        family.run_native(family.native_fn(), params, grads, codes, absmax, coef, None if threads < 0 else threads)
+
+    return torch.library.custom_op(f"hf_efficient::{name}_step", step, mutates_args=("params", "codes", "absmax"),
+                                   device_types="cpu")
+
+
+class Blockwise8bit(Optimizer):
+    """Base of the 8-bit families (see the module docstring). Not used alone."""
+
+    NAME: str
+    FAMILY: str
+    MOMENTS: tuple[tuple[str, bool], ...]
+    _op = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._op = _make_op(cls.NAME, cls)
+
+    def __init__(self, params, defaults: dict, fp32_state_params=None):
+        _check_8bit_keys(defaults)
+        self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
+        super().__init__(params, defaults)
+
+    # --- what a family gives -------------------------------------------------------------------------------
+
+    @staticmethod
+    def kernel(p, g, *args):
+        raise NotImplementedError
+
+    @staticmethod
+    def coefficients(group: dict, step: int) -> list[float]:
+        raise NotImplementedError
+
+    def step_32bit(self, group: dict, items: list[tuple[Tensor, Tensor, dict]]) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def check_family_keys(cls, group: dict) -> None:
+        """A family's own group checks, beside :func:`..options.check_group`'s (8-bit keys here)."""
+        _check_8bit_keys(group)
+
+    # --- kernels ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def eager_kernel(cls, p, g, *args):
+        """The kernel run as is, in chunks of blocks (its fp32 temporaries are ~30 times the chunk)."""
+        *tensors, coef = args
+        outs = [cls.kernel(*(t[i:i + _EAGER_BLOCKS] for t in (p, g, *tensors)), coef)
+                for i in range(0, p.shape[0], _EAGER_BLOCKS)]
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+
+    @classmethod
+    def compiled_kernel(cls, device: torch.device):
+        """The torch.compile'd kernel for ``device`` (compiled at its first call), or None where that failed."""
+        return _dispatch.compiled(("compiled", cls.NAME, device.type), cls.kernel)
+
+    @classmethod
+    def native_fn(cls):
+        """The C function, once its probe passed; else None."""
+        k = len(cls.MOMENTS)
+        return _dispatch.native(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step",
+                                [ctypes.c_int64] + [ctypes.c_void_p] * (2 + 2 * k + 4)
+                                + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], cls._probe)
+
+    @staticmethod
+    def native_fits(p: Tensor, g: Tensor) -> bool:
+        return (_native.plain(p, g) and p.device.type == "cpu" and p.dtype == g.dtype
+                and p.dtype in (torch.float32, torch.bfloat16) and p.is_contiguous() and g.is_contiguous())
+
+    @classmethod
+    def choose(cls, p: Tensor, g: Tensor, compile: bool | None):
+        """The one dispatch point: the C kernel's op for plain contiguous fp32/bf16 tensors on CPU (automatic mode
+        only), else the compiled kernel unless ``compile=False`` or compiling failed, else the eager one."""
+        if compile is None and cls.native_fits(p, g) and cls.native_fn() is not None:
+            return cls._op
+        if compile is False:
+            return cls.eager_kernel
+        return cls.compiled_kernel(p.device) or cls.eager_kernel
+
+    @classmethod
+    def run_native(cls, fn, params, grads, codes, absmax, coef, threads=None) -> None:
+        """``fn`` (the C function) over all the tensors at once, blocks split over threads (``threads``: see
+        :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn."""
+        c = _dispatch.c_array
+        numel = [p.numel() for p in params]
+        args = (len(params), c(ctypes.c_void_p, params), c(ctypes.c_void_p, grads),
+                *(c(ctypes.c_void_p, codes[i::len(cls.MOMENTS)]) for i in range(len(cls.MOMENTS))),
+                *(c(ctypes.c_void_p, absmax[i::len(cls.MOMENTS)]) for i in range(len(cls.MOMENTS))),
+                c(ctypes.c_int64, numel), c(ctypes.c_int32, [p.dtype == torch.bfloat16 for p in params]),
+                quant8.c_tables().data_ptr(), c(ctypes.c_float, coef))
+        _native.run_split(fn, args, sum(quant8.blocks(n) for n in numel), unit=BLOCK, threads=threads)
+
+    @classmethod
+    def native_step(cls, fn, items, threads: int | None = None) -> None:
+        """``items``: (weight, gradient, state, coefficients) of each tensor, in one call of ``fn``."""
+        keys = [k for k, _ in cls.MOMENTS]
+        cls.run_native(fn, [p for p, _, _, _ in items], [g for _, g, _, _ in items],
+                       [st[k] for _, _, st, _ in items for k in keys],
+                       [st[f"{k}_absmax"] for _, _, st, _ in items for k in keys],
+                       [x for _, _, _, cs in items for x in cs], threads)
+
+    @classmethod
+    def _probe(cls, fn) -> bool:
+        """Three steps of a tensor of 515 blocks and a partial one, split over 3 threads (whatever team OpenMP gives,
+        every block must be done), with a gradient whose square overflows: codes and absmaxes equal, weights
+        within 4 ulp of themselves or of the update (torch's fp32 sqrt on CPU is not correctly rounded, C's is)."""
+        gen = torch.Generator().manual_seed(0)
+        n = 2 * _native._MIN_PER_THREAD + 3 * BLOCK + 37
+        p0 = torch.randn(n, generator=gen)
+        grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
+        grads[1][5] = 2e19
+        group = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+        runs = []
+        for native in (True, False):
+            p = p0.clone()
+            state = cls.zero_state(n, p.device)
+            for t, g in enumerate(grads, 1):
+                coef = cls.coefficients(group, t)
+                if native:
+                    cls.native_step(fn, [(p, g, state, coef)], threads=3)
+                else:
+                    cls.step_8bit(p, g, state, torch.tensor(coef, dtype=torch.float32), cls.eager_kernel)
+            runs.append((p, state))
+        (pn, sn), (pe, se) = runs
+        ulps = 4 * 2.0**-23
+        return all(torch.equal(sn[k], se[k]) for k in sn) and torch.allclose(pn, pe, rtol=ulps, atol=ulps * 1e-2)
+
+    # --- per-tensor steps ------------------------------------------------------------------------------------
+
+    @classmethod
+    def zero_state(cls, numel: int, device) -> dict:
+        """Fresh 8-bit state of a tensor of ``numel`` elements: zero codes in whole blocks, zero absmaxes."""
+        state = {}
+        for key, signed in cls.MOMENTS:
+            state[key], state[f"{key}_absmax"] = quant8.zero_codes(numel, signed, device)
+        return state
+
+    @classmethod
+    def step_8bit(cls, p: Tensor, g: Tensor, state: dict, coef: Tensor, kernel) -> None:
+        """Update ``p`` and its 8-bit state: full blocks in bounded kernel calls, a partial last block in another."""
+        flat = p.detach().view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
+        gflat = g.reshape(-1)
+        n = flat.numel()
+        full = n // BLOCK
+        keys = [k for k, _ in cls.MOMENTS]
+        words = [state[k].view(torch.float32) for k in keys]
+        absmax = [state[f"{k}_absmax"] for k in keys]
+        for a in range(0, full, _CALL_BLOCKS):  # bounded calls: a 30522x768 embedding in one would allocate 190 MB
+            b = min(a + _CALL_BLOCKS, full)
+            args = [flat[a * BLOCK:b * BLOCK].view(-1, BLOCK), gflat[a * BLOCK:b * BLOCK].view(-1, BLOCK),
+                    *(w[a * WORDS:b * WORDS].view(-1, WORDS) for w in words), *(x[a:b] for x in absmax)]
+            if kernel is not cls.eager_kernel:
+                for t in args:  # one graph for all block counts
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            cls._store(kernel, args, coef)
+        if n > full * BLOCK:  # zero-padded last block: zero gradient and weight keep zero moments there
+            tail = slice(full * BLOCK, n)
+            pt = torch.zeros(1, BLOCK, dtype=p.dtype, device=p.device)
+            gt = torch.zeros(1, BLOCK, dtype=g.dtype, device=p.device)
+            pt[0, : n - full * BLOCK] = flat[tail]
+            gt[0, : n - full * BLOCK] = gflat[tail]
+            args = [pt, gt, *(w[full * WORDS:].view(1, WORDS) for w in words), *(x[full:] for x in absmax)]
+            cls._store(kernel, args, coef)
+            flat[tail] = pt[0, : n - full * BLOCK]
+        if not p.is_contiguous():
+            p.detach().copy_(flat.view(p.shape))
+
+    @classmethod
+    def _store(cls, kernel, args, coef) -> None:
+        if kernel is cls.eager_kernel:
+            out = kernel(*args, coef)
+        else:
+            out = _dispatch.call(kernel, cls.eager_kernel, cls.FAMILY, *args, coef)
+        for dst, src in zip(args[2:], out):  # returned, not written in place: inductor keeps a block local
+            dst.copy_(src)
+
+    # --- the optimizer -------------------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
+        super().add_param_group(check_group(self, param_group, self.FAMILY, self.check_family_keys))
+
+    def _init_state(self, p: Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if p.numel() < group["min_8bit_size"] or id(p) in self._fp32_ids:
+                for key, _ in self.MOMENTS:
+                    state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            else:
+                state.update(self.zero_state(p.numel(), p.device))
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        refuse_sparse(self, self.FAMILY)
+        first = self.MOMENTS[0][0]
+        for group in self.param_groups:
+            fp32 = []  # (p, grad, state) of tensors with fp32 state
+            coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
+            native = []  # (p, grad, state, coefficients) of the tensors that go to the C kernel, in one call
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p, group)
+                if state[first].dtype != torch.uint8:
+                    fp32.append((p, p.grad, state))
+                    continue
+                state["step"] += 1
+                key = (int(state["step"].item()), p.device)
+                if key not in coefs:
+                    coef = self.coefficients(group, key[0])
+                    coefs[key] = coef, torch.tensor(coef, dtype=torch.float32, device=p.device)
+                kernel = self.choose(p, p.grad, group["compile"])
+                if kernel is self._op:
+                    native.append((p.detach(), p.grad, state, coefs[key][0]))
+                else:
+                    self.step_8bit(p, p.grad, state, coefs[key][1], kernel)
+            if native:
+                keys = [k for k, _ in self.MOMENTS]
+                self._op([p for p, _, _, _ in native], [g for _, g, _, _ in native],
+                         [st[k] for _, _, st, _ in native for k in keys],
+                         [st[f"{k}_absmax"] for _, _, st, _ in native for k in keys],
+                         [x for _, _, _, cs in native for x in cs], -1)
+            if fp32:
+                self.step_32bit(group, fp32)
+        return loss
+
+    def state_dict(self) -> dict:
+        """torch's state dict, with 8-bit codes in the canonical layout (the parameter's shape, element order)."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, params):
+            st = sd["state"].get(i)
+            if st is not None and st[self.MOMENTS[0][0]].dtype == torch.uint8:
+                sd["state"][i] = {**st, **{k: quant8.to_canonical(st[k], p) for k, _ in self.MOMENTS}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a canonical state dict, all or nothing: everything is checked first (groups and their
+        hyperparameters, each state's keys, dtypes, shapes, absmax lengths, step), and a ValueError names what is
+        wrong before anything changed. Saved dtypes are kept (torch would cast the uint8 codes and the fp32
+        moments of low-precision weights to the weight's dtype): uint8 codes resume as 8-bit state."""
+        where = f"{self.FAMILY}.load_state_dict"
+        groups = self._checked_groups(state_dict, where)
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        unknown = set(state_dict["state"]) - set(ids)
+        if unknown:
+            raise ValueError(f"{where}: state for parameter ids {sorted(unknown, key=str)} that no saved param group "
+                             f"lists (they list {ids}); nothing was loaded")
+        loaded = {}
+        for i, p in zip(ids, params):
+            if state_dict["state"].get(i) is not None:
+                loaded[p] = self._checked_state(state_dict["state"][i], p, f"{where}: parameter {i}")
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
+        for p, st in loaded.items():
+            self.state[p] = st
+
+    def _checked_groups(self, state_dict: dict, where: str) -> list[dict]:
+        """The saved groups, each completed with this optimizer's defaults and checked as add_param_group checks."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) or not isinstance(
+                state_dict.get("param_groups"), list):
+            raise ValueError(f"{where}: expected a dict with 'state' (a dict) and 'param_groups' (a list), as "
+                             f"state_dict() returns; got {type(state_dict).__name__} with keys "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else None}; nothing was loaded")
+        saved = state_dict["param_groups"]
+        sizes = [len(g.get("params", ())) if isinstance(g, dict) else None for g in saved]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"{where}: the saved param groups hold {sizes} parameters, this optimizer's "
+                             f"{[len(g['params']) for g in self.param_groups]}: the state belongs to another model or "
+                             "grouping; nothing was loaded")
+        out = []
+        for gi, g in enumerate(saved):
+            group = {**self.defaults, **g}
+            try:
+                check_group(None, {**group, "params": ()}, self.FAMILY, self.check_family_keys)
+            except ValueError as e:
+                raise ValueError(f"{where}: saved param group {gi}: {e}; nothing was loaded") from e
+            out.append(group)
+        return out
+
+    def _checked_state(self, saved, p: Tensor, where: str) -> dict:
+        """The in-memory state of ``p`` from its saved (canonical) state, or a ValueError saying what is wrong."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict; nothing was loaded")
+        moments = [k for k, _ in self.MOMENTS]
+        eight_bit = isinstance(saved.get(moments[0]), Tensor) and saved[moments[0]].dtype == torch.uint8
+        keys = {"step", *moments} | ({f"{k}_absmax" for k in moments} if eight_bit else set())
+        if set(saved) != keys:
+            raise ValueError(f"{where}: state keys {sorted(saved)}, expected {sorted(keys)} ("
+                             f"{'8-bit' if eight_bit else 'fp32'} moments); nothing was loaded")
+        check_step(saved["step"], where)
+        for key in moments:
+            t = saved[key]
+            good = isinstance(t, Tensor) and (t.dtype == torch.uint8 if eight_bit else t.is_floating_point())
+            if not good or tuple(t.shape) != tuple(p.shape):
+                want = "uint8 codes" if eight_bit else "a float tensor"
+                raise ValueError(f"{where}: {key} is {_describe(t)}; expected {want} of the parameter's shape "
+                                 f"{tuple(p.shape)}; nothing was loaded")
+        st = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().reshape(())}
+        if not eight_bit:
+            for key in moments:
+                st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
+            return st
+        blocks = quant8.blocks(p.numel())
+        for key in (f"{k}_absmax" for k in moments):
+            t = saved[key]
+            if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
+                raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape ({blocks},), one "
+                                 f"absmax per block of {BLOCK} elements; nothing was loaded")
+            st[key] = t.to(device=p.device, dtype=torch.float32).clone()
+            if not (st[key].isfinite().all() and (st[key] >= 0).all()):
+                raise ValueError(f"{where}: {key} holds negative or non-finite values; nothing was loaded")
+        for key, signed in self.MOMENTS:
+            st[key] = quant8.from_canonical(saved[key], p, signed)
+        return st
+
