@@ -19,8 +19,8 @@ import torch
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
 
-__all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit", "build_bnb_paged_adamw8bit",
-           "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16", "Layout", "bnb_layout", "torchao_layout",
+__all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit",
+           "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16", "Layout", "bnb_layout", "torchao_layout",
            "bnb_keeps_8bit", "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
            "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory"]
 

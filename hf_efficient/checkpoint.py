@@ -176,8 +176,8 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
         raise ValueError(f"{where} has {sorted(extra)} beside {st[codes[0]].dtype} moments: absmaxes belong to "
                          "uint8 codes only; the checkpoint is corrupt")
     if missing:
-        raise ValueError(f"{where} lacks {sorted(missing)}, which {family.name} state with these settings always holds: "
-                         "the checkpoint is incomplete or corrupt. Resume from another checkpoint, or start the "
+        raise ValueError(f"{where} lacks {sorted(missing)}, which {family.name} state with these settings always "
+                         "holds: the checkpoint is incomplete or corrupt. Resume from another checkpoint, or start the "
                          "optimizer afresh (remove optimizer.pt from the checkpoint)")
     _check_step(st["step"], where)
     for key, value in st.items():
@@ -439,8 +439,8 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     src = FAMILIES[tag["family"]] if tag is not None else _untagged_family(
         {k: v for k, v in state.items() if isinstance(v, dict)}, libraries, spec.facts)
     if not _convertible(src.name, spec.family):
-        raise ValueError(f"this optimizer state holds {src.name} state and cannot be loaded into {spec.trainer_name}: it "
-                         "was written by another optimizer. Resume with the optimizer that wrote it, or start the "
+        raise ValueError(f"this optimizer state holds {src.name} state and cannot be loaded into {spec.trainer_name}: "
+                         "it was written by another optimizer. Resume with the optimizer that wrote it, or start the "
                          "optimizer afresh (remove optimizer.pt from the checkpoint)")
     validate(dict(sd, state=state, param_groups=saved), src, spec.name, param_names, params, live)
     for st in state.values():  # a number (torch accepts one) or a one-element tensor: the kernels' scalar tensor

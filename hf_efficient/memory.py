@@ -5,7 +5,8 @@ maps and block scales included, the inner tensors of tensor subclasses (torchao'
 DTensor) included, a storage shared by several entries (bitsandbytes' ``qmap1``/``qmap2``) counted once.
 
 Predicted (:func:`estimate_memory`): the same count done on paper, tensor by tensor, by the rule of the
-backend the registry picks for the device (``Backend.memory``, written in backends.py) -- so 8-bit keeps 32-bit state for embeddings and tensors below
+backend the registry picks for the device (``Backend.memory``, written in backends.py) -- so 8-bit keeps
+32-bit state for embeddings and tensors below
 ``min_8bit_size`` exactly where the optimizer will, Adafactor stores row + column statistics of each
 matrix, and ``adamw_bf16`` keeps bf16 buffers. ``MB`` here is 2**20 bytes (the unit of the 502 MB AdamW
 figure for a 65.8M-parameter model).
@@ -31,8 +32,8 @@ from .options import parse_options
 from .param_groups import split_parameters
 from .registry import PREFIX, get_spec, resolve
 
-__all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "choose_auto", "AutoChoice",
-           "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN",
+__all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "choose_auto",
+           "AutoChoice", "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN",
            "MAX_PARAMS"]
 
 logger = logging.getLogger(__name__)

@@ -291,8 +291,9 @@ SPECS: dict[str, OptimizerSpec] = {
                       # bitsandbytes' CPU kernel; on CUDA bitsandbytes' kernels are the reference. torchao is never
                       # chosen automatically: see TORCHAO_FLAW
                       {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
-                      estimate_rows=(EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-                                     EstimateRow(" (default: 32-bit embeddings)"))),
+                      estimate_rows=(
+                          EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
+                          EstimateRow(" (default: 32-bit embeddings)"))),
         OptimizerSpec("paged_adam8bit", ADAMW8BIT, 2.03, "~2.03", "as adam8bit, state paged to host memory (CUDA)",
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
         OptimizerSpec("adafactor", ADAFACTOR, 0.0, "<< 1",
@@ -340,7 +341,8 @@ def _log_once(res: Resolution) -> None:
     key = (res.name, res.backend, res.device)
     if key not in _logged:
         _logged.add(key)
-        logger.info("hf_efficient: %s%s on %s -> backend %s (%s)", PREFIX, res.name, res.device, res.backend, res.reason)
+        logger.info("hf_efficient: %s%s on %s -> backend %s (%s)", PREFIX, res.name, res.device, res.backend,
+                    res.reason)
 
 
 def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None, *,

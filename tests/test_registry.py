@@ -231,3 +231,99 @@ def test_torchao_is_never_chosen_automatically_and_warned_when_forced(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_efficient.registry"):
         hfe.resolve("adam8bit", "cpu", backend="torchao")
     assert "stores small second moments as exactly 0" in caplog.text
+
+
+def _count_resolves(monkeypatch) -> list:
+    """Record every registry.resolve call, wherever the module that makes it imported it from."""
+    import hf_efficient.factory
+    import hf_efficient.integrations.distributed
+    import hf_efficient.memory
+
+    calls, real = [], registry.resolve
+
+    def counting(*args, **kwargs):
+        calls.append(args[:1])
+        return real(*args, **kwargs)
+
+    for module in (registry, hf_efficient.factory, hf_efficient.memory, hf_efficient.integrations.distributed):
+        monkeypatch.setattr(module, "resolve", counting)
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore:hf_eff_paged_adam8bit")
+@pytest.mark.parametrize("optim", ["hf_eff_adam8bit", "hf_eff_paged_adam8bit"])
+def test_a_trainer_optimizer_build_resolves_its_name_once(tmp_path, monkeypatch, optim):
+    """TrainingArguments(optim=...) -> Trainer.create_optimizer -> factory.build_optimizer -> the backend's class:
+    the registry decides once (a fallback name's inner resolve is part of that one decision)."""
+    from conftest import tiny_bert
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(str(tmp_path), optim=optim, report_to=[], use_cpu=True, save_strategy="no")
+    trainer = Trainer(model=tiny_bert(), args=args)
+    calls = _count_resolves(monkeypatch)
+    opt = trainer.create_optimizer()
+    outer = [c for c in calls if c[0] == optim.removeprefix(registry.PREFIX)]
+    assert len(outer) == 1, calls
+    assert type(opt).__name__ == "AdamW8bit" and opt.hf_efficient.resolution.backend == "torch"
+
+
+def test_distributed_checks_resolve_at_most_once_and_take_a_resolution(monkeypatch):
+    from hf_efficient.integrations.distributed import check_deepspeed, check_fsdp
+
+    calls = _count_resolves(monkeypatch)
+    check_deepspeed("adamw", None, {}, {"zero_optimization": {"stage": 2}})
+    check_fsdp("adamw", None, version=2)
+    assert len(calls) == 2, calls
+    res = registry.resolve("adam8bit", "cpu", log=False)
+    calls.clear()
+    check_deepspeed(res, None, {"embedding_state": "8bit"}, {})
+    with pytest.raises(ValueError, match=r"hf_eff_adam8bit \(backend=torch\) is not supported with FSDP2: our 8-bit"):
+        check_fsdp(res, None, version=2)
+    assert calls == []
+
+
+def test_distributed_support_is_the_registry_s():
+    """The tables the distributed checks print are derived from the specs, entry for entry."""
+    from hf_efficient.integrations import distributed
+
+    assert distributed.FSDP2_UNSUPPORTED == {(s.name, b): impl.fsdp2 for s in registry.SPECS.values()
+                                             for b, impl in s.backends.items() if impl.fsdp2}
+    assert ("adam8bit", "torchao") not in distributed.FSDP2_UNSUPPORTED
+    assert set(distributed.DEEPSPEED_UNSUPPORTED) == {"adafactor", "adamw_bf16"}
+
+
+def test_every_family_describes_its_state_completely():
+    """What checkpoint.py and memory.py read from a spec is there for every name: formats known, required keys among
+    the state keys, each 8-bit code key with its absmax, a layout wherever a backend stores state its own way."""
+    formats = {"step", "param", "codes", "absmax", "row", "col"}
+    p, group = torch.zeros(4, 300, dtype=torch.bfloat16), {"amsgrad": True, "beta1": 0.9}
+    for spec in registry.SPECS.values():
+        if not spec.backends:
+            continue
+        fam = spec.facts
+        assert {k.format for k in fam.state.values()} <= formats, fam.name
+        assert fam.required(p, group) <= set(fam.state), fam.name
+        assert all(f"{k}_absmax" in fam.state for k, f in fam.state.items() if f.format == "codes"), fam.name
+        assert fam.marks <= set(fam.state) and fam.bench_format and fam.quality_target, fam.name
+        for b, impl in spec.backends.items():
+            assert callable(impl.memory) and (impl.keeps_8bit is not None) == fam.quantized, (spec.name, b)
+            assert (impl.layout is not None) == (b != "torch"), (spec.name, b)
+
+
+def test_readme_names_table_is_the_registry():
+    """README's "Optimizer names" table lists exactly the registered names, each with its spec's bytes_label at the
+    start of the state-bytes column (README is the lead's: this test says what it must show)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Optimizer names", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if re.match(r"\| `hf_eff_", line)]
+    table = {}
+    for cells in rows:
+        names = re.findall(r"`([a-z0-9_]+)`", cells[0])
+        assert names[0] == registry.PREFIX + names[1], cells[0]  # `hf_eff_x` (`x`)
+        table[names[1]] = cells[2].strip()
+    assert sorted(table) == sorted(registry.SPECS), "README's names table and the registry differ"
+    for name, shown in table.items():
+        assert shown.startswith(registry.SPECS[name].bytes_label), (name, shown, registry.SPECS[name].bytes_label)

@@ -6,8 +6,8 @@ Both integrations ask here: the Accelerate plugin from ``create_accelerator`` (t
 neither accelerate nor transformers.
 
 What each name supports is written on its registry entry (``Backend.fsdp2``, ``Family.deepspeed``,
-``Family.deepspeed_options``); every entry was observed, not derived: FSDP2 by running each optimizer on torch's ``fully_shard``
-DTensor parameters (tests/test_accelerate_distributed.py), DeepSpeed by training each name under ZeRO 1, 2
+``Family.deepspeed_options``); every entry was observed, not derived: FSDP2 by running each optimizer on
+torch's ``fully_shard`` DTensor parameters (tests/test_accelerate_distributed.py), DeepSpeed by training each name under ZeRO 1, 2
 and 3 in two gloo processes, through the plugin and through the Trainer (tests/test_deepspeed.py).
 """
 
@@ -18,11 +18,9 @@ import os
 from typing import Any, Mapping
 
 from ..options import OPTIONS, parse_optim_args, parse_options
-from ..registry import PREFIX, get_spec, resolve
+from ..registry import PREFIX, SPECS, Resolution, get_spec, resolve
 
 __all__ = ["FSDP2_UNSUPPORTED", "DEEPSPEED_UNSUPPORTED", "check_fsdp", "check_deepspeed", "check_training_arguments"]
-
-from ..registry import SPECS, Resolution
 
 # What the registry says, as tables: (name, backend) -> why not under FSDP2; name -> why not under DeepSpeed
 FSDP2_UNSUPPORTED = {(s.name, b): impl.fsdp2 for s in SPECS.values() for b, impl in s.backends.items() if impl.fsdp2}
