@@ -5,23 +5,24 @@ naming its optimizer family and backend. Loading checks everything *before* anyt
 their hyperparameters, parameter names, and per parameter the state keys its layout requires, their value
 types, dtypes and sizes), so a wrong checkpoint is refused, never half-loaded.
 
-8-bit state is written in one canonical layout, whichever backend made it: ``exp_avg`` / ``exp_avg_sq``
-as uint8 codes of the parameter's shape plus ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, one per
-256-element block), or fp32 tensors for parameters with 32-bit state. bitsandbytes and torchao use the
-same dynamic quantization maps and block size (checked below), so the conversion is a relabelling, not a
-requantization: a bnb checkpoint resumes on torchao or this package's kernel exactly, and back. Every
-tensor in it is a plain tensor, so ``torch.load(..., weights_only=True)`` works (torchao's own state
-holds tensor subclasses, which it does not).
+State is written in one canonical layout per family (its registry entry: ``Family.state``), whichever backend
+made it; a backend that stores it otherwise has a ``Layout`` (backends.py) converting both ways. 8-bit moments
+are uint8 codes of the parameter's shape plus ``<moment>_absmax`` (fp32, one per block), or fp32 tensors for
+parameters with 32-bit state. bitsandbytes and torchao use quant8's maps and block size (tests/test_checkpoint.py),
+so the conversion is a relabelling, not a requantization: a bnb checkpoint resumes on torchao or this package's
+kernel exactly, and back. Every tensor in it is a plain tensor, so ``torch.load(..., weights_only=True)`` works
+(torchao's own state holds tensor subclasses, which it does not).
 
-Foreign state. adamw, adamw8bit and adamw_bf16 run the same AdamW update, so their moments convert into
-each other: state of another of them (tagged, or untagged such as a transformers ``adamw_torch``
-checkpoint or a bare bitsandbytes / torchao one) is converted to the loading optimizer's format, with a
-warning saying from what: moments of tensors it keeps in 8-bit are quantized (``quantize_moments``), 8-bit
-moments loaded elsewhere are dequantized, adamw_bf16 casts to its state dtype and starts its Kahan
-compensation at zero (the sub-ulp remainder of past updates, lost in any fp32 run anyway). Adafactor's
-factored statistics are not AdamW's moments: state moving into or out of it is refused, saying how to
-resume. An untagged state with none of these formats' marks is read as Adafactor's own by Adafactor (its
-vectors' state has AdamW's keys; its matrices' tell the difference) and as plain AdamW's by the others.
+Foreign state. Families of one math (``Family.math``: adamw, adamw8bit and adamw_bf16 run the same AdamW update)
+convert each other's moments: state of another of them (tagged, or untagged such as a transformers ``adamw_torch``
+checkpoint or a bare bitsandbytes / torchao one) is converted to the loading optimizer's format, with a warning
+saying from what: tensors both keep are carried over (quantized where the backend keeps 8-bit state, dequantized
+where it does not, cast to the family's moment dtype), tensors only the loader keeps start at zero (adamw_bf16's
+Kahan compensation: the sub-ulp remainder of past updates, lost in any fp32 run anyway), tensors only the writer
+keeps are dropped. State of another math (Adafactor's factored statistics are not AdamW's moments) is refused,
+saying how to resume. An untagged state is recognised by its marks (8-bit codes or a library's layout; keys only
+one family holds, ``Family.marks``); one without marks is torch's plain AdamW state for the AdamW-math families
+and the loader's own for the others.
 
 Parameters are matched by name where both the checkpoint and the optimizer name them (torch records
 ``param_names`` in each group), by position otherwise.
