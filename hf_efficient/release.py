@@ -36,7 +36,8 @@ Decided, and refused or checked where it cannot hold (never silent):
   checks, and by :func:`attach` when a process group of more than one process is up or a parameter is a DTensor.
 - Reentrant activation checkpointing (``use_reentrant=True``) runs nested backward passes, in which a weight used in
   two checkpointed segments would be stepped once per segment: refused in the Trainer check (transformers' default is
-  ``use_reentrant=False``). A gradient arriving twice within one backward is refused at run time.
+  ``use_reentrant=False``, which is fine). A hook cannot tell a nested backward from the next one, so a hand-written
+  loop must not combine it with shared weights.
 - A parameter that did not require a gradient when ``attach`` ran has no hook: if it gets one later, the next backward
   refuses to start (call ``attach`` again after unfreezing it). Gradients present at ``attach`` are refused.
 """
@@ -161,7 +162,6 @@ class _Release:
         self.names: dict[int, str] = {}
         self.info = ReleaseInfo(params=0)
         self.task = None  # graph task id of the backward in progress (the open window)
-        self.seen: set[int] = set()  # parameters stepped (or skipped) in it
         self.stepped = 0
         self.skipped: list[str] = []
         weakref.finalize(opt, _remove_handles, self.handles)  # a dead optimizer leaves no hooks behind
@@ -197,7 +197,6 @@ class _Release:
                                    "(it was frozen when attach ran). Call hf_efficient.release.attach(optimizer) "
                                    "again after unfreezing parameters")
         self.task, self.stepped, self.skipped = torch._C._current_graph_task_id(), 0, []
-        self.seen.clear()
         task = self.task
         Variable._execution_engine.queue_callback(lambda: self._close(task))
 
@@ -219,12 +218,6 @@ class _Release:
             return
         if self.task != torch._C._current_graph_task_id():
             self._open(opt, p)
-        elif id(p) in self.seen:
-            raise RuntimeError(
-                f"gradient release: parameter {self.names[id(p)]!r} got a second gradient in the same backward "
-                "after it was stepped (a parameter reached through two backward graphs, e.g. reentrant activation "
-                "checkpointing of a shared weight): use use_reentrant=False checkpointing, " + _OFF)
-        self.seen.add(id(p))
         info = opt.hf_efficient
         if info.options.get("nonfinite", "ignore") != "ignore" and not p.grad.is_sparse and self._bad(p.grad):
             self._nonfinite(opt, p, info)

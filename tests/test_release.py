@@ -1,0 +1,314 @@
+"""Gradient release (hf_efficient/release.py): the per-tensor step inside backward equals the ordinary step, frees
+each gradient at once, keeps step()/zero_grad()/schedulers/checkpoints working, and refuses what it cannot hold."""
+
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import hf_efficient as hfe
+from hf_efficient import release
+from hf_efficient.factory import optimizer_info
+
+from conftest import ClassificationSet, tiny_bert, tiny_gpt2
+
+# (name, weight dtype, options): every family and backend the release must step exactly as the ordinary step
+CASES = [
+    ("adamw", torch.float32, {}),
+    ("adam8bit", torch.float32, {}),
+    ("adam8bit", torch.bfloat16, {}),
+    ("adam8bit", torch.float32, {"backend": "bnb", "embedding_state": "8bit"}),
+    ("adafactor", torch.float32, {}),
+    ("adamw_bf16", torch.bfloat16, {}),
+    ("adamw_bf16", torch.bfloat16, {"compensation": "stochastic"}),
+]
+
+
+def _batches(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (2, 16), generator=g) for _ in range(n)]
+
+
+def _train(name, dtype, options, released, steps=3, model=None, opt_state=None):
+    """A tiny GPT-2 (lm_head tied to the input embedding) trained ``steps`` steps with a decaying LR schedule (eval
+    mode: no dropout, so runs started apart see the same forward)."""
+    model = (model or tiny_gpt2().to(dtype)).eval()
+    opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.1, **options)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    if released:
+        release.attach(opt)
+    for ids in _batches(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        if released:
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("name,dtype,options", CASES, ids=lambda c: str(c).replace("torch.", ""))
+def test_release_equals_the_ordinary_step(name, dtype, options):
+    """Bitwise: the hook runs the same elementwise kernel on the same tensors with the same lr, decay group, state,
+    8-bit codec and rounding stream (AdamWBF16 keys it by the parameter's position, which the release keeps)."""
+    ref, ref_opt = _train(name, dtype, options, released=False)
+    rel, rel_opt = _train(name, dtype, options, released=True)
+    assert ref.lm_head.weight is ref.transformer.wte.weight  # the tied weight was stepped once per step
+    for (n, p), q in zip(ref.named_parameters(), rel.parameters()):
+        assert torch.equal(p, q), n
+    ref_sd, rel_sd = ref_opt.state_dict(), rel_opt.state_dict()
+    for i, st in ref_sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(rel_sd["state"][i][k])), (i, k)
+    assert rel_opt.hf_efficient.steps == ref_opt.hf_efficient.steps == 3  # one per step() call, not per tensor
+    assert release.release_info(rel_opt).stepped_tensors == 3 * len(list(rel.parameters()))
+
+
+def test_release_without_scheduler_or_step_call_still_steps():
+    """A loop that never calls step() is stepped by backward alone: the release does not depend on step()."""
+    model = tiny_gpt2()
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-2)
+    release.attach(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = _batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert opt.hf_efficient.steps == 0
+
+
+def test_at_most_one_gradient_alive_during_backward():
+    """Hooks registered before attach run before the release's: each sees exactly its own gradient alive, and
+    every gradient seen earlier is already freed (weak references dead)."""
+    model = tiny_bert()
+    params = list(model.parameters())
+    refs, alive_counts = [], []
+
+    def watch(p):
+        alive_counts.append(sum(q.grad is not None for q in params))
+        refs.append(weakref.ref(p.grad))
+        assert sum(r() is not None for r in refs) == 1  # this one; all earlier ones freed
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(watch)
+    opt = hfe.create_optimizer(model, "adam8bit", lr=1e-3)
+    release.attach(opt)
+    batch = ClassificationSet(n=4)[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    assert alive_counts and set(alive_counts) == {1}
+    assert len(refs) == sum(p.requires_grad for p in params)
+    assert all(r() is None for r in refs)
+
+
+def test_detach_restores_the_ordinary_step():
+    model = tiny_gpt2()
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-2)
+    release.attach(opt)
+    assert release.is_attached(opt)
+    release.detach(opt)
+    assert not release.is_attached(opt) and release.release_info(opt) is None
+    ids = _batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_resume_is_exact():
+    """Save after 2 released steps (model, optimizer, scheduler), load into fresh released objects, 2 more steps:
+    the same weights as 4 uninterrupted steps."""
+    whole, _ = _train("adam8bit", torch.float32, {}, released=True, steps=4)
+
+    def build():
+        model = tiny_gpt2().eval()
+        opt = hfe.create_optimizer(model, "adam8bit", lr=1e-2, weight_decay=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    def run(model, opt, sched, batches):
+        for ids in batches:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            sched.step()
+
+    model, opt, sched = build()
+    release.attach(opt)
+    run(model, opt, sched, _batches(4)[:2])
+    saved = [{k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), sched.state_dict()]
+    model2, opt2, sched2 = build()
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    release.attach(opt2)
+    run(model2, opt2, sched2, _batches(4)[2:])
+    for (n, p), q in zip(whole.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), n
+    assert opt2.hf_efficient.steps == 4
+
+
+# ------------------------------------------------------------------------------------------------ inf / NaN policy
+
+
+def _mlp_with_bad_grad(policy):
+    """Three linear layers; the middle weight's gradient is made NaN. Backward completes layer 3, then 2, then 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    model[1].weight.register_hook(lambda g: g * float("nan"))
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-1, nonfinite=policy)
+    release.attach(opt)
+    return model, opt, [p.detach().clone() for p in model.parameters()]
+
+
+def _changed(model, before):
+    return [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+
+
+def test_nonfinite_raise_steps_earlier_tensors_only():
+    model, opt, before = _mlp_with_bad_grad("raise")
+    with pytest.raises(FloatingPointError, match=r"'0.weight'|'1.weight'") as e:
+        model(torch.randn(2, 4)).sum().backward()
+    assert "1.weight" in str(e.value) and "were stepped" in str(e.value)
+    # order of completion: 2.bias, 2.weight, then 1.bias (its gradient does not go through the NaN), 1.weight (bad)
+    changed = dict(zip([n for n, _ in model.named_parameters()], _changed(model, before)))
+    assert changed == {"2.weight": True, "2.bias": True, "1.bias": True, "1.weight": False, "0.weight": False,
+                       "0.bias": False}
+    assert model[1].weight.grad is not None  # left for inspection
+    with pytest.raises(RuntimeError, match="holds a gradient from before this backward"):
+        model(torch.randn(2, 4)).sum().backward()
+    opt.zero_grad()
+    model[1].weight.register_hook(lambda g: torch.nan_to_num(g))
+    model(torch.randn(2, 4)).sum().backward()  # clean again
+
+
+def test_nonfinite_skip_skips_that_tensor_and_counts(caplog):
+    model, opt, before = _mlp_with_bad_grad("skip")
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.release"):
+        model(torch.randn(2, 4)).sum().backward()
+    changed = dict(zip([n for n, _ in model.named_parameters()], _changed(model, before)))
+    assert changed == {"2.weight": True, "2.bias": True, "1.bias": True, "1.weight": False, "0.weight": True,
+                       "0.bias": True}
+    assert model[1].weight.grad is None and "exp_avg" not in opt.state[model[1].weight]
+    assert release.release_info(opt).skipped_tensors == 1 and opt.hf_efficient.skipped_steps == 1
+    assert "1 tensor(s) with a non-finite gradient skipped ('1.weight')" in caplog.text
+    model(torch.randn(2, 4)).sum().backward()
+    assert release.release_info(opt).skipped_tensors == 2 and opt.hf_efficient.skipped_steps == 2
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+
+
+def test_attach_refuses_other_optimizers_and_existing_gradients():
+    model = nn.Linear(3, 3)
+    with pytest.raises(TypeError, match="made by hf_efficient.create_optimizer"):
+        release.attach(torch.optim.AdamW(model.parameters()))
+    opt = hfe.create_optimizer(model, "adamw")
+    model(torch.randn(1, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"already hold gradients.*zero_grad"):
+        release.attach(opt)
+    assert not release.is_attached(opt)
+
+
+def test_attach_refuses_a_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    opt = hfe.create_optimizer(nn.Linear(3, 3), "adamw")
+    with pytest.raises(RuntimeError, match="one process: this one is in a group of 2"):
+        release.attach(opt)
+
+
+def test_unfrozen_parameter_without_hook_is_refused_until_attached_again():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].weight.requires_grad_(False)
+    opt = hfe.create_optimizer(list(model.named_parameters()), "adamw")
+    release.attach(opt)
+    assert release.release_info(opt).frozen == ["0.weight"]
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="'0.weight' requires a gradient but has no release hook"):
+        model(torch.randn(2, 3)).sum().backward()
+    opt.zero_grad()
+    release.attach(opt)
+    model(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+def test_check_trainer_args_names_each_setting(tmp_path):
+    with pytest.raises(ValueError) as e:
+        release.check_trainer_args(_args(tmp_path, gradient_accumulation_steps=4))  # and max_grad_norm=1.0
+    msg = str(e.value)
+    assert "gradient_accumulation_steps=4" in msg and "gradient_release" in msg and "per_device_train_batch_size" in msg
+    assert "max_grad_norm=1.0" in msg and "Set max_grad_norm=0" in msg
+    release.check_trainer_args(_args(tmp_path, max_grad_norm=0.0))  # what works
+    for kw, words in [({"fp16": True}, "GradScaler"), ({"deepspeed": "ds.json"}, "deepspeed set"),
+                      ({"fsdp": "full_shard"}, "fsdp set"), ({"world_size": 2}, "world_size=2"),
+                      ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+                       "use_reentrant")]:
+        args = types.SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=0.0, **kw)
+        with pytest.raises(ValueError, match=words):
+            release.check_trainer_args(args)
+    release.check_trainer_args(types.SimpleNamespace(gradient_checkpointing=True, max_grad_norm=0.0))
+
+
+def test_check_accelerate_names_each_setting():
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 \(Accelerator / EfficientOptimPlugin"):
+        release.check_accelerate(Accelerator(gradient_accumulation_steps=2, cpu=True))
+    release.check_accelerate(Accelerator(cpu=True))
+    fake = types.SimpleNamespace(gradient_accumulation_steps=1, mixed_precision="fp16", scaler=None,
+                                 distributed_type=DistributedType.MULTI_GPU, num_processes=2)
+    with pytest.raises(ValueError, match=r"(?s)mixed_precision='fp16'.*distributed_type=MULTI_GPU with 2"):
+        release.check_accelerate(fake)
+
+
+# --------------------------------------------------------------------------------------------------- Trainer
+
+
+def _trainer(tmp_path, optim, released, model=None, **kw):
+    from transformers import Trainer
+
+    class ReleasedTrainer(Trainer):  # the lead replaces this by optim_args="gradient_release=true"
+        def create_optimizer(self, *a, **k):
+            opt = super().create_optimizer(*a, **k)
+            if released:
+                release.check_trainer_args(self.args)
+                release.attach(opt)
+            return opt
+
+    args = _args(tmp_path, **{**dict(optim=optim, max_steps=6, per_device_train_batch_size=8, learning_rate=1e-3,
+                                     logging_steps=1, max_grad_norm=0.0, save_strategy="no", seed=0), **kw})
+    return ReleasedTrainer(model=model or tiny_bert(), args=args, train_dataset=ClassificationSet())
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_same_losses_with_and_without_release(tmp_path):
+    plain = _trainer(tmp_path / "a", "hf_eff_adamw", False)
+    plain.train()
+    rel = _trainer(tmp_path / "b", "hf_eff_adamw", True)
+    rel.train()
+    assert _losses(rel) == _losses(plain) and len(_losses(rel)) == 6
+    assert optimizer_info(rel.optimizer).steps == 6
+    for p, q in zip(plain.model.parameters(), rel.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_trainer_trains_the_8bit_name_on_a_bf16_model(tmp_path):
+    trainer = _trainer(tmp_path, "hf_eff_adam8bit", True, model=tiny_bert().to(torch.bfloat16), learning_rate=1e-2)
+    trainer.train()
+    losses = _losses(trainer)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert release.release_info(trainer.optimizer).stepped_tensors > 0
