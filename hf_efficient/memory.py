@@ -398,5 +398,5 @@ def _choose(tensors: list[_T], dev: torch.device, resident: bool, given: dict, s
     name = best.name.removeprefix(PREFIX)
     choice = AutoChoice(name, {k: v for k, v in given.items() if k in get_spec(name).options}, available, usable,
                         where, tuple(candidates), bool(fitting))
-    logger.warning("%s", choice.summary())
+    logger.log(logging.INFO if choice.fits else logging.WARNING, "%s", choice.summary())  # nothing fits: a warning
     return choice
