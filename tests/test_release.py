@@ -23,6 +23,7 @@ CASES = [
     ("adam8bit", torch.float32, {}),
     ("adam8bit", torch.bfloat16, {}),
     ("adam8bit", torch.float32, {"backend": "bnb", "embedding_state": "8bit"}),
+    ("adam8bit", torch.float32, {"backend": "torchao"}),
     ("adafactor", torch.float32, {}),
     ("adamw_bf16", torch.bfloat16, {}),
     ("adamw_bf16", torch.bfloat16, {"compensation": "stochastic"}),
@@ -312,3 +313,23 @@ def test_trainer_trains_the_8bit_name_on_a_bf16_model(tmp_path):
     losses = _losses(trainer)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert release.release_info(trainer.optimizer).stepped_tensors > 0
+
+
+def test_accelerate_loop_same_weights_with_and_without_release():
+    """attach takes Accelerate's wrapper of the optimizer; the loop (backward, step, zero_grad) runs unchanged."""
+    from accelerate import Accelerator
+
+    weights = []
+    for released in (False, True):
+        accelerator = Accelerator(cpu=True)
+        release.check_accelerate(accelerator)
+        model = tiny_gpt2().eval()
+        model, opt = accelerator.prepare(model, hfe.create_optimizer(model, "adam8bit", lr=1e-2))
+        if released:
+            release.attach(opt)
+        for ids in _batches(3):
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*weights))
