@@ -211,7 +211,8 @@ def check_group(optimizer, param_group, owner: str, check: Callable[[dict], None
                       for i, p in enumerate(g["params"])], owner)
     group = {**defaults, **param_group}
     check_flags(group, (), owner)
-    check_hyperparams(lr=group["lr"], betas=group.get("betas"), eps=group.get("eps"),
+    has_eps = "eps" in (defaults if optimizer is not None else group)  # Lion has none (bnb's stores an unused 0.0)
+    check_hyperparams(lr=group["lr"], betas=group.get("betas"), eps=group["eps"] if has_eps else None,
                       weight_decay=group.get("weight_decay", 0.0))
     if check is not None:
         check(group)

@@ -235,8 +235,12 @@ ADAMW_BF16 = Family(
     deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
               "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
               f"{PREFIX}adamw), without the memory it exists to save")
+LION8BIT = Family(
+    "lion8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_absmax": StateKey("absmax")},
+    lambda p, group: {"step", "exp_avg"}, "lion", bench_format="8-bit blockwise", quality_target=0.01,
+    deepspeed_options=ADAMW8BIT.deepspeed_options)
 AUTO = Family("auto", {}, lambda p, group: set(), "auto")
-FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16, LION8BIT)}
 def _family(name: str) -> Family:
     return AUTO if name == AUTO.name else FAMILIES[name]
 
@@ -274,6 +278,25 @@ _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backen
                                  "shards")
 _TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory,
                       fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
+def _lion8bit_cls():
+    from .optim.lion8bit import Lion8bit
+    return Lion8bit
+
+
+def _build_torch_lion8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+    return _lion8bit_cls()(groups, lr=lr, betas=betas, weight_decay=weight_decay,
+                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params)
+
+
+_build_torch_lion8bit.optimizer_cls = _lion8bit_cls
+_LION_MOMENTS = (("exp_avg", True),)
+_TORCH_LION8BIT = Backend("torch", None, _ANY, _build_torch_lion8bit, backends.torch_8bit_memory(1),
+                          needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
+                          fsdp2=_TORCH_8BIT.fsdp2)
+_BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.43", "cpu": "0.50"},
+                        backends.bnb_builder("Lion8bit", uses_eps=False), backends.bnb_memory(1),
+                        layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
+                        fsdp2=_BNB_NO_DTENSOR)
 _COMMON = ("backend", "decay_embeddings", "nonfinite")
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
@@ -296,6 +319,15 @@ SPECS: dict[str, OptimizerSpec] = {
                           EstimateRow(" (default: 32-bit embeddings)"))),
         OptimizerSpec("paged_adam8bit", ADAMW8BIT, 2.03, "~2.03", "as adam8bit, state paged to host memory (CUDA)",
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
+        OptimizerSpec("lion8bit", LION8BIT, 1.02, "~1.02",
+                      "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit momentum; "
+                      "lr 3-10x below AdamW's; embeddings and tensors < min_8bit_size keep 32-bit state",
+                      {"torch": _TORCH_LION8BIT, "bnb": _BNB_LION8BIT},
+                      # as adam8bit: on CPU our C kernel, on CUDA bitsandbytes' kernels
+                      {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
+                      estimate_rows=(
+                          EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
+                          EstimateRow(" (default: 32-bit embeddings)"))),
         OptimizerSpec("adafactor", ADAFACTOR, 0.0, "<< 1",
                       "factored second moment (row + column statistics); lr is the step size",
                       {"torch": _TORCH_ADAFACTOR}, {"default": ("torch",)},

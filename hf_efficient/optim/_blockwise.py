@@ -333,7 +333,8 @@ class Blockwise8bit(Optimizer):
         for gi, g in enumerate(saved):
             group = {**self.defaults, **g}
             try:
-                check_group(None, {**group, "params": ()}, self.FAMILY, self.check_family_keys)
+                check_group(None, {**{k: group[k] for k in self.defaults}, "params": ()}, self.FAMILY,
+                            self.check_family_keys)  # its own keys: another library's extras (bnb's eps) ignored
             except ValueError as e:
                 raise ValueError(f"{where}: saved param group {gi}: {e}; nothing was loaded") from e
             out.append(group)

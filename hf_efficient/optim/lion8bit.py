@@ -1,0 +1,103 @@
+"""Lion with blockwise 8-bit momentum: ~1 byte of state per parameter, half of 8-bit AdamW.
+
+Math: Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (bitsandbytes' ``Lion8bit``,
+torch-optimi's ``Lion``), fp32 arithmetic inside the step::
+
+    p   = p * (1 - lr * weight_decay)                           # decoupled weight decay
+    p   = p - lr * sign(beta1 * m + (1 - beta1) * g)             # the update: a sign, every element moves by lr
+    m   = beta2 * m + (1 - beta2) * g                           # one moment
+
+The update's size does not depend on the gradient's, so Lion wants a learning rate 3-10x below AdamW's (and a
+weight decay as much larger, to keep ``lr * weight_decay``). ``sign(0) = 0``: a zero gradient on a zero momentum
+moves nothing but the decay.
+
+State per 8-bit parameter: ``step`` and ``exp_avg`` (uint8 codes into the signed map of :mod:`.quant8`) with
+``exp_avg_absmax`` (fp32, one per block of 256): 1 byte per element + 4 per 256 = 1.016. Tensors under
+``min_8bit_size`` elements and ``fp32_state_params`` (the registry passes the embeddings) keep an fp32 ``exp_avg``.
+Kernels, layout and checkpoints as every 8-bit family (:mod:`._blockwise`): the C kernel ``lion8bit_cpu.c`` (the
+op ``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, else the compiled or eager kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import quant8
+from ._blockwise import Blockwise8bit
+
+__all__ = ["Lion8bit", "lion"]
+
+
+# coef = [beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr]
+
+
+def _kernel(p: Tensor, g: Tensor, wm: Tensor, m_absmax: Tensor, coef: Tensor):
+    """Lion on ``nb`` blocks (``p``, ``g`` ``(nb, 256)``, codes ``(nb, 64)`` words, see :mod:`.quant8`): updates
+    ``p`` in place, returns the new codes and absmaxes (returned: inductor keeps a block's momentum local)."""
+    g32 = g.float()
+    m = quant8.unpack(wm, m_absmax, True)
+    update = torch.sign(m * coef[0] + g32 * coef[1])
+    p.copy_(p.float() * coef[4] - update * coef[5])
+    # m stays in range: a convex combination of m and g
+    return quant8.pack(m * coef[2] + g32 * coef[3], True)
+
+
+def _coefficients(group: dict, step: int) -> list[float]:
+    beta1, beta2 = group["betas"]
+    return [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - group["lr"] * group["weight_decay"], group["lr"]]
+
+
+def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
+         weight_decay: float) -> None:
+    """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel."""
+    for p, g, m in zip(params, grads, exp_avgs):
+        p32, g32 = p.detach().float(), g.float()
+        update = torch.sign(m * beta1 + g32 * (1.0 - beta1))
+        new = p32 * (1.0 - lr * weight_decay) - update * lr
+        p.detach().copy_(new)
+        m.mul_(beta2).add_(g32 * (1.0 - beta2))
+
+
+class Lion8bit(Blockwise8bit):
+    """Lion with a blockwise 8-bit momentum (bitsandbytes' format), in plain PyTorch.
+
+    A standard ``torch.optim.Optimizer``: param groups carry every hyperparameter, state keys are ``step``,
+    ``exp_avg`` and ``exp_avg_absmax``, and ``state_dict()`` (canonical layout, see :mod:`.quant8`) loads with
+    ``torch.load(weights_only=True)`` and moves to and from ``bnb.optim.Lion8bit``.
+
+    Args:
+        params: parameters or param groups.
+        lr: step size of every element's update (3-10x below AdamW's).
+        betas: (beta1: interpolation for the update's sign, beta2: the momentum's decay).
+        weight_decay: decoupled, ``p *= 1 - lr * weight_decay``.
+        min_8bit_size: tensors with fewer elements keep an fp32 momentum (bitsandbytes' default: 4096).
+        fp32_state_params: parameters (or their ``id()``) that keep an fp32 momentum, e.g. embeddings.
+        compile: None (automatic): the C kernel for contiguous fp32/bf16 tensors on CPU, else the torch.compile'd
+            kernel; True: the compiled kernel; False: always eager. A compiled kernel that fails to compile falls
+            back to the eager kernel with a warning.
+
+    Example::
+
+        opt = Lion8bit(model.parameters(), lr=3e-5, weight_decay=0.1)
+    """
+
+    NAME = "lion8bit"
+    FAMILY = "Lion8bit"
+    MOMENTS = (("exp_avg", True),)
+    kernel = staticmethod(_kernel)
+    coefficients = staticmethod(_coefficients)
+
+    def __init__(self, params, *, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, min_8bit_size: int = 4096, fp32_state_params=None,
+                 compile: bool | None = None):
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, min_8bit_size=min_8bit_size,
+                        compile=compile)
+        super().__init__(params, defaults, fp32_state_params)
+
+    def step_32bit(self, group: dict, items) -> None:
+        beta1, beta2 = group["betas"]
+        for _, _, st in items:
+            st["step"] += 1
+        lion([p for p, _, _ in items], [g for _, g, _ in items], [st["exp_avg"] for _, _, st in items],
+             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])

@@ -1,0 +1,48 @@
+/* Lion8bit's step on CPU for fp32 or bf16 weights and gradients: lion8bit._kernel's operations in its order, one
+ * block of 256 elements at a time in plain C that the compiler vectorizes (-O3 -ffp-contract=off: every fp32
+ * operation rounds as torch's eager ops do). The codec (tables, decoding, encoding, layout) is quant8.h's.
+ *
+ * maps: quant8.c_tables(). Per tensor: coef[6 * t ...] = beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr.
+ */
+#include "native.h"
+#include "quant8.h"
+
+/* One block: p, g hold 256 elements (the last block zero-padded by the caller). */
+static void step_block(float *restrict p, const float *restrict g, uint32_t *restrict wm, float *restrict am,
+                       const map_t *restrict map, const float *restrict coef) {
+    const float b1 = coef[0], omb1 = coef[1], b2 = coef[2], omb2 = coef[3], decay = coef[4], lr = coef[5];
+    const float scale = *am;
+    float m[BLOCK];
+    decode_block(wm, map, m);
+    for (int e = 0; e < BLOCK; e++) {
+        float g32 = g[e], mm = m[e] * scale;
+        float u = mm * b1 + g32 * omb1;
+        float s = (float)(u > 0.0f) - (float)(u < 0.0f); /* torch.sign: 0 for 0 and NaN */
+        p[e] = p[e] * decay - s * lr;
+        m[e] = mm * b2 + g32 * omb2;
+    }
+    *am = store_block(m, map, wm);
+}
+
+static void step_blocks(void *p, const void *g, uint32_t *wm, float *am, int64_t n, int is_bf16, const map_t *map,
+                        const float *coef, int64_t first, int64_t last) {
+    FOR_EACH_BLOCK(p, g, n, is_bf16, first, last, step_block(pb, gb, wm + i * WORDS, am + i, map, coef));
+}
+
+static void step_range(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, float *const *am,
+                       const int64_t *numel, const int32_t *bf16, const map_t *map, const float *coef, int64_t start,
+                       int64_t end) {
+    FOR_EACH_PIECE(count, (numel[t] + BLOCK - 1) / BLOCK, start, end,
+                   step_blocks(p[t], g[t], wm[t], am[t], numel[t], bf16[t], map, coef + 6 * t, piece_start,
+                               piece_end));
+}
+
+/* The step of all the tensors in one call, blocks [start, end) split over `threads` (see native.h). */
+void lion8bit_step(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, float *const *am,
+                   const int64_t *numel, const int32_t *bf16, const float *maps, const float *coef, int64_t start,
+                   int64_t end, int threads) {
+    map_t tables[2];
+    quant8_maps(tables, maps);
+    PARALLEL_RANGES(start, end, threads,
+                    step_range(count, p, g, wm, am, numel, bf16, &tables[0], coef, range_start, range_end));
+}
