@@ -37,7 +37,7 @@ import torch
 
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
 from .options import OPTIONS, check_hyperparams
-from .registry import FAMILIES, PLAIN, Family
+from .registry import FAMILIES, PLAIN, Family, get_spec
 
 __all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
 
@@ -201,11 +201,12 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
                              "another optimizer")
 
 
-def _check_group(g: dict, gi: int) -> None:
-    """Raise ValueError if saved group ``gi`` holds a hyperparameter no optimizer may run with."""
+def _check_group(g: dict, gi: int, uses_eps: bool = True) -> None:
+    """Raise ValueError if saved group ``gi`` holds a hyperparameter no optimizer may run with (``eps`` only where
+    the family has one)."""
     plain = groups_to_canonical([g])[0]
     try:
-        check_hyperparams(lr=plain.get("lr", 0.0), betas=plain.get("betas"), eps=plain.get("eps"),
+        check_hyperparams(lr=plain.get("lr", 0.0), betas=plain.get("betas"), eps=plain.get("eps") if uses_eps else None,
                           weight_decay=plain.get("weight_decay", 0.0))
         for key in sorted(plain.keys() & OPTIONS.keys() - {"min_8bit_size"}):  # the family options groups carry
             opt, value = OPTIONS[key], plain[key]
@@ -269,8 +270,9 @@ def _check_structure(sd, live_groups: list[dict], name: str) -> list[dict]:
     for pid in sd["state"]:
         if pid not in ids:
             raise ValueError(f"this optimizer state has state for parameter id {pid!r}, which no group lists")
+    uses_eps = get_spec(name).facts.uses_eps
     for gi, g in enumerate(saved):
-        _check_group(g, gi)
+        _check_group(g, gi, uses_eps)
     return _live_order(saved, live_groups)
 
 
@@ -416,7 +418,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     """Validate ``sd`` against ``optimizer`` (a tagged canonical dict, or an untagged one in any layout this module
     reads), convert it to ``backend``'s format and layout, and hand it to the backend's ``load_state_dict``.
     Nothing is changed unless every check passed."""
-    from .guard import check_group_flags
+    from .options import check_flags
 
     tag = tag_of(sd)
     _check_tag(tag, spec.facts, spec.name)
@@ -450,7 +452,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
         saved = _convert_groups(saved, src.name, spec.trainer_name)
     groups = groups_from_canonical(backend, saved, live)
     for g in groups:
-        check_group_flags(g, optimizer.defaults, spec.trainer_name)
+        check_flags(g, optimizer.defaults, spec.trainer_name)
     if src is not spec.facts:
         done = _convert(state, src, spec.facts, optimizer, spec.backends[backend], saved_ids)
         if set(done) - {""}:

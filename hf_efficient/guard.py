@@ -31,7 +31,7 @@ from . import checkpoint
 from .optim import _native
 from .options import check_flags, check_hyperparams, check_unique
 
-__all__ = ["protect", "check_params", "check_unique", "first_nonfinite", "OVERFLOW"]
+__all__ = ["protect", "check_params", "first_nonfinite", "OVERFLOW"]
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +229,9 @@ class _Protected:
             raise ValueError(f"{spec.trainer_name}.add_param_group got a group with no parameters")
         merged = {**self.defaults, **group}
         check_hyperparams(lr=merged.get("lr", 0.0), betas=merged.get("betas") if spec.uses_betas else None,
-                          eps=merged.get("eps") if spec.uses_betas else None,
+                          eps=merged.get("eps") if spec.uses_betas and spec.facts.uses_eps else None,
                           weight_decay=merged.get("weight_decay", 0.0))
-        check_group_flags(merged, self.defaults, spec.trainer_name)
+        check_flags(merged, self.defaults, spec.trainer_name)
         gi = len(self.param_groups)
         names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(params))]
         device = next(p.device for g in self.param_groups for p in g["params"])
@@ -260,11 +260,6 @@ class _Protected:
         fp32 = attrs.pop("_fp32_ids", None)  # ids do not survive a copy: positions do
         positions = None if fp32 is None else [i for i, p in enumerate(params) if id(p) in fp32]
         return _rebuild, (self._hf_eff_base, attrs, self.hf_efficient, positions, self.state_dict())
-
-
-def check_group_flags(group: dict, defaults: dict, owner: str) -> None:
-    """:func:`.options.check_flags` with the optimizer's defaults as what it implements (kept for callers)."""
-    check_flags(group, defaults, owner)
 
 
 def _rebuild(base: type, attrs: dict, info, fp32_positions, state_dict: dict):

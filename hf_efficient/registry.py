@@ -106,6 +106,7 @@ class Family:
     deepspeed: str | None = None  # why it cannot train under ZeRO (None: it can)
     # option -> (the value ZeRO needs, why: "cannot ... . Set optim_args <option>=<value> to ...")
     deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)
+    uses_eps: bool = True  # Lion has none (bitsandbytes' Lion stores an unused eps=0.0 in its groups)
 
     def __reduce__(self):  # a registry singleton (its rules are closures): pickled by name, as a copy of an optimizer
         return _family, (self.name,)
@@ -238,7 +239,7 @@ ADAMW_BF16 = Family(
 LION8BIT = Family(
     "lion8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_absmax": StateKey("absmax")},
     lambda p, group: {"step", "exp_avg"}, "lion", bench_format="8-bit blockwise", quality_target=0.01,
-    deepspeed_options=ADAMW8BIT.deepspeed_options)
+    deepspeed_options=ADAMW8BIT.deepspeed_options, uses_eps=False)
 AUTO = Family("auto", {}, lambda p, group: set(), "auto")
 FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16, LION8BIT)}
 def _family(name: str) -> Family:
@@ -260,10 +261,10 @@ TORCHAO_FLAW = ("torchao's AdamW8bit stores small second moments as exactly 0, s
 _ADAM_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
 _BNB_NO_DTENSOR = "bitsandbytes' 8-bit kernels have no DTensor sharding rule"
 _TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.adamw_memory)
-_BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.43", "cpu": "0.50"}, backends.build_bnb_adamw8bit,
+_BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"}, backends.build_bnb_adamw8bit,
                     backends.bnb_memory(2), layout=backends.bnb_layout("AdamW", *_ADAM_MOMENTS),
                     keeps_8bit=backends.bnb_keeps_8bit, fsdp2=_BNB_NO_DTENSOR)
-_BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.43"}, backends.build_bnb_paged_adamw8bit,
+_BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.50"}, backends.build_bnb_paged_adamw8bit,
                      backends.bnb_memory(2), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
                      fsdp2=_BNB_NO_DTENSOR)
 _TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(2),
@@ -293,7 +294,7 @@ _LION_MOMENTS = (("exp_avg", True),)
 _TORCH_LION8BIT = Backend("torch", None, _ANY, _build_torch_lion8bit, backends.torch_8bit_memory(1),
                           needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
                           fsdp2=_TORCH_8BIT.fsdp2)
-_BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.43", "cpu": "0.50"},
+_BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
                         backends.bnb_builder("Lion8bit", uses_eps=False), backends.bnb_memory(1),
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
                         fsdp2=_BNB_NO_DTENSOR)

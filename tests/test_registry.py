@@ -63,13 +63,16 @@ def test_8bit_kernel_needs_a_compiler_else_bnb_is_chosen(monkeypatch):
     assert res.backend == "bnb" and "needs a C or C++ compiler" in res.reason
 
 
-def test_old_bitsandbytes_does_not_serve_cpu(monkeypatch):
+def test_old_bitsandbytes_serves_nothing(monkeypatch):
+    """bitsandbytes >= 0.50 everywhere (setup.cfg, the bnb extra, the registry): older is refused, naming both."""
     from packaging.version import Version
 
     real = registry.version_of
     monkeypatch.setattr(registry, "version_of", lambda pkg: Version("0.45.0") if pkg == "bitsandbytes" else real(pkg))
-    with pytest.raises(ValueError, match=r"bnb serves cpu from bitsandbytes 0.50, installed is 0.45.0"):
-        hfe.resolve("adam8bit", "cpu", backend="bnb")
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match=rf"bnb serves {device} from bitsandbytes 0.50, installed is 0.45.0"):
+            hfe.resolve("adam8bit", device, backend="bnb")
+    monkeypatch.setattr(registry, "version_of", lambda pkg: Version("0.50.0") if pkg == "bitsandbytes" else real(pkg))
     assert hfe.resolve("adam8bit", "cuda").backend == "bnb"
 
 
