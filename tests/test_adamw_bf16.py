@@ -519,3 +519,25 @@ def test_number_step_in_loaded_state_becomes_a_tensor():
     with pytest.raises(ValueError, match="step"):
         fresh.load_state_dict(sd)
     assert fresh.state[q]["step"].item() == 2.0
+
+
+def test_compensation_state_that_no_longer_applies_is_dropped(caplog):
+    """PEFT resumes a bf16 LoRA adapter in fp32: the checkpoint's kahan_comp would be kept (cast to fp32) while the
+    tensor runs plain AdamW, and the Trainer would log a negative saving. It is dropped, with a warning."""
+    import logging
+
+    p = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16))
+    opt = AdamWBF16([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    assert "kahan_comp" in sd["state"][0]
+    q = torch.nn.Parameter(p.detach().float())
+    opt2 = AdamWBF16([q], lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.optim.adamw_bf16"):
+        opt2.load_state_dict(sd)
+    assert "kahan_comp" not in opt2.state[q] and opt2.state[q]["exp_avg"].dtype == torch.float32
+    assert "dropped the saved kahan_comp of 1" in caplog.text
+    q.grad = torch.randn_like(q)
+    opt2.step()
+    assert torch.isfinite(q).all()

@@ -611,12 +611,23 @@ class AdamWBF16(Optimizer):
             if "step" in st and not torch.is_tensor(st["step"]):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(i, {})
+        placed = [(p, g["compensation"]) for g in self.param_groups for p in g["params"]]
+        dropped = []
+        for i, (p, compensation) in zip(saved_ids, placed):
+            saved, state = state_dict["state"].get(i, {}), self.state[p]
+            if "kahan_comp" in state and (compensation != "kahan" or p.dtype not in _LOW_PRECISION):
+                # compensation no longer applies (PEFT reloads a bf16 adapter in fp32; compensation changed): this
+                # tensor runs without it, and a kept buffer would only cost memory
+                del state["kahan_comp"]
+                dropped.append((i, p.dtype))
             for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
-                if key in saved and self.state[p][key].dtype != _state_dtype(p):
-                    self.state[p][key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
+                if key in saved and key in state and state[key].dtype != _state_dtype(p):
+                    state[key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
+        if dropped:
+            logger.warning("AdamWBF16.load_state_dict: dropped the saved kahan_comp of %d parameter(s) (ids %s): Kahan "
+                           "compensation applies to bf16/fp16 weights under compensation='kahan', and these are %s "
+                           "here", len(dropped), [i for i, _ in dropped[:8]],
+                           "/".join(sorted({str(d).removeprefix("torch.") for _, d in dropped})))
 
     @torch.no_grad()
     def step(self, closure=None):
