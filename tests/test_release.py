@@ -99,12 +99,31 @@ def test_at_most_one_gradient_alive_during_backward():
     for p in params:
         p.register_post_accumulate_grad_hook(watch)
     opt = hfe.create_optimizer(model, "adam8bit", lr=1e-3)
-    release.attach(opt)
+    release.attach(opt, bucket_bytes=0)
     batch = ClassificationSet(n=4)[0]
     model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
     assert alive_counts and set(alive_counts) == {1}
     assert len(refs) == sum(p.requires_grad for p in params)
     assert all(r() is None for r in refs)
+
+
+def test_buckets_bound_the_gradients_alive():
+    """With buckets, completed gradients wait until bucket_bytes are pending: never more than that plus the one in
+    flight are alive; the last bucket is stepped when the backward ends."""
+    model = tiny_bert()
+    params = list(model.parameters())
+    alive = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(
+            lambda p: alive.append(sum(q.grad.numel() * 4 for q in params if q.grad is not None) - p.grad.numel() * 4))
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-3)
+    release.attach(opt, bucket_bytes=64 << 10)
+    batch = ClassificationSet(n=4)[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    assert max(alive) < 64 << 10 and max(alive) > 0  # some waited, never a full bucket
+    assert all(p.grad is None for p in params)
+    with pytest.raises(ValueError, match="bucket_bytes=-1"):
+        release.attach(opt, bucket_bytes=-1)
 
 
 def test_detach_restores_the_ordinary_step():
@@ -159,7 +178,7 @@ def _mlp_with_bad_grad(policy):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
     model[1].weight.register_hook(lambda g: g * float("nan"))
     opt = hfe.create_optimizer(model, "adamw", lr=1e-1, nonfinite=policy)
-    release.attach(opt)
+    release.attach(opt)  # the default bucket holds all of them: the earlier ones are stepped before the raise
     return model, opt, [p.detach().clone() for p in model.parameters()]
 
 
