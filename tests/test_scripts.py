@@ -98,5 +98,29 @@ def test_convergence_quick(tmp_path):
     assert by["hf_eff_adamw"]["final_loss"] == pytest.approx(base["final_loss"], rel=1e-6)  # same kernel, same groups
     assert by["hf_eff_adam8bit"]["state_bytes"] < base["state_bytes"]
     assert by["hf_eff_adafactor"]["state_bytes"] < 0.01 * base["state_bytes"]
+    # Lion's target compares with fp32 Lion at its own lr (the registry's default factor), not with fp32 AdamW
+    lion = next(r for r in runs if r.name == "lion8bit" and not r.options)
+    ref = by[lion.reference]
+    assert ref["run"]["name"] is None and ref["backend"] == "torch-optimi" and lion.lr_scale < 1
+    assert f"`{lion.label}`: final eval loss {by[lion.label]['final_loss']:.4f} vs {ref['final_loss']:.4f} of " \
+           f"`{lion.reference}`" in md
+
+    # a later session of the same task (Lion at another lr) merges into the page; another task is refused
+    conv.main(["--quick", "--in-process", "--threads", "1", "--only", "lion8bit", "--lr-scale", "lion=1/3",
+               "--out", str(tmp_path / "new")])
+    conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "new" / "convergence.json")])
+    merged = json.loads((tmp_path / "convergence.json").read_text())
+    labels = [r["run"]["label"] for r in merged["results"]]
+    assert labels[:len(runs)] == [r.label for r in runs]  # kept, in place
+    assert labels[len(runs):] == ["fp32 Lion (torch-optimi) lr/3", "hf_eff_lion8bit lr/3"]
+    md = (tmp_path / "convergence.md").read_text()
+    assert "merged into this page (`--merge`): `fp32 AdamW (torch, fused)`, `fp32 Lion (torch-optimi) lr/3`" in md
+    assert "| hf_eff_lion8bit lr/3 | torch | fp32 | 3.33e-05 |" in md and "## Learning rates tried" in md
+    other = json.loads((tmp_path / "new" / "convergence.json").read_text())
+    other["config"]["steps"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="steps 2 in the page, 3 in the new runs"):
+        conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "other.json")])
+    assert json.loads((tmp_path / "convergence.json").read_text()) == merged  # untouched
     assert by["hf_eff_adamw_bf16"]["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
     assert "## Targets" in md and "Load average" in md
