@@ -59,7 +59,7 @@ from torch.autograd import Variable
 from . import guard
 
 __all__ = ["attach", "detach", "is_attached", "release_info", "ReleaseInfo", "check_trainer_args",
-           "check_accelerate"]
+           "check_accelerate", "BUCKET_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class ReleaseInfo:
     """Counters of an attached optimizer (see :func:`release_info`)."""
 
     params: int  # parameters with a release hook
-    stepped_tensors: int = 0  # per-tensor steps taken inside backward, since attach
+    stepped_tensors: int = 0  # tensors stepped inside backward since attach
     skipped_tensors: int = 0  # tensors skipped for a non-finite gradient under nonfinite="skip"
     frozen: list[str] = field(default_factory=list)  # parameters without a hook (no requires_grad at attach)
 
