@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from hf_efficient.optim import _dispatch
 from hf_efficient.optim import adamw_bf16 as mod
 from hf_efficient.optim.adamw_bf16 import COMPENSATIONS, AdamWBF16
 
@@ -209,10 +210,11 @@ def test_foreach_equals_single_tensor(mode, monkeypatch):
 @needs_compiler
 @pytest.mark.parametrize("mode", ["kahan", "stochastic"])
 def test_compiled_matches_eager(mode, monkeypatch):
-    monkeypatch.setattr(mod, "_COMPILED", {})  # another test may have replaced torch.compile while caching
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})  # another test may have replaced torch.compile while caching
     eager = _run(_params(), 4, compensation=mode, foreach=False, compile=False)
     compiled = _run(_params(), 4, compensation=mode, compile=True)
-    assert mod._COMPILED[(mode, "cpu", torch.bfloat16)] is not None, "the compiled kernel was rejected"
+    key = mod._compiled_key(mode, torch.device("cpu"), torch.bfloat16)
+    assert _dispatch._COMPILED[key] is not None, "the compiled kernel was rejected"
     (pe, se), (pc, sc) = _snapshot(eager), _snapshot(compiled)
     ulp = 2.0**-7 * 2  # weights are within (0, 4)
     for x, y, a, b in zip(pe, pc, se, sc):
@@ -230,8 +232,8 @@ def _big():  # the usual tensors and one that splits over 2 threads (2 x 2**16 e
 
 
 def _assert_native_equals_eager(mode: str, caplog, monkeypatch) -> None:
-    monkeypatch.setattr(mod, "_LOGGED", set())  # the path is logged once per process
-    with caplog.at_level(logging.INFO, logger=mod.__name__):
+    monkeypatch.setattr(_dispatch, "_LOGGED", set())  # the path is logged once per process
+    with caplog.at_level(logging.INFO, logger=_dispatch.__name__):
         native = _run(_big(), 4, compensation=mode)
     assert "native path" in caplog.text
     eager = _run(_big(), 4, compensation=mode, foreach=False, compile=False)
@@ -253,16 +255,41 @@ def test_native_kernel_equals_eager(mode, threads, caplog, monkeypatch):
     residual, differs in a few elements in 10**5 by a few of its own bf16 ulps (the weights then still agree):
     torch's vectorized fp32 sqrt on CPU is not correctly rounded (1 ulp off in ~20% of elements, torch 2.13,
     AVX-512), C's sqrtf is; the last-bit difference in the update flips the residual's rounding near a tie."""
-    if mod._native_kernel(mode, torch.device("cpu"), torch.bfloat16) is None:
+    if mod._native_fn() is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     torch.set_num_threads(threads)
     _assert_native_equals_eager(mode, caplog, monkeypatch)
 
 
+def test_native_kernel_is_a_torch_op():
+    """The C kernel runs as the op hf_efficient::adamw_bf16_step: one call per step in the profiler, and
+    torch.compile takes a step through it as an opaque op (same results as the eager-mode call)."""
+    if mod._native_fn() is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _run(_params(), 1)
+    calls = [e.count for e in prof.key_averages() if e.key == "hf_efficient::adamw_bf16_step"]
+    assert calls == [1], [e.key for e in prof.key_averages()]
+
+    def step(*ts):
+        torch.ops.hf_efficient.adamw_bf16_step(*(list(x) for x in ts), [5, 6], coef, "kahan", -1)
+
+    coef = mod._coefficients(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1)
+    gen = torch.Generator().manual_seed(0)
+    sets = [[torch.randn(n, generator=gen).bfloat16() for n in (300, 70)] for _ in range(2)]
+    sets += [[torch.zeros(n, dtype=torch.bfloat16) for n in (300, 70)] for _ in range(3)]  # m, v, kahan_comp
+    copy = [[t.clone() for t in ts] for ts in sets]
+    before = sets[0][0].clone()
+    step(*sets)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*copy)
+    assert all(torch.equal(a, b) for xs, ys in zip(sets, copy) for a, b in zip(xs, ys))
+    assert not torch.equal(before, sets[0][0])  # the weights moved
+
+
 def test_native_kernel_without_openmp(monkeypatch, caplog, rebuild_native):
     """A compiler without OpenMP (Apple's clang): the library is built without it, Python threads split the
     elements, and the results are the same."""
-    lib = rebuild_native(mod, _OPENMP="-fno-such-openmp-flag").load("adamw_bf16_cpu.c")  # what it says to -fopenmp
+    lib = rebuild_native(_dispatch, _OPENMP="-fno-such-openmp-flag").load("adamw_bf16_cpu.c")  # what it says to -fopenmp
     if lib is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     assert lib.openmp is False
@@ -274,7 +301,7 @@ def test_native_kernel_without_openmp(monkeypatch, caplog, rebuild_native):
 def test_native_kernel_keeps_nonfinite_values(mode):
     """With nonfinite="ignore" NaN and inf gradients reach the kernel: NaN stays NaN and inf stays inf where eager
     has them (the C rounding has no NaN test; a signalling bf16 NaN among the gradients included)."""
-    fn = mod._native_kernel(mode, torch.device("cpu"), torch.bfloat16)
+    fn = mod._native_fn()
     if fn is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     g = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-3, 0.0, 3e38] * 20).bfloat16()
@@ -296,11 +323,11 @@ def test_native_kernel_keeps_nonfinite_values(mode):
 def test_native_kernel_missing_compiler_falls_back(monkeypatch, caplog, rebuild_native):
     """No C compiler (or a failing one): a warning, and the optimizer keeps working on another path."""
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    native = rebuild_native(mod)
+    native = rebuild_native(_dispatch)
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         opt = _run(_params(), 2, compensation="none")
     assert "could not build adamw_bf16_cpu.c" in caplog.text
-    assert mod._COMPILED[("none", "native")] is None
+    assert _dispatch._COMPILED[("native", "adamw_bf16_cpu.c", "adamw_bf16_step")] is None
     _assert_same(_snapshot(opt), _snapshot(_run(_params(), 2, compensation="none", compile=True)))
 
 
@@ -308,11 +335,12 @@ def test_failed_compile_falls_back_to_foreach(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_LOGGED", set())  # a failure is logged once per process
     monkeypatch.setattr(torch, "compile", broken)
-    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
         fallback = _run(_params(), 3, compile=True)
-    assert "no C++ compiler here" in caplog.text and "foreach" in caplog.text
+    assert "no C++ compiler here" in caplog.text and "next path" in caplog.text
     _assert_same(_snapshot(fallback), _snapshot(_run(_params(), 3, foreach=True, compile=False)))
 
 
@@ -326,11 +354,12 @@ def test_probe_rejects_a_kernel_that_loses_the_compensation(monkeypatch, caplog)
         c.copy_(y - (new - p32))
         p.copy_(new)
 
-    monkeypatch.setattr(mod, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
+    monkeypatch.setattr(_dispatch, "_LOGGED", set())  # a failure is logged once per process
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: elides_rounding if fn is mod._kahan_ else fn)
-    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
         assert mod._compiled_kernel("kahan", torch.device("cpu"), torch.bfloat16) is None
-    assert "disagrees with eager" in caplog.text
+    assert "disagrees with the eager one" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------- resume

@@ -54,8 +54,7 @@ def _make_op(name: str, family: type):
              coef: list[float], threads: int) -> None:
         family.run_native(family.native_fn(), params, grads, codes, absmax, coef, None if threads < 0 else threads)
 
-    return torch.library.custom_op(f"hf_efficient::{name}_step", step, mutates_args=("params", "codes", "absmax"),
-                                   device_types="cpu")
+    return _dispatch.custom_op(f"{name}_step", step, ("params", "codes", "absmax"))
 
 
 class Blockwise8bit(Optimizer):

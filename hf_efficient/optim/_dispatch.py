@@ -23,7 +23,7 @@ import torch
 
 from . import _native
 
-__all__ = ["cached", "compiled", "native", "call", "compile_errors", "log_once", "c_array"]
+__all__ = ["cached", "compiled", "native", "custom_op", "call", "compile_errors", "log_once", "c_array"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,12 @@ def native(source: str, symbol: str, argtypes: list, probe: Callable[[Callable],
         return fn
 
     return cached(("native", source, symbol), make)
+
+
+def custom_op(name: str, fn: Callable, mutates_args: tuple[str, ...]):
+    """``fn`` (a C kernel's step over lists of CPU tensors, in place) as the op ``hf_efficient::{name}``: it shows
+    in the profiler under that name, and ``torch.compile`` calls it as an opaque op instead of tracing ctypes."""
+    return torch.library.custom_op(f"hf_efficient::{name}", fn, mutates_args=mutates_args, device_types="cpu")
 
 
 def call(kernel: Callable, fallback: Callable, family: str, *args):

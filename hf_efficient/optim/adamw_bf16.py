@@ -25,8 +25,9 @@ so a resumed run rounds exactly as the uninterrupted one would, and data-paralle
 
 Speed: on CPU, bf16 weights go through a small C kernel (``adamw_bf16_cpu.c``, built once per machine
 with the system C compiler, see :mod:`._native`): eager's operations in eager's order, vectorized by the
-compiler, all tensors of a step in one call on torch's threads. It must pass the same probe as the compiled
-kernel before it is used. ``compile=True`` asks for the compiled kernel instead, and fp16 weights always get
+compiler, all tensors of a step in one call on torch's threads, through the op ``hf_efficient::adamw_bf16_step``
+(it shows in the profiler and composes with ``torch.compile``). It must pass the compiled kernel's probe, in
+every mode, before it is used; kernels are cached, probed and published by :mod:`._dispatch`. ``compile=True`` asks for the compiled kernel instead, and fp16 weights always get
 it: one ``torch.compile``'d (inductor C++) kernel per tensor does the whole step in a single pass (compiled
 on the first step, a few seconds; inductor caches it on disk); tensors below ``_SMALL_NUMEL`` share one call.
 Without a working compiler it falls back to the foreach path (same math, eager, much slower). The kernel is
@@ -43,18 +44,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import threading
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
-from . import _native
 from ..options import check_group, check_step, refuse_sparse
-from ._dispatch import compile_errors
+from . import _dispatch, _native
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
@@ -300,43 +300,34 @@ def _compiled(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, c
             torch._foreach_copy_(dst, [t.view_as(d) for t, d in zip(flat.split(sizes), dst)])
 
 
+@contextmanager
+def _quiet():
+    """Around compiled calls: fp16 weights with bf16 state make inductor note the mix, harmlessly."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+        yield
+
+
 def _call(kernel, mode, *args):
-    """A compiled call; if compiling it fails (before anything ran), the eager kernel does this call instead. Any
-    other error propagates: it may come after the in-place update, which a re-run would apply twice."""
-    try:
-        with warnings.catch_warnings():  # fp16 weights with bf16 state: inductor notes the mix, harmlessly
-            warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
-            kernel(*args)
-    except compile_errors() as e:
-        logger.warning("AdamWBF16: compiled %s kernel failed (%s: %s); continuing without it. Pass compile=False "
-                       "to skip compiling.", mode, type(e).__name__, e)
-        with _LOCK:
-            for key, fn in _COMPILED.items():
-                if fn is kernel:
-                    _COMPILED[key] = None
-        _KERNELS[mode](*args)
+    """A compiled call; if compiling it fails (before anything ran), the eager kernel does this call instead (see
+    :func:`._dispatch.call`: any other error propagates)."""
+    with _quiet():
+        _dispatch.call(kernel, _KERNELS[mode], "AdamWBF16", *args)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Dispatch
+# Dispatch: kernels cached, probed and published by :mod:`._dispatch`
 # ----------------------------------------------------------------------------------------------------
 
-_COMPILED: dict = {}  # (mode, device type, dtype) -> compiled kernel, or None where it failed or disagreed
-_LOCK = threading.RLock()  # a kernel is published in _COMPILED once, after its probe passed
-_LOGGED: set = set()
-
-
-def _log_once(level: int, key, msg: str, *args) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.log(level, msg, *args)
+_NATIVE_SOURCE, _NATIVE_SYMBOL = "adamw_bf16_cpu.c", "adamw_bf16_step"
+_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernel's mode numbers
 
 
 def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run, n: int = 37) -> bool:
     """Probe a fast path: ``run(p, g, m, v, c, key, coef)`` must give eager's weights and moments exactly on a
     sub-ulp update, and its compensation to 1%: a path that loses the compensation (a rounding elided) fails.
     ``n`` elements (a kernel that splits them over threads needs enough to split), one gradient of 2e19 (its
-    square overflows: the moments must stay finite)."""
+    square overflows: the moments must stay finite). The probe runs on fresh tensors: nothing of the user's."""
     gen = torch.Generator().manual_seed(0)
     # weights 1.0, updates of 2e-3 (about a quarter of a bf16 ulp): it lives in c or in the rounding
     base = [torch.ones(n), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
@@ -350,63 +341,44 @@ def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run,
     return all(exact) and torch.allclose(ref[4].float(), got[4].float(), rtol=1e-2, atol=0.0)
 
 
+def _compiled_key(mode: str, device: torch.device, dtype: torch.dtype) -> tuple:
+    return "compiled", "adamw_bf16", mode, device.type, dtype
+
+
 def _compiled_kernel(mode: str, device: torch.device, dtype: torch.dtype):
-    """The torch.compile'd kernel, after a probe showing it agrees with eager on a sub-ulp update; else None."""
-    key = (mode, device.type, dtype)
-    with _LOCK:
-        return _COMPILED[key] if key in _COMPILED else _probed_compiled(key, mode, device, dtype)
+    """The torch.compile'd kernel, after a probe showing it agrees with eager on a sub-ulp update; else None.
 
-
-def _probed_compiled(key, mode: str, device: torch.device, dtype: torch.dtype):
-    """Compile and probe (caller holds _LOCK); publish the kernel, or None, only then. The probe runs on fresh
-    tensors: whatever it raises, nothing of the user's was touched."""
-    try:
-        # dynamic_threads: a parallel loop whatever the size of the first call (inductor otherwise decides
-        # from it, and the probe's size would have made every later call run on one thread)
-        fn = torch.compile(_KERNELS[mode], dynamic=True, fullgraph=True,
-                           options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
-
+    ``emulate_precision_casts``: without it inductor elides the bf16 round trip the compensation is computed
+    from (the probe catches that). ``cpp.dynamic_threads``: a parallel loop whatever the size of the first call
+    (inductor otherwise decides from it, and the probe's size would make every later call run on one thread)."""
+    def probe(fn) -> bool:
         def run(p, g, m, v, c, k, coef):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+            with _quiet():
                 fn(p, g, m, v, c, torch.tensor(k, dtype=torch.int32, device=device), None,
                    torch.tensor(coef, device=device))
 
-        if not _agrees_with_eager(mode, device, dtype, run):
-            raise RuntimeError("compiled kernel disagrees with eager on a sub-ulp update (rounding elided?)")
-    except Exception as e:  # no C++ compiler, unsupported Python/platform, numerics: all mean "use foreach"
-        logger.warning("AdamWBF16: no compiled %s kernel for %s %s (%s: %s); using the foreach path. "
-                       "Pass compile=False to skip the attempt.", mode, device.type, dtype, type(e).__name__, e)
-        fn = None
-    _COMPILED[key] = fn
-    return fn
+        return _agrees_with_eager(mode, device, dtype, run)
+
+    return _dispatch.compiled(_compiled_key(mode, device, dtype), _KERNELS[mode], probe, dynamic=True,
+                              options={"emulate_precision_casts": True, "cpp.dynamic_threads": True})
 
 
-_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernel's mode numbers
+def _native_probe(fn) -> bool:
+    """The C function gives eager's results in every mode, its elements split over 3 threads (whatever team
+    OpenMP gives, every element must be done)."""
+    def agrees(mode: str) -> bool:
+        def run(p, g, m, v, c, k, coef):
+            _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef, threads=3)
+
+        return _agrees_with_eager(mode, torch.device("cpu"), torch.bfloat16, run, n=2 * _native._MIN_PER_THREAD + 37)
+
+    return all(agrees(mode) for mode in COMPENSATIONS)
 
 
-def _native_kernel(mode: str, device: torch.device, dtype: torch.dtype):
-    """The C kernel (``adamw_bf16_cpu.c``) for bf16 weights on CPU, after the probe below; else None."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return None
-    key = (mode, "native")
-    with _LOCK:  # published once, after the probe
-        if key not in _COMPILED:
-            fn = None
-            lib = _native.load("adamw_bf16_cpu.c")
-            if lib is not None:
-                fn = _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                                  + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
-
-                def run(p, g, m, v, c, k, coef):  # 3 threads: whatever team OpenMP gives, every element is done
-                    _native_path(fn, mode, [p], [g], [m], [v], [c] if mode == "kahan" else None, [k], coef,
-                                 threads=3)
-
-                if not _agrees_with_eager(mode, device, dtype, run, n=2 * _native._MIN_PER_THREAD + 37):
-                    logger.warning("AdamWBF16: the C kernel disagrees with eager on the probe; not using it")
-                    fn = None
-            _COMPILED[key] = fn
-        return _COMPILED[key]
+def _native_fn():
+    """The C function of ``adamw_bf16_cpu.c``, once its probe passed; else None (see :func:`._dispatch.native`)."""
+    return _dispatch.native(_NATIVE_SOURCE, _NATIVE_SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 8
+                            + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _native_probe)
 
 
 def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef, threads=None):
@@ -421,23 +393,39 @@ def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, co
                        pick(comps), pick(keys), coef)
     if not ok:
         return
-    pointers = lambda ts: _native.pointers([ts[i] for i in ok])  # noqa: E731
+    c = _dispatch.c_array
+    pointers = lambda ts: c(ctypes.c_void_p, (ts[i] for i in ok))  # noqa: E731
     numel = [params[i].numel() for i in ok]
     both = [k for i in ok for k in ((keys[i], keys[i] ^ _WEIGHT_STREAM) if keys else (0, 0))]
-    args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, (ctypes.c_int64 * len(ok))(*numel),
-            (ctypes.c_int32 * len(both))(*both), (ctypes.c_float * len(coef))(*coef), _MODES[mode])
+    args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, c(ctypes.c_int64, numel),
+            c(ctypes.c_int32, both), c(ctypes.c_float, coef), _MODES[mode])
     _native.run_split(fn, args, sum(numel), threads=threads)
+
+
+def _step_op(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+             comps: list[Tensor], keys: list[int], coef: list[float], compensation: str, threads: int) -> None:
+    """The C kernel's step over lists, in place (``comps``, ``keys``: empty where the compensation has none;
+    ``threads`` < 0: torch's count). Not ``mode``: torch's dispatch passes a keyword of that name to ops."""
+    _native_path(_native_fn(), compensation, params, grads, exp_avgs, exp_avg_sqs, comps or None, keys or None, coef,
+                 None if threads < 0 else threads)
+
+
+_op = _dispatch.custom_op("adamw_bf16_step", _step_op, ("params", "exp_avgs", "exp_avg_sqs", "comps"))
+
+
+def _native_op(op, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
+    """The path of the C kernel: its op, once for all the tensors."""
+    op(params, grads, exp_avgs, exp_avg_sqs, comps or [], keys or [], coef, mode, -1)
 
 
 def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool | None, compile: bool | None,
             plain: bool = True):
-    """The one dispatch point: (path name, function). Automatic on CPU: the C kernel for bf16 weights, else the
-    compiled one; ``compile=True`` asks for inductor's; foreach elsewhere. ``plain``: no tensor subclass among
-    the tensors (an FSDP2 DTensor shard is not memory the C kernel may address by its global ``numel()``)."""
-    if compile is None and foreach is None and plain:
-        native = _native_kernel(mode, device, dtype)
-        if native is not None:
-            return "native", _native_path, native
+    """The one dispatch point: (path name, path, kernel). Automatic on CPU: the C kernel's op for bf16 weights,
+    else the compiled one; ``compile=True`` asks for inductor's; foreach elsewhere. ``plain``: no tensor subclass
+    among the tensors (an FSDP2 DTensor shard is not memory the C kernel may address by its global ``numel()``)."""
+    if (compile is None and foreach is None and plain and device.type == "cpu" and dtype == torch.bfloat16
+            and _native_fn() is not None):
+        return "native", _native_op, _op
     if compile is None:
         compile = foreach is None and device.type == "cpu"
     kernel = _compiled_kernel(mode, device, dtype) if compile else None
@@ -500,8 +488,9 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
         groups[(int(state_steps[i].item()), params[i].device, params[i].dtype, plain)].append(i)
     for (step, device, dtype, plain), idx in groups.items():
         name, run, kernel = _choose(compensation, device, dtype, foreach, compile, plain)
-        _log_once(logging.INFO, (name, compensation, device.type, dtype),
-                  "AdamWBF16: %s path for %s %s tensors (compensation=%s)", name, device.type, dtype, compensation)
+        _dispatch.log_once(logging.INFO, ("AdamWBF16", name, compensation, device.type, dtype),
+                           "AdamWBF16: %s path for %s %s tensors (compensation=%s)", name, device.type, dtype,
+                           compensation)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         keys = None if compensation == "none" else [_noise_key(noise_ids[i], step) for i in idx]
         coef = _coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
