@@ -332,8 +332,9 @@ class Blockwise8bit(Optimizer):
         for gi, g in enumerate(saved):
             group = {**self.defaults, **g}
             try:
-                check_group(None, {**{k: group[k] for k in self.defaults}, "params": ()}, self.FAMILY,
-                            self.check_family_keys)  # its own keys: another library's extras (bnb's eps) ignored
+                # its own keys and the flags that change the math: another library's extras (bnb's eps) ignored
+                mine = [k for k in group if k in self.defaults or k in ("maximize", "amsgrad")]
+                check_group(None, {**{k: group[k] for k in mine}, "params": ()}, self.FAMILY, self.check_family_keys)
             except ValueError as e:
                 raise ValueError(f"{where}: saved param group {gi}: {e}; nothing was loaded") from e
             out.append(group)
