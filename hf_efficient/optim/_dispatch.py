@@ -95,10 +95,22 @@ def native(source: str, symbol: str, argtypes: list, probe: Callable[[Callable],
     return cached(("native", source, symbol), make)
 
 
+_LIBRARY = torch.library.Library("hf_efficient", "FRAGMENT")
+_IMPLS: dict = {}  # op name -> its function
+
+
 def custom_op(name: str, fn: Callable, mutates_args: tuple[str, ...]):
-    """``fn`` (a C kernel's step over lists of CPU tensors, in place) as the op ``hf_efficient::{name}``: it shows
-    in the profiler under that name, and ``torch.compile`` calls it as an opaque op instead of tracing ctypes."""
-    return torch.library.custom_op(f"hf_efficient::{name}", fn, mutates_args=mutates_args, device_types="cpu")
+    """``fn`` (a C kernel's step over lists of CPU tensors, in place, returning None) as the op
+    ``torch.ops.hf_efficient.{name}``: it shows in the profiler under that name, and ``torch.compile`` calls it as
+    an opaque op instead of tracing ctypes. Defined with ``torch.library.Library`` rather than
+    ``torch.library.custom_op``: the version bumps of the mutated tensors and the autograd check then run in C++,
+    and a step of 200 bf16 tensors costs 0.3 ms in the dispatcher instead of 0.85 ms."""
+    if name not in _IMPLS:  # defined once per process: a reloaded module (tests) only replaces the function
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIBRARY.impl(name, lambda *args: _IMPLS[name](*args), "CPU")
+        torch.library.register_fake(f"hf_efficient::{name}", lambda *args: None, lib=_LIBRARY)  # no outputs
+    _IMPLS[name] = fn
+    return getattr(torch.ops.hf_efficient, name).default
 
 
 def call(kernel: Callable, fallback: Callable, family: str, *args):
