@@ -289,7 +289,8 @@ def test_native_kernel_is_a_torch_op():
 def test_native_kernel_without_openmp(monkeypatch, caplog, rebuild_native):
     """A compiler without OpenMP (Apple's clang): the library is built without it, Python threads split the
     elements, and the results are the same."""
-    lib = rebuild_native(_dispatch, _OPENMP="-fno-such-openmp-flag").load("adamw_bf16_cpu.c")  # what it says to -fopenmp
+    # a flag the compiler refuses, as it refuses -fopenmp
+    lib = rebuild_native(_dispatch, _OPENMP="-fno-such-openmp-flag").load("adamw_bf16_cpu.c")
     if lib is None:
         pytest.skip("no C compiler: the C kernel is not built here")
     assert lib.openmp is False
