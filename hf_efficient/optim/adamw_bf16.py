@@ -29,7 +29,8 @@ compiler, all tensors of a step in one call on torch's threads, through the op `
 (it shows in the profiler and composes with ``torch.compile``). It must pass the compiled kernel's probe, in
 every mode, before it is used; kernels are cached, probed and published by :mod:`._dispatch`.
 ``compile=True`` asks for the compiled kernel instead, and fp16 weights always get it: one
-``torch.compile``'d (inductor C++) kernel per tensor does the whole step in a single pass (compiled on the first step, a few seconds; inductor caches it on disk); tensors below ``_SMALL_NUMEL`` share one call.
+``torch.compile``'d (inductor C++) kernel per tensor does the whole step in a single pass (compiled on the
+first step, a few seconds; inductor caches it on disk); tensors below ``_SMALL_NUMEL`` share one call.
 Without a working compiler it falls back to the foreach path (same math, eager, much slower). The kernel is
 compiled with ``emulate_precision_casts``: without it inductor elides the bf16 round trip ``new.float()``
 that the compensation is computed from, and Kahan silently degrades to round-to-nearest (a probe on the
