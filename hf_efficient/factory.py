@@ -93,6 +93,10 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
         fp32_state_params=keep_fp32, device=device)
     optimizer.hf_efficient = OptimizerInfo(res, options, split)
     protect(optimizer, optimizer.hf_efficient)
+    if options.get("gradient_release"):  # before any LR scheduler wraps step(): the Trainer and the plugin agree
+        from .release import attach
+
+        attach(optimizer)
     return optimizer
 
 

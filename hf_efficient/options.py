@@ -85,6 +85,8 @@ OPTIONS: dict[str, Option] = {
         Option("decay_rate", float, -0.8, "Adafactor second-moment decay exponent: beta2_t = 1 - t**decay_rate",
                check=lambda d: d < 0, check_text="must be negative"),
         Option("clip_threshold", float, 1.0, "Adafactor update clipping (RMS)", check=_positive, check_text="must be > 0"),
+        Option("gradient_release", bool, False, "step each tensor inside backward and free its gradient "
+               "(hf_efficient.release: one gradient alive at a time; no accumulation, clipping or fp16 scaler)"),
         Option("budget_gb", float, None, "hf_eff_auto: memory budget instead of the device's free memory", optional=True,
                check=_positive, check_text="must be > 0"),
     ]

@@ -298,7 +298,7 @@ _BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
                         backends.bnb_builder("Lion8bit", uses_eps=False), backends.bnb_memory(1),
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
                         fsdp2=_BNB_NO_DTENSOR)
-_COMMON = ("backend", "decay_embeddings", "nonfinite")
+_COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release")
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
 SPECS: dict[str, OptimizerSpec] = {

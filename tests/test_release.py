@@ -352,3 +352,62 @@ def test_accelerate_loop_same_weights_with_and_without_release():
             opt.zero_grad()
         weights.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(p, q) for p, q in zip(*weights))
+
+
+# --- the option, plumbed: create_optimizer, TrainingArguments, the accelerate plugin ---------------------------
+
+
+def test_the_gradient_release_option_everywhere(tmp_path, monkeypatch):
+    """``gradient_release=true`` attaches through create_optimizer and optim_args; TrainingArguments refuses the
+    Trainer's defaults that release cannot honour (max_grad_norm=1.0) before any model loads; the plugin field and
+    HF_EFF_GRADIENT_RELEASE attach in an Accelerate loop and refuse accumulation."""
+    import hf_efficient as hfe
+    from hf_efficient import release
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin
+    from transformers import TrainingArguments
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    assert release.is_attached(hfe.create_optimizer(model, "adamw", gradient_release=True))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    assert not release.is_attached(hfe.create_optimizer(model, "adamw", gradient_release="false"))
+    with pytest.raises(ValueError, match="max_grad_norm=1.0"):
+        TrainingArguments(str(tmp_path), optim="hf_eff_adamw", optim_args="gradient_release=true", use_cpu=True)
+    args = TrainingArguments(str(tmp_path), optim="hf_eff_adamw", optim_args="gradient_release=true", use_cpu=True,
+                             max_grad_norm=0.0, report_to=[])
+    assert args.max_grad_norm == 0.0
+    monkeypatch.setenv("HF_EFF_GRADIENT_RELEASE", "true")
+    plugin = EfficientOptimPlugin(optim="adamw", gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        plugin.create_accelerator()
+    plugin = EfficientOptimPlugin(optim="adamw", lr=1e-2)
+    accelerator = plugin.create_accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model, optimizer, scheduler = plugin.prepare(accelerator, model, num_training_steps=4)
+    assert release.is_attached(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    accelerator.backward(model(torch.randn(4, 8)).pow(2).sum())
+    assert all(p.grad is None for p in model.parameters())  # stepped inside backward, gradients freed
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def test_trainer_with_the_option_trains_like_without(tmp_path):
+    """``optim_args="gradient_release=true"`` in an unmodified Trainer: the same losses as the ordinary step
+    (fp32 AdamW, no clipping), the optimizer attached."""
+    from transformers import Trainer, TrainingArguments
+
+    from conftest import ClassificationSet, tiny_bert
+    from hf_efficient import release
+
+    runs = []
+    for optim_args in (None, "gradient_release=true"):
+        args = TrainingArguments(str(tmp_path / str(optim_args)), optim="hf_eff_adamw", optim_args=optim_args,
+                                 max_grad_norm=0.0, max_steps=4, per_device_train_batch_size=8, logging_steps=1,
+                                 report_to=[], use_cpu=True, save_strategy="no", seed=0)
+        trainer = Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet(64))
+        trainer.train()
+        assert release.is_attached(trainer.optimizer) == (optim_args is not None)
+        runs.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    assert runs[0] == runs[1]

@@ -57,6 +57,9 @@ class EfficientOptimPlugin:
                                   config.core_option("decay_embeddings"))
     backend: str = _opt(None, "force 'bnb', 'torchao' or 'torch'; None or 'auto': the registry's choice",
                         config.core_option("backend"))
+    gradient_release: bool = _opt(False, "step each tensor inside backward and free its gradient (no accumulation, "
+                                  "no clip_grad_norm_, no fp16 scaler, one process)",
+                                  config.core_option("gradient_release"))
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step (per process)", config.at_least(1))
     lr_scheduler_type: str = _opt("linear", f"one of {', '.join(SCHEDULERS)}", config.scheduler)
     warmup_steps: int = _opt(0, "linear warm-up, in optimizer steps", config.at_least(0))
@@ -126,6 +129,10 @@ class EfficientOptimPlugin:
     def _check_accelerator(self, accelerator) -> tuple[str | None, str]:
         """Refuse an unsupported set-up; return the backend to force (None: the registry's) and why."""
         check_processes_joined(accelerator)
+        if self._core_options().get("gradient_release"):
+            from ..release import check_accelerate
+
+            check_accelerate(accelerator)
         plugin_ga = (self.gradient_accumulation_steps, self.sources["gradient_accumulation_steps"])
         chosen = choose_backend(self.optim, self.backend, self._core_options(), accelerator.state, accelerator.device,
                                 plugin_ga=plugin_ga)
@@ -142,7 +149,8 @@ class EfficientOptimPlugin:
     def _core_options(self) -> dict:
         # backend only when forced: hf_eff_auto has no backend option (the name it picks resolves its own)
         forced = {} if self.backend is None else {"backend": self.backend}
-        return {**self.optim_args, "decay_embeddings": self.decay_embeddings, **forced}
+        release = {"gradient_release": True} if self.gradient_release else {}
+        return {**self.optim_args, "decay_embeddings": self.decay_embeddings, **forced, **release}
 
     def create_optimizer(self, model, backend: str | None = None) -> torch.optim.Optimizer:
         """The optimizer alone (decay groups, backend by the registry), for a loop that prepares it itself."""

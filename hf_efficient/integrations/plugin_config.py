@@ -26,7 +26,7 @@ __all__ = ["ENV_PREFIX", "ACCELERATE_GA_ENV", "option_field", "at_least", "yaml_
 logger = logging.getLogger(__name__)
 ENV_PREFIX = "HF_EFF_"
 ACCELERATE_GA_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
-CORE_FIELDS = ("backend", "decay_embeddings")  # plugin fields that are also core options (may sit in optim_args)
+CORE_FIELDS = ("backend", "decay_embeddings", "gradient_release")  # plugin fields that are also core options (may sit in optim_args)
 
 Layer = dict  # field name -> (raw value, source)
 

@@ -25,7 +25,7 @@ import torch
 
 from ..factory import build_optimizer, optimizer_info
 from ..memory import MB, peak_memory, state_metrics
-from ..options import parse_optim_args, parse_options
+from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
 
 __all__ = ["register", "patch_training_args", "patch_trainer", "check_optim_args", "TrainerOptimizer",
@@ -134,6 +134,11 @@ def patch_training_args(module) -> None:
             from .distributed import check_training_arguments
 
             check_training_arguments(self)
+            if OPTIONS["gradient_release"].coerce(parse_optim_args(self.optim_args).get("gradient_release", False),
+                                                  "optim_args"):
+                from ..release import check_trainer_args
+
+                check_trainer_args(self)  # accumulation, clipping, fp16 scaler, distributed: refused here
         return out
 
     @functools.wraps(original_set_optimizer)
