@@ -299,20 +299,28 @@ def _rss_now() -> int:
 
 # ------------------------------------------------------------------------------------------ driver
 
-def run_all(runs: list[Run], cfg: dict, args) -> list[dict]:
+def run_all(runs: list[Run], cfg: dict, args) -> tuple[list[dict], list[str]]:
+    """The results of the runs that finished and the errors of those that failed (a failure, e.g. a package edited
+    under a long session, does not discard the others: each result is also kept in ``--out``/runs/ as it ends)."""
     if args.in_process:
-        return [train_one(r, cfg) for r in runs]
+        return [train_one(r, cfg) for r in runs], []
+    keep = args.out / "runs"
+    keep.mkdir(parents=True, exist_ok=True)
 
-    def launch(run: Run) -> dict:
+    def launch(run: Run) -> dict | str:
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(asdict(run)), "--config", json.dumps(cfg)],
                               capture_output=True, text=True)
         sys.stderr.write("".join(l + "\n" for l in proc.stderr.splitlines() if l.startswith("[")))
         if proc.returncode != 0:
-            raise RuntimeError(f"run {run.label!r} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+            sys.stderr.write(f"run {run.label!r} failed:\n{proc.stderr[-3000:]}\n")
+            return f"run {run.label!r} failed: {proc.stderr.strip().splitlines()[-1]}"
+        line = proc.stdout.strip().splitlines()[-1]
+        (keep / f"{run.label.replace('/', '_').replace(' ', '_')}.json").write_text(line)
+        return json.loads(line)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        return list(pool.map(launch, runs))
+        done = list(pool.map(launch, runs))
+    return [r for r in done if isinstance(r, dict)], [r for r in done if isinstance(r, str)]
 
 
 # Task settings two sessions must share to be merged into one page (jobs, threads and the machine's load only
@@ -480,6 +488,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (subprocesses)")
     p.add_argument("--only", default="", help="comma-separated run labels or names to run (baseline always runs, "
                                               "and the reference of each run)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="with --only: leave fp32 AdamW out (rows to --merge into a page that has it)")
     p.add_argument("--lr-scale", action="append", default=[], metavar="MATH=F[,F...]",
                    help="run a family math at these factors of --lr, e.g. lion=1/3,1/5,1/10 (default: "
                         + ", ".join(f"{m}={','.join(format(x, '.3g') for x in r.lr_scales)}"
@@ -516,21 +526,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     runs, notes = planned_runs(args.device, args.backends == "all", parse_lr_scales(args.lr_scale))
     if args.only:
         wanted = {w.strip() for w in args.only.split(",")}
-        chosen = [r for r in runs if r.label == BASELINE or r.label in wanted or r.name in wanted
-                  or (r.name and f"hf_eff_{r.name}" in wanted and not r.options)]
+        chosen = [r for r in runs if r.label == BASELINE and not args.no_baseline or r.label in wanted
+                  or r.name in wanted or (r.name and f"hf_eff_{r.name}" in wanted and not r.options)]
         runs = [r for r in runs if r in chosen or any(c.reference == r.label for c in chosen)]
     info = machine(args.device)
     info["torch_threads"] = args.threads or torch.get_num_threads()
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     try:
-        results = run_all(runs, cfg, args)
+        results, failed = run_all(runs, cfg, args)
     finally:  # --in-process sets the thread count of this process
         torch.set_num_threads(threads)
     load_after = [round(x, 2) for x in os.getloadavg()]
+    if not results:
+        raise SystemExit("\n".join(failed))
     write_results(args.out, {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after,
-                             "config": cfg, "notes": notes, "wall_s": time.perf_counter() - t0, "results": results})
+                             "config": cfg, "notes": notes + failed, "wall_s": time.perf_counter() - t0,
+                             "results": results})
     print((args.out / "convergence.md").read_text())
+    if failed:
+        raise SystemExit("\n".join(failed) + f"\n(the other runs are in {args.out})")
     return results
 
 

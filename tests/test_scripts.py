@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -105,17 +107,17 @@ def test_convergence_quick(tmp_path):
     assert f"`{lion.label}`: final eval loss {by[lion.label]['final_loss']:.4f} vs {ref['final_loss']:.4f} of " \
            f"`{lion.reference}`" in md
 
-    # a later session of the same task (Lion at another lr) merges into the page; another task is refused
-    conv.main(["--quick", "--in-process", "--threads", "1", "--only", "lion8bit", "--lr-scale", "lion=1/3",
+    # a later session of the same task (Lion at an lr not run above) merges into the page; another task is refused
+    conv.main(["--quick", "--in-process", "--threads", "1", "--only", "lion8bit", "--lr-scale", "lion=1/7",
                "--out", str(tmp_path / "new")])
     conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "new" / "convergence.json")])
     merged = json.loads((tmp_path / "convergence.json").read_text())
     labels = [r["run"]["label"] for r in merged["results"]]
     assert labels[:len(runs)] == [r.label for r in runs]  # kept, in place
-    assert labels[len(runs):] == ["fp32 Lion (torch-optimi) lr/3", "hf_eff_lion8bit lr/3"]
+    assert labels[len(runs):] == ["fp32 Lion (torch-optimi) lr/7", "hf_eff_lion8bit lr/7"]
     md = (tmp_path / "convergence.md").read_text()
-    assert "merged into this page (`--merge`): `fp32 AdamW (torch, fused)`, `fp32 Lion (torch-optimi) lr/3`" in md
-    assert "| hf_eff_lion8bit lr/3 | torch | fp32 | 3.33e-05 |" in md and "## Learning rates tried" in md
+    assert "merged into this page (`--merge`): `fp32 AdamW (torch, fused)`, `fp32 Lion (torch-optimi) lr/7`" in md
+    assert "| hf_eff_lion8bit lr/7 | torch | fp32 | 1.43e-05 |" in md and "## Learning rates tried" in md
     other = json.loads((tmp_path / "new" / "convergence.json").read_text())
     other["config"]["steps"] = 3
     (tmp_path / "other.json").write_text(json.dumps(other))
@@ -124,3 +126,23 @@ def test_convergence_quick(tmp_path):
     assert json.loads((tmp_path / "convergence.json").read_text()) == merged  # untouched
     assert by["hf_eff_adamw_bf16"]["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
     assert "## Targets" in md and "Load average" in md
+
+
+def test_convergence_failed_run_keeps_the_others(tmp_path, monkeypatch):
+    """A run that fails (e.g. the package edited under a long session) costs only itself: the finished runs are
+    returned, kept under --out/runs/ as they end, and the failure is reported."""
+    conv = _load("convergence")
+    ok, bad = conv.Run("a", None), conv.Run("b/x", "lion8bit")
+
+    def fake_run(cmd, **kwargs):
+        label = json.loads(cmd[cmd.index("--worker") + 1])["label"]
+        if label == "a":
+            return subprocess.CompletedProcess(cmd, 0, stdout='noise\n{"label": "a"}\n', stderr="[a] step 1\n")
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback\nRuntimeError: boom\n")
+
+    monkeypatch.setattr(conv.subprocess, "run", fake_run)
+    args = types.SimpleNamespace(in_process=False, out=tmp_path, jobs=2)
+    results, failed = conv.run_all([ok, bad], {}, args)
+    assert results == [{"label": "a"}]
+    assert failed == ["run 'b/x' failed: RuntimeError: boom"]
+    assert json.loads((tmp_path / "runs" / "a.json").read_text()) == {"label": "a"}
