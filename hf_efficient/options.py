@@ -242,3 +242,16 @@ def refuse_sparse(optimizer, owner: str) -> None:
                 raise RuntimeError(f"{owner} does not support sparse gradients (parameter {i} of param group {gi}, "
                                    f"shape {tuple(p.shape)}); nothing was updated. Use dense gradients (e.g. "
                                    "nn.Embedding(..., sparse=False)) or torch.optim.SparseAdam for that parameter")
+
+
+def start_step(optimizer, closure, owner: str):
+    """What every step of this package's optimizers does first: torch's closure protocol (recompute the loss and
+    gradients with grad enabled), then :func:`refuse_sparse`. Returns the closure's loss (None without one)."""
+    loss = None
+    if closure is not None:
+        import torch
+
+        with torch.enable_grad():
+            loss = closure()
+    refuse_sparse(optimizer, owner)
+    return loss

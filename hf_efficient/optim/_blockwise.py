@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..options import check_group, check_step, refuse_sparse
+from ..options import check_group, check_step, start_step
 from . import _dispatch, _native, quant8
 from .quant8 import BLOCK, WORDS, _describe
 
@@ -246,11 +246,7 @@ class Blockwise8bit(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        refuse_sparse(self, self.FAMILY)
+        loss = start_step(self, closure, self.FAMILY)  # closure, then sparse gradients refused: nothing half-done
         first = self.MOMENTS[0][0]
         for group in self.param_groups:
             fp32 = []  # (p, grad, state) of tensors with fp32 state

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..options import check_group, check_hyperparams, refuse_sparse
+from ..options import check_group, check_hyperparams, start_step
 
 __all__ = ["Adafactor"]
 
@@ -72,11 +72,7 @@ class Adafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        refuse_sparse(self, "Adafactor")  # before any tensor is updated: no half-done step
+        loss = start_step(self, closure, "Adafactor")  # closure, then sparse gradients refused: nothing half-done
         todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
         for p, group in todo:
             state = self.state[p] if self.state[p] else self._init_state(p, group["beta1"])

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..options import check_group, check_step, refuse_sparse
+from ..options import check_group, check_step, start_step
 from . import _dispatch, _native
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
@@ -621,11 +621,7 @@ class AdamWBF16(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        refuse_sparse(self, "AdamWBF16")
+        loss = start_step(self, closure, "AdamWBF16")  # closure, then sparse gradients refused: nothing half-done
         position = 0  # a parameter's index across groups, as in state_dict(): its noise stream
         for group in self.param_groups:
             lists = [[] for _ in range(7)]
