@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from .backends import TORCHAO_MIN_SIZE
-from .memory import (AUTO_MARGIN, MB, MemoryEstimate, choose_auto, estimate_memory, model_from_config,
-                     optimizer_state_bytes)
+from .auto import AUTO_MARGIN, choose_auto
+from .memory import MB, MemoryEstimate, estimate_memory, model_from_config, optimizer_state_bytes
 from .registry import PREFIX, SPECS, resolve
 
 __all__ = ["main", "ROWS", "Row"]

@@ -64,8 +64,8 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
                     weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
     """:func:`create_optimizer` with options as given by ``source`` (text or values), named in errors."""
     spec = get_spec(name)
-    if spec.name == "auto":  # the name comes from the model's predicted footprint; see memory.choose_auto
-        from .memory import choose_auto
+    if spec.name == "auto":  # the name comes from the model's predicted footprint; see auto.choose_auto
+        from .auto import choose_auto
 
         model = model if isinstance(model, nn.Module) else list(model)
         choice = choose_auto(model, raw_options, source=source)

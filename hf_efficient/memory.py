@@ -32,9 +32,8 @@ from .options import parse_options
 from .param_groups import split_parameters
 from .registry import PREFIX, get_spec, resolve
 
-__all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "choose_auto",
-           "AutoChoice", "free_memory_bytes", "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "AUTO_MARGIN",
-           "MAX_PARAMS"]
+__all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "peak_memory",
+           "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS"]
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +203,10 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
     if get_spec(name).name == "auto":
         if backend is not None:
             options["backend"] = backend
-        return _choose(tensors, dev, resident and dev == model_device and param_dtype is None, options,
-                       "estimate_memory").chosen
+        from .auto import choose_from  # the hf_eff_auto choice is a concern of its own, built on these counts
+
+        return choose_from(tensors, dev, resident and dev == model_device and param_dtype is None, options,
+                           "estimate_memory").chosen
     return _estimate(tensors, name, dev, backend, options, assumption)
 
 
@@ -303,100 +304,3 @@ def model_from_config(config, auto_class: str | None = None, device: torch.devic
         raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
     with torch.device(device):
         return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
-
-
-# ----------------------------------------------------------------------------------------- hf_eff_auto
-
-AUTO_MARGIN = 0.2  # share of the available memory left for activations, the allocator and the CUDA context
-AUTO_ORDER = ("adamw", "adam8bit", "adafactor")  # most accurate first
-AUTO_ORDER_BF16 = ("adamw_bf16", "adam8bit", "adafactor")  # plain AdamW on bf16 weights loses small updates
-
-
-@dataclass(frozen=True)
-class AutoChoice:
-    """What ``hf_eff_auto`` chose, from which candidates, against how much memory."""
-
-    name: str
-    options: dict[str, Any]  # the options given, minus those the chosen name does not take
-    available_bytes: int
-    usable_bytes: int
-    source: str  # where available_bytes came from
-    candidates: tuple[MemoryEstimate, ...]
-    fits: bool
-
-    @property
-    def chosen(self) -> MemoryEstimate:
-        return next(c for c in self.candidates if c.name == PREFIX + self.name)
-
-    def summary(self) -> str:
-        rows = "; ".join(f"{c.name} needs {_gb(c.total_bytes)} (params {_gb(c.param_bytes)} + grads "
-                         f"{_gb(c.grad_bytes)} + state {_gb(c.state_bytes)})" for c in self.candidates)
-        verdict = "the first that fits" if self.fits else "the smallest; NONE FITS, expect out-of-memory"
-        return (f"{PREFIX}auto chose {PREFIX}{self.name}, {verdict}: usable {_gb(self.usable_bytes)} = "
-                f"{1 - AUTO_MARGIN:.0%} of {_gb(self.available_bytes)} ({self.source}); {rows}")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / MB:.2f} MB"
-
-
-def free_memory_bytes(device: torch.device | str) -> int:
-    """Free memory of ``device``: ``torch.cuda.mem_get_info`` on CUDA, MemAvailable (or psutil) on CPU."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        try:
-            import psutil
-
-            return int(psutil.virtual_memory().available)
-        except ImportError:
-            pass
-    raise RuntimeError(f"cannot read the free memory of {device}: give it with optim_args='budget_gb=...'")
-
-
-def choose_auto(model, options: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None,
-                param_dtype: torch.dtype | str | None = None, source: str = "options") -> AutoChoice:
-    """Pick the most accurate name whose predicted params + grads + state fit the memory, and log why.
-
-    Candidates, best first: adamw > adam8bit > adafactor; for bf16 models adamw_bf16 replaces adamw (plain
-    AdamW on bf16 weights loses updates below the weights' resolution). The memory is ``budget_gb`` when
-    given, else the device's free memory plus the bytes of the model's parameters already on it;
-    :data:`AUTO_MARGIN` of it is kept free because activations are unknown here. When nothing fits, the
-    smallest is chosen and the warning says so.
-    """
-    tensors, _, model_dev, resident = _describe(model, param_dtype)
-    dev = torch.device(device) if device is not None else model_dev
-    return _choose(tensors, dev, resident and dev == model_dev and param_dtype is None, dict(options or {}), source)
-
-
-def _choose(tensors: list[_T], dev: torch.device, resident: bool, given: dict, source: str) -> AutoChoice:
-    auto = get_spec("auto")
-    opts = parse_options(auto.name, auto.options, given, source=source)
-    if opts["budget_gb"] is not None:
-        available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
-    else:
-        free = free_memory_bytes(dev)
-        held = sum(t.elements * t.dtype.itemsize for t in tensors) if resident else 0
-        available, where = free + held, f"free on {dev} {_gb(free)} + parameters already there {_gb(held)}"
-    usable = int(available * (1 - AUTO_MARGIN))
-    train = [t for t in tensors if t.trainable]
-    bf16 = sum(t.elements for t in train if t.dtype == torch.bfloat16) * 2 > sum(t.elements for t in train)
-    candidates = []
-    for name in AUTO_ORDER_BF16 if bf16 else AUTO_ORDER:
-        mine = {k: v for k, v in given.items() if k in get_spec(name).options}
-        candidates.append(_estimate(tensors, name, dev, None, mine, None))
-    fitting = [c for c in candidates if c.total_bytes <= usable]
-    best = fitting[0] if fitting else min(candidates, key=lambda c: c.total_bytes)
-    name = best.name.removeprefix(PREFIX)
-    choice = AutoChoice(name, {k: v for k, v in given.items() if k in get_spec(name).options}, available, usable,
-                        where, tuple(candidates), bool(fitting))
-    logger.log(logging.INFO if choice.fits else logging.WARNING, "%s", choice.summary())  # nothing fits: a warning
-    return choice

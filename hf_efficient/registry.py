@@ -340,7 +340,7 @@ SPECS: dict[str, OptimizerSpec] = {
     ]
 }
 # hf_eff_auto is no optimizer of its own: create_optimizer picks one of the above from the model's predicted
-# footprint (memory.choose_auto) and passes on the options that name takes.
+# footprint (auto.choose_auto) and passes on the options that name takes.
 SPECS["auto"] = OptimizerSpec(
     "auto", AUTO, float("nan"), "that of the name picked", "the most accurate of adamw > adamw_bf16 (bf16 models) > "
     "adam8bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
@@ -394,7 +394,7 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
     dev = torch.device(device).type
     if not spec.backends:
         raise ValueError(f"{spec.trainer_name} has no backend of its own: create_optimizer / Trainer choose a name "
-                         "for it from the model (hf_efficient.memory.choose_auto); resolve that name instead")
+                         "for it from the model (hf_efficient.auto.choose_auto); resolve that name instead")
     if spec.fallback and dev != spec.fallback[0]:
         msg = (f"{spec.trainer_name} pages optimizer state through {spec.fallback[0]} unified memory; "
                f"on {dev} it runs as {PREFIX}{spec.fallback[1]} instead")

@@ -12,7 +12,8 @@ from transformers import TrainerCallback
 
 import hf_efficient as hfe
 from hf_efficient import memory
-from hf_efficient.memory import MB, choose_auto, estimate_memory, free_memory_bytes, optimizer_state_bytes
+from hf_efficient.auto import AUTO_MARGIN, choose_auto, free_memory_bytes
+from hf_efficient.memory import MB, estimate_memory, optimizer_state_bytes
 from hf_efficient.registry import SPECS
 from conftest import ClassificationSet, tiny_bert, tiny_gpt2, tiny_llama
 
@@ -182,7 +183,7 @@ def test_frozen_parameters_cost_memory_but_no_state():
 # ------------------------------------------------------------------------------------------------- auto
 
 def _budget_gb(total_bytes: int, slack: float) -> float:
-    return total_bytes * slack / (1 - memory.AUTO_MARGIN) / 2**30
+    return total_bytes * slack / (1 - AUTO_MARGIN) / 2**30
 
 
 def test_auto_picks_by_budget(caplog):
@@ -196,7 +197,7 @@ def test_auto_picks_by_budget(caplog):
         picks[expect] = opt.hf_efficient.resolution.name
         assert estimate_memory(model, "auto", budget_gb=budget).name == "hf_eff_" + expect
     assert picks == {"adamw": "adamw", "adam8bit": "adam8bit", "adafactor": "adafactor"}
-    with caplog.at_level(logging.WARNING, logger="hf_efficient.memory"):
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.auto"):
         choice = choose_auto(model, {"budget_gb": 1e-6})
     assert choice.name == "adafactor" and not choice.fits and "NONE FITS" in caplog.text
     assert "budget_gb=1e-06" in caplog.text and "hf_eff_adamw needs" in caplog.text
