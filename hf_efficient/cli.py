@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     for p in (p_list, p_est):
         p.add_argument("-v", "--verbose", action="store_true", help="show hf_efficient's log messages")
     args = parser.parse_args(argv)
-    logging.getLogger("hf_efficient").setLevel(logging.INFO if args.verbose else logging.ERROR)
+    package_logger = logging.getLogger("hf_efficient")
+    level = package_logger.level  # restored after: main() may run inside a larger program (a notebook, tests)
+    package_logger.setLevel(logging.INFO if args.verbose else logging.ERROR)
     with warnings.catch_warnings():
         if not args.verbose:
             warnings.simplefilter("ignore")
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError, ImportError, RuntimeError) as e:
             print(f"hf-efficient: error: {e}", file=sys.stderr)
             return 2
+        finally:
+            package_logger.setLevel(level)
 
 
 def _devices() -> list[str]:

@@ -98,7 +98,7 @@ class Family:
     # (the absmax of each 8-bit code tensor is required by the codec, not listed here)
     math: str  # families of one math convert moments into each other ("adamw": adamw, adamw8bit, adamw_bf16)
     bench_format: str = ""  # scripts/bench_step.py: rows of one format are alternatives to each other
-    quality_target: float | None = None  # scripts/convergence.py: allowed excess of final eval loss over fp32 AdamW
+    quality_target: float | None = None  # allowed excess of final eval loss over its fp32 reference (convergence.py)
     param_dtype: torch.dtype = torch.float32  # the parameter dtype it is made for (bench and convergence runs)
     marks: frozenset[str] = frozenset()  # keys only its state holds: how an untagged checkpoint is recognised
     moment_dtype: Callable[[torch.Tensor], torch.dtype] | None = None  # dtype of moments converted in (None: fp32)

@@ -134,3 +134,15 @@ def test_list_json_is_strict_json(capsys):
     rc, out, _ = run(capsys, "list", "--json")
     rows = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # hf_eff_auto printed NaN
     assert rc == 0 and {r["state_bytes_per_param"] for r in rows if r["name"] == "hf_eff_auto"} == {None}
+
+
+def test_main_leaves_the_package_logger_as_it_found_it():
+    """main() quiets hf_efficient's logger while it runs; a program (or test) that calls it keeps its own level."""
+    import logging
+
+    from hf_efficient.cli import main
+
+    package_logger = logging.getLogger("hf_efficient")
+    before = package_logger.level
+    assert main(["list"]) == 0
+    assert package_logger.level == before
