@@ -322,7 +322,7 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
         OptimizerSpec("lion8bit", LION8BIT, 1.02, "~1.02",
                       "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit momentum; "
-                      "lr 3-10x below AdamW's; embeddings and tensors < min_8bit_size keep 32-bit state",
+                      "the paper advises lr 3-10x below AdamW's (convergence.md: AdamW's own did best here); embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_LION8BIT, "bnb": _BNB_LION8BIT},
                       # as adam8bit: on CPU our C kernel, on CUDA bitsandbytes' kernels
                       {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
