@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -88,3 +91,24 @@ def rebuild_native(monkeypatch, tmp_path):
 
     yield rebuild
     _native.load.cache_clear()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_processes(mode: str, script: str, *args: str, env: dict | None = None,
+                         timeout: int = 600) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of ``script`` on 2 local CPU processes (gloo), with ``mode`` ("--multi_gpu" for DDP,
+    "--use_deepspeed"): no HF_EFF_* / ACCELERATE_* variables of this process, one thread each, plus ``env``.
+    Fails the test, with the output's tail, if the launch fails."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("HF_EFF_", "ACCELERATE_"))}
+    full.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", mode, "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), script,
+           *args]
+    proc = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,24 +17,14 @@ WATCHDOG_S = 60  # a hung collective ends the worker (with tracebacks) instead o
 OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "adamw_bf16")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_EFF_", "ACCELERATE_"))}
     # `accelerate launch --cpu --num_processes 2` starts ONE process unless MPI is set up (accelerate 1.x's simple
     # launcher); the torchrun-based launcher with ACCELERATE_USE_CPU gives two gloo processes on any machine.
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="true")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           __file__, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    from conftest import launch_two_processes  # here: this file is also the workers' script
+
+    launch_two_processes("--multi_gpu", __file__, str(out), env={"ACCELERATE_USE_CPU": "true"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from conftest import launch_two_processes
 
 pytest.importorskip("deepspeed")
 
@@ -37,24 +36,13 @@ PLUGIN_CASES = {
 TRAINER_CASES = {k: v for k, v in PLUGIN_CASES.items() if "torchao" not in k and "paged" not in k}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_EFF_", "ACCELERATE_"))}
     # DeepSpeed's CPU accelerator; Accelerate joins the processes with the gloo backend the worker names
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(_free_port()), os.path.join(HERE, "_deepspeed_worker.py"), str(out), ",".join(map(str, STAGES)),
-           ";".join(PLUGIN_CASES), ";".join(TRAINER_CASES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    launch_two_processes("--use_deepspeed", os.path.join(HERE, "_deepspeed_worker.py"), str(out),
+                         ",".join(map(str, STAGES)), ";".join(PLUGIN_CASES), ";".join(TRAINER_CASES),
+                         env={"DS_ACCELERATOR": "cpu"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
