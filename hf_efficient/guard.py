@@ -29,6 +29,7 @@ import torch
 
 from . import checkpoint
 from .optim import _native
+from .optim._dispatch import c_array, native
 from .options import check_flags, check_hyperparams, check_unique
 
 __all__ = ["protect", "check_params", "first_nonfinite", "OVERFLOW"]
@@ -83,36 +84,28 @@ def _first_bad_native(grads: list[torch.Tensor]) -> int | None:
 
 
 def _scan(fn, grads: list[torch.Tensor], threads: int | None = None) -> int:
-    count = len(grads)
-    numel = [g.numel() for g in grads]
-    args = (count, _native.pointers(grads), (ctypes.c_int64 * count)(*numel),
-            (ctypes.c_int32 * count)(*(_KINDS[g.dtype] for g in grads)))
-    found = [i for i in _native.run_split(fn, args, sum(numel), threads=threads) if i >= 0]
+    c_int64 = ctypes.c_int64
+    args = (len(grads), c_array(ctypes.c_void_p, grads), c_array(c_int64, (g.numel() for g in grads)),
+            c_array(ctypes.c_int32, (_KINDS[g.dtype] for g in grads)))
+    found = [i for i in _native.run_split(fn, args, sum(g.numel() for g in grads), threads=threads) if i >= 0]
     return min(found, default=-1)
 
 
-_SCAN: dict = {}
-_SCAN_LOCK = threading.Lock()
+def _scan_probe(fn) -> bool:
+    """Over 3 threads and a range that splits unevenly, the scan finds a bad value at each end and none in a clean
+    copy (a scan that skips a share, as the old split did under OMP_THREAD_LIMIT, is refused)."""
+    clean = [torch.zeros(7), torch.ones(2 * 65536 + 1), torch.ones(5, dtype=torch.bfloat16)]
+    last, first = [t.clone() for t in clean], [t.clone() for t in clean]
+    last[1][-1], first[1][0], last[2][-1] = float("nan"), 2.0**64, float("inf")
+    return _scan(fn, clean, 3) == -1 and _scan(fn, last, 3) == 1 and _scan(fn, first, 3) == 1
 
 
 def _scan_kernel():
-    """The C scan, once a probe over 3 threads and a range that splits unevenly found a bad value at each end of
-    it and none in a clean copy; else None (the torch check is used, with one warning)."""
-    with _SCAN_LOCK:
-        if "fn" not in _SCAN:
-            _SCAN["fn"] = None
-            lib = _native.load("grad_check_cpu.c")
-            if lib is not None:
-                fn = _native.bind(lib, "first_nonfinite", [ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                  + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int64)
-                clean = [torch.zeros(7), torch.ones(2 * 65536 + 1), torch.ones(5, dtype=torch.bfloat16)]
-                last, first = [t.clone() for t in clean], [t.clone() for t in clean]
-                last[1][-1], first[1][0], last[2][-1] = float("nan"), 2.0**64, float("inf")
-                if _scan(fn, clean, 3) == -1 and _scan(fn, last, 3) == 1 and _scan(fn, first, 3) == 1:
-                    _SCAN["fn"] = fn
-                else:
-                    logger.warning("hf_efficient: the C gradient scan failed its probe; the torch check is used")
-        return _SCAN["fn"]
+    """The C scan, once :func:`_scan_probe` passed (cached, probed and logged by the kernels' dispatcher); else
+    None: the torch check is used."""
+    return native("grad_check_cpu.c", "first_nonfinite",
+                  [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int], _scan_probe,
+                  ctypes.c_int64)
 
 
 def _first_bad_torch(grads: list[torch.Tensor]) -> int:
