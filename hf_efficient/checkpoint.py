@@ -37,6 +37,7 @@ import torch
 
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
 from .options import OPTIONS, check_hyperparams
+from .param_groups import group_names
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
 __all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
@@ -349,7 +350,7 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
     keeps_8bit = impl.keeps_8bit(optimizer) if dst.quantized and impl.keeps_8bit else None
     i = 0
     for gi, group in enumerate(optimizer.param_groups):
-        names = group.get("param_names") or [f"group{gi}.param{j}" for j in range(len(group["params"]))]
+        names = group_names(group, gi)
         for pi, (p, pname) in enumerate(zip(group["params"], names)):
             pid, i = saved_ids[i], i + 1
             st = state.get(pid)

@@ -14,7 +14,7 @@ from torch import nn
 from .guard import check_params, protect
 from .optim import _native
 from .options import check_flags, check_hyperparams, check_unique, parse_options
-from .param_groups import DecaySplit, build_param_groups, param_device, split_parameters
+from .param_groups import DecaySplit, build_param_groups, named_params, param_device, split_parameters
 from .registry import Resolution, get_spec, resolve
 
 __all__ = ["create_optimizer", "OptimizerInfo", "optimizer_info"]
@@ -79,11 +79,11 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
         keep_fp32 = [split.params[n] for n in split.embeddings] if options.get("embedding_state") == "32bit" else []
     else:
         split, groups, keep_fp32 = None, _as_groups(model), []
-    named = list(_named(groups))
+    named = named_params(groups)
     check_params(named, spec)
     check_unique(((f"parameter {n!r}", p) for n, p in named), owner=spec.trainer_name)
     for g in groups:
-        check_flags(g, ("maximize", "amsgrad") if spec.name == "adamw" else (), spec.trainer_name)
+        check_flags(g, spec.facts.flags, spec.trainer_name)
     device = param_device(p for _, p in named)
     if device.type == "cpu":
         _native.check_thread_limit()
@@ -98,12 +98,6 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
 
         attach(optimizer)
     return optimizer
-
-
-def _named(groups):
-    for gi, g in enumerate(groups):
-        names = g.get("param_names") or [f"group{gi}.param{i}" for i in range(len(g["params"]))]
-        yield from zip(names, g["params"])
 
 
 def _as_groups(params) -> list[dict]:

@@ -31,6 +31,7 @@ from . import checkpoint
 from .optim import _native
 from .optim._dispatch import c_array, native
 from .options import check_flags, check_hyperparams, check_unique
+from .param_groups import group_names, named_params
 
 __all__ = ["protect", "check_params", "first_nonfinite", "OVERFLOW"]
 
@@ -58,15 +59,7 @@ def check_params(params, spec, device: torch.device | None = None) -> None:
 
 
 def _names(optimizer) -> list[str]:
-    out = []
-    for gi, g in enumerate(optimizer.param_groups):
-        names = g.get("param_names") or [f"group{gi}.param{i}" for i in range(len(g["params"]))]
-        out += list(names)
-    return out
-
-
-def _named_params(optimizer) -> list[tuple[str, torch.Tensor]]:
-    return list(zip(_names(optimizer), (p for g in optimizer.param_groups for p in g["params"])))
+    return [n for n, _ in named_params(optimizer.param_groups)]
 
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # grad_check_cpu.c's dtype numbers
@@ -134,7 +127,7 @@ def first_nonfinite(optimizer) -> str | None:
     Under FSDP2 (DTensor parameters) every rank checks its shards and all ranks take the same decision by one
     all-reduce, entered by every rank, also one that holds no gradient this step.
     """
-    params = _named_params(optimizer)
+    params = named_params(optimizer.param_groups)
     named = [(n, p.grad) for n, p in params if p.grad is not None and not p.grad.is_sparse]
     grads = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # FSDP2 shards: check ours
     first = -1
@@ -226,11 +219,11 @@ class _Protected:
                           weight_decay=merged.get("weight_decay", 0.0))
         check_flags(merged, self.defaults, spec.trainer_name)
         gi = len(self.param_groups)
-        names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(params))]
+        names = group_names(group, gi, len(params))
         device = next(p.device for g in self.param_groups for p in g["params"])
         check_params(zip(names, params), spec, device)
         check_unique(((f"parameter {n!r}", p) for n, p in zip(names, params)),
-                     [(f"parameter {n!r}", p) for n, p in _named_params(self)], spec.trainer_name)
+                     [(f"parameter {n!r}", p) for n, p in named_params(self.param_groups)], spec.trainer_name)
         named = all("param_names" in g for g in self.param_groups)  # torch: all groups named, or none
         super().add_param_group(dict(group, params=params, **({"param_names": names} if named else {})))
 

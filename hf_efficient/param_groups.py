@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["DecaySplit", "split_parameters", "build_param_groups", "is_norm_module"]
+__all__ = ["DecaySplit", "split_parameters", "build_param_groups", "is_norm_module", "group_names", "named_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +110,15 @@ def param_device(params) -> torch.device:
         raise ValueError(f"parameters are on several devices {sorted(map(str, devices))}: move the model to one "
                          "device before creating the optimizer (or create one optimizer per device)")
     return devices.pop()
+
+
+def group_names(group: dict, gi: int, count: int | None = None) -> list[str]:
+    """The names of param group ``gi``'s parameters, for messages and matching: its ``param_names`` (torch >= 2.6
+    records them; ours always set them), else ``group{gi}.param{i}`` (``count`` of them: default, its params)."""
+    return list(group.get("param_names") or
+                [f"group{gi}.param{i}" for i in range(len(group["params"]) if count is None else count)])
+
+
+def named_params(groups) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every parameter of ``groups`` (an optimizer's ``param_groups``), in order."""
+    return [pair for gi, g in enumerate(groups) for pair in zip(group_names(g, gi), g["params"])]

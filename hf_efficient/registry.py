@@ -107,6 +107,7 @@ class Family:
     # option -> (the value ZeRO needs, why: "cannot ... . Set optim_args <option>=<value> to ...")
     deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)
     uses_eps: bool = True  # Lion has none (bitsandbytes' Lion stores an unused eps=0.0 in its groups)
+    flags: tuple[str, ...] = ()  # group flags that change the math (maximize, amsgrad) its optimizers implement
 
     def __reduce__(self):  # a registry singleton (its rules are closures): pickled by name, as a copy of an optimizer
         return _family, (self.name,)
@@ -212,7 +213,7 @@ def _adafactor_check(st: dict, p, where: str, trainer_name: str) -> None:
 
 _M, _V = StateKey("param", signed=True, label="first moment"), StateKey("param", label="second moment")
 ADAMW = Family("adamw", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "max_exp_avg_sq": _V},
-               _adamw_required, "adamw", bench_format="fp32", quality_target=0.01)
+               _adamw_required, "adamw", bench_format="fp32", quality_target=0.01, flags=("maximize", "amsgrad"))
 ADAMW8BIT = Family(
     "adamw8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_sq": StateKey("codes"),
                   "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax")},

@@ -57,6 +57,7 @@ import torch
 from torch.autograd import Variable
 
 from . import guard
+from .param_groups import named_params
 
 __all__ = ["attach", "detach", "is_attached", "release_info", "ReleaseInfo", "check_trainer_args",
            "check_accelerate", "BUCKET_BYTES"]
@@ -128,7 +129,7 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         raise TypeError(f"gradient release attaches to an optimizer made by hf_efficient.create_optimizer (or the "
                         f"Trainer with an hf_eff_* optim), got {type(optimizer).__name__}: its step is what each "
                         "hook runs, with the inf/NaN policy of hf_efficient.guard")
-    named = guard._named_params(opt)
+    named = named_params(opt.param_groups)
     _refuse_distributed(named)
     holding = [n for n, p in named if p.grad is not None]
     if holding:
@@ -204,7 +205,7 @@ class _Release:
     def _open(self, opt, p) -> None:
         """First hook of a backward: refuse gradients this backward did not produce (they would be stepped with
         the others) and parameters without a hook that now require one; close the window at the backward's end."""
-        for name, q in guard._named_params(opt):
+        for name, q in named_params(opt.param_groups):
             if q is not p and q.grad is not None:
                 raise RuntimeError(
                     f"gradient release: parameter {name!r} holds a gradient from before this backward (set by hand, or "
