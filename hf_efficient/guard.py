@@ -30,7 +30,7 @@ import torch
 from . import checkpoint
 from .optim import _native
 from .optim._dispatch import c_array, native
-from .options import check_flags, check_hyperparams, check_unique
+from .options import check_flags, check_hyperparams, check_unique, run_closure
 from .param_groups import group_names, named_params
 
 __all__ = ["protect", "check_params", "first_nonfinite", "OVERFLOW"]
@@ -173,10 +173,7 @@ class _Protected:
 
     def step(self, closure=None):
         info = self.hf_efficient
-        loss = None
-        if closure is not None:  # gradients exist only after the closure: run it, then check
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)  # gradients exist only after the closure: run it, then check
         policy = info.options.get("nonfinite", "ignore")
         if policy != "ignore":
             bad = first_nonfinite(self)

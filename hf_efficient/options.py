@@ -244,14 +244,20 @@ def refuse_sparse(optimizer, owner: str) -> None:
                                    "nn.Embedding(..., sparse=False)) or torch.optim.SparseAdam for that parameter")
 
 
-def start_step(optimizer, closure, owner: str):
-    """What every step of this package's optimizers does first: torch's closure protocol (recompute the loss and
-    gradients with grad enabled), then :func:`refuse_sparse`. Returns the closure's loss (None without one)."""
-    loss = None
-    if closure is not None:
-        import torch
+def run_closure(closure):
+    """torch's closure protocol: ``closure()`` recomputes the loss and gradients, with grad enabled (a step runs
+    under no_grad); None without a closure."""
+    if closure is None:
+        return None
+    import torch
 
-        with torch.enable_grad():
-            loss = closure()
+    with torch.enable_grad():
+        return closure()
+
+
+def start_step(optimizer, closure, owner: str):
+    """What every step of this package's optimizers does first: :func:`run_closure`, then :func:`refuse_sparse`.
+    Returns the closure's loss (None without one)."""
+    loss = run_closure(closure)
     refuse_sparse(optimizer, owner)
     return loss
