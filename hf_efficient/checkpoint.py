@@ -36,7 +36,7 @@ import math
 import torch
 
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
-from .options import OPTIONS, check_hyperparams
+from .options import OPTIONS, check_hyperparams, check_step
 from .param_groups import group_names
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
@@ -147,15 +147,6 @@ def _dtype_error(family: Family, st: dict, key: str, value: torch.Tensor) -> str
     return "uint8 codes (with absmaxes) or a floating-point dtype" if fmt == "codes" else "a floating-point dtype"
 
 
-def _check_step(step, where: str) -> None:
-    value = step.item() if torch.is_tensor(step) and step.numel() == 1 else step
-    if torch.is_tensor(value) or isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0):
-        shown = f"a tensor of shape {tuple(step.shape)}" if torch.is_tensor(value) else repr(step)
-        raise ValueError(f"{where} has step {shown}: a step count must be a number >= 0 or a one-element tensor; the "
-                         "checkpoint is corrupt or was edited")
-
-
 def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: str, group: dict) -> None:
     """Raise ValueError unless ``st`` is a complete state of ``family`` (canonical layout) for ``p``."""
     where = f"the state of parameter {pname!r}"
@@ -181,7 +172,7 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
         raise ValueError(f"{where} lacks {sorted(missing)}, which {family.name} state with these settings always "
                          "holds: the checkpoint is incomplete or corrupt. Resume from another checkpoint, or start the "
                          "optimizer afresh (remove optimizer.pt from the checkpoint)")
-    _check_step(st["step"], where)
+    check_step(st["step"], where)
     for key, value in st.items():
         if key == "step":
             continue

@@ -223,15 +223,11 @@ def check_group(optimizer, param_group, owner: str, check: Callable[[dict], None
 
 def check_step(step, where: str) -> None:
     """A saved ``step``: a number or a one-element tensor, finite and >= 0 (torch accepts a Python number)."""
-    if hasattr(step, "numel") and step.numel() == 1 and not step.dtype.is_complex and str(step.dtype) != "torch.bool":
-        value = step.item()
-    elif _number(step):
-        value = step
-    else:
-        value = None
-    if value is None or not 0 <= value < math.inf:
-        raise ValueError(f"{where}: step={step!r} is not a step count (a finite number >= 0, or a one-element tensor "
-                         "holding one); the state dict is corrupt or not this optimizer's. Nothing was loaded")
+    value = step.item() if hasattr(step, "numel") and step.numel() == 1 else step
+    if not _number(value) or not 0 <= value < math.inf:  # a tensor, a bool, complex, text, nan, inf, < 0
+        shown = f"a tensor of shape {tuple(step.shape)}" if hasattr(value, "shape") else repr(step)
+        raise ValueError(f"{where} has step {shown}: a step count must be a finite number >= 0 or a one-element "
+                         "tensor holding one; the checkpoint is corrupt or was edited. Nothing was loaded")
 
 
 def refuse_sparse(optimizer, owner: str) -> None:
