@@ -124,11 +124,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@_with_cls(_torchao_class)
-def build_torchao_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+def _check_torchao_min_size(options: Mapping) -> None:
     if options["min_8bit_size"] < TORCHAO_MIN_SIZE:
         raise ValueError(f"min_8bit_size={options['min_8bit_size']} is below torchao's fixed threshold of "
                          f"{TORCHAO_MIN_SIZE} elements: use backend=bnb for a lower threshold")
+
+
+@_with_cls(_torchao_class)
+def build_torchao_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+    _check_torchao_min_size(options)
     return _torchao_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                             fp32_state_params=fp32_state_params, min_8bit_size=options["min_8bit_size"])
 
@@ -348,9 +352,7 @@ def torchao_memory(moments: int) -> Callable:
     """torchao: per moment an OptimState8bit (uint8 codes, float32 scale per 256, its own code book) when the
     tensor is >= 4096 elements and a multiple of 256; else a tensor like the parameter. Step: float32."""
     def rule(ts, opts: Mapping) -> int:
-        if opts["min_8bit_size"] < TORCHAO_MIN_SIZE:  # as build_torchao_adamw8bit refuses it
-            raise ValueError(f"min_8bit_size={opts['min_8bit_size']} is below torchao's fixed threshold of "
-                             f"{TORCHAO_MIN_SIZE} elements: use backend=bnb for a lower threshold")
+        _check_torchao_min_size(opts)  # as build_torchao_adamw8bit refuses it
         total = 0
         for t in ts:
             if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"] or t.numel % BLOCK:
