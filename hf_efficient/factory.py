@@ -31,11 +31,16 @@ class OptimizerInfo:
     skipped_steps: int = 0  # steps skipped for a non-finite gradient under nonfinite="skip"
 
 
-def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo | None:
-    """The :class:`OptimizerInfo` of an optimizer made by :func:`create_optimizer` (unwraps Accelerate's)."""
+def unwrap(optimizer):
+    """The optimizer :func:`create_optimizer` made, inside Accelerate's (or any ``.optimizer``) wrapper."""
     while not hasattr(optimizer, "hf_efficient") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    return getattr(optimizer, "hf_efficient", None)
+    return optimizer
+
+
+def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo | None:
+    """The :class:`OptimizerInfo` of an optimizer made by :func:`create_optimizer` (unwraps Accelerate's)."""
+    return getattr(unwrap(optimizer), "hf_efficient", None)
 
 
 def create_optimizer(model: nn.Module | Iterable, name: str, *, lr: float = 1e-3, weight_decay: float = 0.0,

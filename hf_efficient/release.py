@@ -57,6 +57,7 @@ import torch
 from torch.autograd import Variable
 
 from . import guard
+from .factory import unwrap
 from .param_groups import named_params
 
 __all__ = ["attach", "detach", "is_attached", "release_info", "ReleaseInfo", "check_trainer_args",
@@ -79,24 +80,17 @@ class ReleaseInfo:
     frozen: list[str] = field(default_factory=list)  # parameters without a hook (no requires_grad at attach)
 
 
-def _unwrap(optimizer):
-    """The optimizer create_optimizer made, inside Accelerate's (or any) wrapper."""
-    while not hasattr(optimizer, "hf_efficient") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 _ATTACHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> _Release; no attribute: copies
 # of the optimizer (deepcopy, pickle) carry no hooks, and are not attached
 
 
 def is_attached(optimizer) -> bool:
-    return _unwrap(optimizer) in _ATTACHED
+    return unwrap(optimizer) in _ATTACHED
 
 
 def release_info(optimizer) -> ReleaseInfo | None:
     """The counters of an attached optimizer, else None."""
-    rel = _ATTACHED.get(_unwrap(optimizer))
+    rel = _ATTACHED.get(unwrap(optimizer))
     return None if rel is None else rel.info
 
 
@@ -124,7 +118,7 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         TypeError: another optimizer. RuntimeError: a parameter already holds a gradient, more than one process,
         or DTensor (sharded) parameters. Nothing is attached then.
     """
-    opt = _unwrap(optimizer)
+    opt = unwrap(optimizer)
     if not isinstance(opt, guard._Protected):
         raise TypeError(f"gradient release attaches to an optimizer made by hf_efficient.create_optimizer (or the "
                         f"Trainer with an hf_eff_* optim), got {type(optimizer).__name__}: its step is what each "
@@ -148,7 +142,7 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
 
 def detach(optimizer) -> None:
     """Remove the hooks: backward keeps gradients again and ``step()`` steps them. A no-op if not attached."""
-    rel = _ATTACHED.pop(_unwrap(optimizer), None)
+    rel = _ATTACHED.pop(unwrap(optimizer), None)
     if rel is not None:
         rel.remove()
 
