@@ -357,7 +357,7 @@ def test_probe_rejects_a_kernel_that_loses_the_compensation(monkeypatch, caplog)
 
     monkeypatch.setattr(_dispatch, "_COMPILED", {})
     monkeypatch.setattr(_dispatch, "_LOGGED", set())  # a failure is logged once per process
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: elides_rounding if fn is mod._kahan_ else fn)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: elides_rounding if fn is mod._KERNELS["kahan"] else fn)
     with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
         assert mod._compiled_kernel("kahan", torch.device("cpu"), torch.bfloat16) is None
     assert "disagrees with the eager one" in caplog.text

@@ -30,6 +30,8 @@ from torch.optim import Optimizer
 
 from ..options import check_group, check_step, start_step
 from . import _dispatch, _native, quant8
+from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
+                           weight_key, write)
 from .quant8 import BLOCK, WORDS, _describe
 
 __all__ = ["Blockwise8bit"]
@@ -45,16 +47,20 @@ def _check_8bit_keys(group: dict) -> None:
     if group["compile"] not in (None, True, False):
         raise ValueError(f"Invalid compile={group['compile']!r}: expected None (automatic: the C kernel where it "
                          "applies, else the compiled one), True (the compiled kernel) or False (eager)")
+    check_compensation(group["compensation"])
 
 
 def _make_op(name: str, family: type):
     """``hf_efficient::{name}_step``: the family's C kernel over lists of tensors, in place (shows in the profiler,
-    composes with torch.compile). ``codes`` / ``absmax``: every tensor's first moment, then every tensor's second..."""
+    composes with torch.compile). ``codes`` / ``absmax``: every tensor's first moment, then every tensor's second...;
+    ``comps``: each tensor's Kahan buffer (an empty tensor where it has none); ``keys``: each tensor's weight noise
+    key. Not ``mode``: torch's dispatch passes a keyword of that name to ops."""
     def step(params: list[Tensor], grads: list[Tensor], codes: list[Tensor], absmax: list[Tensor],
-             coef: list[float], threads: int) -> None:
-        family.run_native(family.native_fn(), params, grads, codes, absmax, coef, None if threads < 0 else threads)
+             comps: list[Tensor], keys: list[int], coef: list[float], compensation: str, threads: int) -> None:
+        family.run_native(family.native_fn(), params, grads, codes, absmax, coef, None if threads < 0 else threads,
+                          comps, keys, compensation)
 
-    return _dispatch.custom_op(f"{name}_step", step, ("params", "codes", "absmax"))
+    return _dispatch.custom_op(f"{name}_step", step, ("params", "codes", "absmax", "comps"))
 
 
 class Blockwise8bit(Optimizer):
@@ -112,8 +118,8 @@ class Blockwise8bit(Optimizer):
         """The C function, once its probe passed; else None."""
         k = len(cls.MOMENTS)
         return _dispatch.native(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step",
-                                [ctypes.c_int64] + [ctypes.c_void_p] * (2 + 2 * k + 4)
-                                + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], cls._probe)
+                                [ctypes.c_int64] + [ctypes.c_void_p] * (2 + 2 * k + 4) + [ctypes.c_int]
+                                + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], cls._probe)
 
     @staticmethod
     def native_fits(p: Tensor, g: Tensor) -> bool:
@@ -131,52 +137,77 @@ class Blockwise8bit(Optimizer):
         return cls.compiled_kernel(p.device) or cls.eager_kernel
 
     @classmethod
-    def run_native(cls, fn, params, grads, codes, absmax, coef, threads=None) -> None:
+    def run_native(cls, fn, params, grads, codes, absmax, coef, threads=None, comps=(), keys=(),
+                   compensation: str = "none") -> None:
         """``fn`` (the C function) over all the tensors at once, blocks split over threads (``threads``: see
-        :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn."""
+        :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn; bf16 weights are
+        written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         c = _dispatch.c_array
         numel = [p.numel() for p in params]
         args = (len(params), c(ctypes.c_void_p, params), c(ctypes.c_void_p, grads),
                 *(c(ctypes.c_void_p, codes[i::len(cls.MOMENTS)]) for i in range(len(cls.MOMENTS))),
                 *(c(ctypes.c_void_p, absmax[i::len(cls.MOMENTS)]) for i in range(len(cls.MOMENTS))),
                 c(ctypes.c_int64, numel), c(ctypes.c_int32, [p.dtype == torch.bfloat16 for p in params]),
+                c(ctypes.c_void_p, comps) if comps else (ctypes.c_void_p * len(params))(),  # empty tensor: NULL
+                c(ctypes.c_int32, keys) if keys else (ctypes.c_int32 * len(params))(), C_MODES[compensation],
                 quant8.c_tables().data_ptr(), c(ctypes.c_float, coef))
         _native.run_split(fn, args, sum(quant8.blocks(n) for n in numel), unit=BLOCK, threads=threads)
 
     @classmethod
-    def native_step(cls, fn, items, threads: int | None = None) -> None:
-        """``items``: (weight, gradient, state, coefficients) of each tensor, in one call of ``fn``."""
+    def native_step(cls, fn, items, threads: int | None = None, compensation: str = "none") -> None:
+        """``items``: (weight, gradient, state, coefficients, weight noise key) of each tensor, in one call of
+        ``fn``, bf16 weights written under ``compensation``."""
+        params, grads, codes, absmax, coef, comps, keys = cls._lists(items)
+        cls.run_native(fn, params, grads, codes, absmax, coef, threads, comps, keys, compensation)
+
+    @classmethod
+    def _lists(cls, items) -> tuple[list, ...]:
+        """(params, grads, codes, absmax, coef, comps, keys): the op's lists, from (weight, gradient, state,
+        coefficients, weight noise key) items; a tensor without a Kahan buffer gets an empty tensor (NULL in C)."""
         keys = [k for k, _ in cls.MOMENTS]
-        cls.run_native(fn, [p for p, _, _, _ in items], [g for _, g, _, _ in items],
-                       [st[k] for _, _, st, _ in items for k in keys],
-                       [st[f"{k}_absmax"] for _, _, st, _ in items for k in keys],
-                       [x for _, _, _, cs in items for x in cs], threads)
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        return ([it[0] for it in items], [it[1] for it in items], [it[2][k] for it in items for k in keys],
+                [it[2][f"{k}_absmax"] for it in items for k in keys], [x for it in items for x in it[3]],
+                [it[2].get("kahan_comp", empty) for it in items], [it[4] for it in items])
 
     @classmethod
     def _probe(cls, fn) -> bool:
         """Three steps of a tensor of 515 blocks and a partial one, split over 3 threads (whatever team OpenMP gives,
-        every block must be done), with a gradient whose square overflows: codes and absmaxes equal, weights
-        within 4 ulp of themselves or of the update (torch's fp32 sqrt on CPU is not correctly rounded, C's is)."""
+        every block must be done), with a gradient whose square overflows, on fp32 weights and on bf16 weights under
+        each compensation: codes and absmaxes equal; fp32 weights within 4 ulp of themselves or of the update
+        (torch's fp32 sqrt on CPU is not correctly rounded, C's is), so bf16 weights within one bf16 ulp (such a
+        difference can cross a rounding boundary) and, under Kahan, weight + buffer within 1e-4 of eager's."""
         gen = torch.Generator().manual_seed(0)
         n = 2 * _native._MIN_PER_THREAD + 3 * BLOCK + 37
         p0 = torch.randn(n, generator=gen)
         grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
         grads[1][5] = 2e19
         group = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-        runs = []
-        for native in (True, False):
-            p = p0.clone()
-            state = cls.zero_state(n, p.device)
-            for t, g in enumerate(grads, 1):
-                coef = cls.coefficients(group, t)
-                if native:
-                    cls.native_step(fn, [(p, g, state, coef)], threads=3)
-                else:
-                    cls.step_8bit(p, g, state, torch.tensor(coef, dtype=torch.float32), cls.eager_kernel)
-            runs.append((p, state))
-        (pn, sn), (pe, se) = runs
-        ulps = 4 * 2.0**-23
-        return all(torch.equal(sn[k], se[k]) for k in sn) and torch.allclose(pn, pe, rtol=ulps, atol=ulps * 1e-2)
+        for dtype, mode in ((torch.float32, "none"), *((torch.bfloat16, m) for m in C_MODES)):
+            runs = []
+            for native in (True, False):
+                p = p0.to(dtype)
+                state = cls.zero_state(n, p.device)
+                if applies(p, mode) and mode == "kahan":
+                    state["kahan_comp"] = torch.zeros(n, dtype=torch.bfloat16)
+                for t, g in enumerate(grads, 1):
+                    coef, key = cls.coefficients(group, t), weight_key(0, t)
+                    if native:
+                        cls.native_step(fn, [(p, g.to(dtype), state, coef, key)], threads=3, compensation=mode)
+                    else:
+                        cls.step_8bit(p, g.to(dtype), state, torch.tensor(coef, dtype=torch.float32),
+                                      cls.eager_kernel, mode, key)
+                runs.append((p, state))
+            (pn, sn), (pe, se) = runs
+            if not all(torch.equal(sn[k], se[k]) for k in sn if k != "kahan_comp"):
+                return False
+            tol = 4 * 2.0**-23 if dtype == torch.float32 else 2.0**-7
+            if not torch.allclose(pn.float(), pe.float(), rtol=tol, atol=tol * 1e-2):
+                return False
+            if "kahan_comp" in sn and not torch.allclose(pn.float() + sn["kahan_comp"].float(),
+                                                         pe.float() + se["kahan_comp"].float(), rtol=1e-4, atol=1e-6):
+                return False
+        return True
 
     # --- per-tensor steps ------------------------------------------------------------------------------------
 
@@ -189,8 +220,11 @@ class Blockwise8bit(Optimizer):
         return state
 
     @classmethod
-    def step_8bit(cls, p: Tensor, g: Tensor, state: dict, coef: Tensor, kernel) -> None:
-        """Update ``p`` and its 8-bit state: full blocks in bounded kernel calls, a partial last block in another."""
+    def step_8bit(cls, p: Tensor, g: Tensor, state: dict, coef: Tensor, kernel, compensation: str = "none",
+                  key: int = 0) -> None:
+        """Update ``p`` and its 8-bit state: full blocks in bounded kernel calls, a partial last block in another.
+        A bf16/fp16 weight under a compensation is stepped as an fp32 copy, then written by
+        :func:`.compensation.write` (its Kahan buffer ``state["kahan_comp"]``, its noise ``key``)."""
         flat = p.detach().view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
         gflat = g.reshape(-1)
         n = flat.numel()
@@ -198,6 +232,18 @@ class Blockwise8bit(Optimizer):
         keys = [k for k, _ in cls.MOMENTS]
         words = [state[k].view(torch.float32) for k in keys]
         absmax = [state[f"{k}_absmax"] for k in keys]
+        comp = state.get("kahan_comp") if compensation == "kahan" else None
+        comp = None if comp is None else comp.view(-1)
+        key_t = torch.tensor(key, dtype=torch.int32, device=p.device) if compensation == "stochastic" else None
+
+        def run(pw, gw, start, cw, *state_args):  # pw: (blocks, 256) weights from element `start`; cw: their buffer
+            if not applies(pw, compensation):
+                return cls._store(kernel, [pw, gw, *state_args], coef)
+            old = pw.float()
+            work = old.clone()
+            cls._store(kernel, [work, gw, *state_args], coef)
+            write(pw, old, work - old, cw, compensation, key_t, element_index(pw, start))
+
         for a in range(0, full, _CALL_BLOCKS):  # bounded calls: a 30522x768 embedding in one would allocate 190 MB
             b = min(a + _CALL_BLOCKS, full)
             args = [flat[a * BLOCK:b * BLOCK].view(-1, BLOCK), gflat[a * BLOCK:b * BLOCK].view(-1, BLOCK),
@@ -205,16 +251,22 @@ class Blockwise8bit(Optimizer):
             if kernel is not cls.eager_kernel:
                 for t in args:  # one graph for all block counts
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-            cls._store(kernel, args, coef)
+            cw = None if comp is None else comp[a * BLOCK:b * BLOCK].view(-1, BLOCK)
+            run(args[0], args[1], a * BLOCK, cw, *args[2:])
         if n > full * BLOCK:  # zero-padded last block: zero gradient and weight keep zero moments there
-            tail = slice(full * BLOCK, n)
+            tail, r = slice(full * BLOCK, n), n - full * BLOCK
             pt = torch.zeros(1, BLOCK, dtype=p.dtype, device=p.device)
             gt = torch.zeros(1, BLOCK, dtype=g.dtype, device=p.device)
-            pt[0, : n - full * BLOCK] = flat[tail]
-            gt[0, : n - full * BLOCK] = gflat[tail]
-            args = [pt, gt, *(w[full * WORDS:].view(1, WORDS) for w in words), *(x[full:] for x in absmax)]
-            cls._store(kernel, args, coef)
-            flat[tail] = pt[0, : n - full * BLOCK]
+            pt[0, :r] = flat[tail]
+            gt[0, :r] = gflat[tail]
+            ct = None if comp is None else torch.zeros(1, BLOCK, dtype=comp.dtype, device=p.device)
+            if ct is not None:  # the tail's buffer, padded like its weights
+                ct[0, :r] = comp[tail]
+            run(pt, gt, full * BLOCK, ct, *(w[full * WORDS:].view(1, WORDS) for w in words),
+                *(x[full:] for x in absmax))
+            if ct is not None:
+                comp[tail] = ct[0, :r]
+            flat[tail] = pt[0, :r]
         if not p.is_contiguous():
             p.detach().copy_(flat.view(p.shape))
 
@@ -242,39 +294,44 @@ class Blockwise8bit(Optimizer):
                     state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             else:
                 state.update(self.zero_state(p.numel(), p.device))
+        if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
+            # row-major like the kernels' flat view; also after a resume from a state without one (zero: nothing owed)
+            state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
         return state
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, self.FAMILY)  # closure, then sparse gradients refused: nothing half-done
         first = self.MOMENTS[0][0]
+        position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
-            fp32 = []  # (p, grad, state) of tensors with fp32 state
+            mode = group["compensation"]
+            fp32 = []  # (p, grad, state, weight noise key) of tensors with fp32 state
             coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
-            native = []  # (p, grad, state, coefficients) of the tensors that go to the C kernel, in one call
+            native = []  # (p, grad, state, coefficients, key) of the tensors that go to the C kernel, in one call
             for p in group["params"]:
+                position += 1
                 if p.grad is None:
                     continue
                 state = self._init_state(p, group)
-                if state[first].dtype != torch.uint8:
-                    fp32.append((p, p.grad, state))
+                if state[first].dtype != torch.uint8:  # torch's kernels count the step themselves
+                    fp32.append((p, p.grad, state, weight_key(position - 1, int(state["step"].item()) + 1)))
                     continue
                 state["step"] += 1
-                key = (int(state["step"].item()), p.device)
+                step = int(state["step"].item())
+                key = (step, p.device)
                 if key not in coefs:
-                    coef = self.coefficients(group, key[0])
+                    coef = self.coefficients(group, step)
                     coefs[key] = coef, torch.tensor(coef, dtype=torch.float32, device=p.device)
+                noise = weight_key(position - 1, step)
                 kernel = self.choose(p, p.grad, group["compile"])
                 if kernel is self._op:
-                    native.append((p.detach(), p.grad, state, coefs[key][0]))
+                    native.append((p.detach(), p.grad, state, coefs[key][0], noise))
                 else:
-                    self.step_8bit(p, p.grad, state, coefs[key][1], kernel)
+                    self.step_8bit(p, p.grad, state, coefs[key][1], kernel, mode, noise)
             if native:
-                keys = [k for k, _ in self.MOMENTS]
-                self._op([p for p, _, _, _ in native], [g for _, g, _, _ in native],
-                         [st[k] for _, _, st, _ in native for k in keys],
-                         [st[f"{k}_absmax"] for _, _, st, _ in native for k in keys],
-                         [x for _, _, _, cs in native for x in cs], -1)
+                params, grads, codes, absmax, coef, comps, keys = self._lists(native)
+                self._op(params, grads, codes, absmax, comps, keys, coef, mode, -1)
             if fp32:
                 self.step_32bit(group, fp32)
         return loss
@@ -310,6 +367,7 @@ class Blockwise8bit(Optimizer):
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         for p, st in loaded.items():
             self.state[p] = st
+        drop_unused_buffers(self, self.FAMILY)
 
     def _checked_groups(self, state_dict: dict, where: str) -> list[dict]:
         """The saved groups, each completed with this optimizer's defaults and checked as add_param_group checks."""
@@ -343,10 +401,16 @@ class Blockwise8bit(Optimizer):
         moments = [k for k, _ in self.MOMENTS]
         eight_bit = isinstance(saved.get(moments[0]), Tensor) and saved[moments[0]].dtype == torch.uint8
         keys = {"step", *moments} | ({f"{k}_absmax" for k in moments} if eight_bit else set())
-        if set(saved) != keys:
+        if set(saved) - {"kahan_comp"} != keys:
             raise ValueError(f"{where}: state keys {sorted(saved)}, expected {sorted(keys)} ("
-                             f"{'8-bit' if eight_bit else 'fp32'} moments); nothing was loaded")
+                             f"{'8-bit' if eight_bit else 'fp32'} moments; and kahan_comp for compensated bf16/fp16 "
+                             "weights); nothing was loaded")
         check_step(saved["step"], where)
+        comp = saved.get("kahan_comp")
+        if comp is not None and not (isinstance(comp, Tensor) and comp.is_floating_point()
+                                     and tuple(comp.shape) == tuple(p.shape) and bool(comp.isfinite().all())):
+            raise ValueError(f"{where}: kahan_comp is {_describe(comp)}; expected a finite float tensor of the "
+                             f"parameter's shape {tuple(p.shape)}; nothing was loaded")
         for key in moments:
             t = saved[key]
             good = isinstance(t, Tensor) and (t.dtype == torch.uint8 if eight_bit else t.is_floating_point())
@@ -355,6 +419,8 @@ class Blockwise8bit(Optimizer):
                 raise ValueError(f"{where}: {key} is {_describe(t)}; expected {want} of the parameter's shape "
                                  f"{tuple(p.shape)}; nothing was loaded")
         st = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().reshape(())}
+        if comp is not None:
+            st["kahan_comp"] = comp.to(device=p.device, dtype=torch.bfloat16).contiguous().clone()
         if not eight_bit:
             for key in moments:
                 st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()

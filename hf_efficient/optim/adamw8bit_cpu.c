@@ -8,7 +8,8 @@
  * The codec (tables, decoding, encoding, layout) is quant8.h's, shared with the other 8-bit kernels.
  *
  * maps: quant8.c_tables(). Per tensor: coef[8 * t ...] = beta1, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2^t), eps, 1 - lr * wd,
- * lr / (1 - beta1^t). Codes in quant8's in-memory layout.
+ * lr / (1 - beta1^t). Codes in quant8's in-memory layout. bf16 weights are written under compensation `mode`
+ * (0 kahan, 1 stochastic, 2 nearest; c: each tensor's Kahan buffer or NULL; keys: each tensor's weight noise key).
  */
 #include "native.h"
 #include "quant8.h"
@@ -39,26 +40,31 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
 
 /* Blocks [first, last) of one tensor of n elements (see quant8.h's FOR_EACH_BLOCK). */
 static void step_blocks(void *p, const void *g, uint32_t *wm, uint32_t *wv, float *am, float *av, int64_t n,
-                        int is_bf16, const map_t *maps, const float *coef, int64_t first, int64_t last) {
-    FOR_EACH_BLOCK(p, g, n, is_bf16, first, last,
+                        int is_bf16, uint16_t *c, int32_t key, int mode, const map_t *maps, const float *coef,
+                        int64_t first, int64_t last) {
+    FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last,
                    step_block(pb, gb, wm + i * WORDS, wv + i * WORDS, am + i, av + i, maps, coef));
 }
 
 /* Blocks [start, end) of the concatenation of `count` tensors' blocks (ceil(n / 256) for n elements). */
 static void step_range(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, uint32_t *const *wv,
                        float *const *am, float *const *av, const int64_t *numel, const int32_t *bf16,
-                       const map_t *maps, const float *coef, int64_t start, int64_t end) {
+                       uint16_t *const *c, const int32_t *keys, int mode, const map_t *maps, const float *coef,
+                       int64_t start, int64_t end) {
     FOR_EACH_PIECE(count, (numel[t] + BLOCK - 1) / BLOCK, start, end,
-                   step_blocks(p[t], g[t], wm[t], wv[t], am[t], av[t], numel[t], bf16[t], maps, coef + 8 * t,
+                   step_blocks(p[t], g[t], wm[t], wv[t], am[t], av[t], numel[t], bf16[t], c[t], keys[t], mode, maps,
+                               coef + 8 * t,
                                piece_start, piece_end));
 }
 
 /* The step of all the tensors in one call, blocks [start, end) split over `threads` (see native.h). */
 void adamw8bit_step(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, uint32_t *const *wv,
                     float *const *am, float *const *av, const int64_t *numel, const int32_t *bf16,
-                    const float *maps, const float *coef, int64_t start, int64_t end, int threads) {
+                    uint16_t *const *c, const int32_t *keys, int mode, const float *maps, const float *coef,
+                    int64_t start, int64_t end, int threads) {
     map_t tables[2];
     quant8_maps(tables, maps);
     PARALLEL_RANGES(start, end, threads,
-                    step_range(count, p, g, wm, wv, am, av, numel, bf16, tables, coef, range_start, range_end));
+                    step_range(count, p, g, wm, wv, am, av, numel, bf16, c, keys, mode, tables, coef, range_start,
+                               range_end));
 }

@@ -56,26 +56,19 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_group, check_step, start_step
 from . import _dispatch, _native
+from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
+                           noise_key, round_stochastic, write, drop_unused_buffers)
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
 logger = logging.getLogger(__name__)
 
-COMPENSATIONS = ("kahan", "stochastic", "none")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_LOW_PRECISION = LOW_PRECISION
 _BF16_MAX = torch.finfo(torch.bfloat16).max  # the largest value state may hold: fp32's rounds to bf16 inf
 _SMALL_NUMEL = 1 << 16  # below this a compiled call costs more than gathering the tensor into a shared one
 _FOREACH_CHUNK = 1 << 22  # elements per eager chunk: bounds the fp32 temporaries (~10 x 16 MiB)
-
-# Stochastic rounding. To bf16 (an fp32 number's top 16 bits): add 16 random bits below the kept ones and
-# truncate, which carries into the kept bits with probability |x - truncated| / spacing: unbiased, and a few
-# integer operations. To fp16 (not a bit prefix of fp32): pick the far neighbour by comparing noise with
-# |x - nearest| / spacing. Its spacing is found without bit tricks: multiplying the nearest value by
-# 1 +- 0.625 ulp lands strictly between half and one and a half neighbour spacings away, so rounding that
-# product to nearest gives the neighbour, including across a power of two.
-_NEIGHBOUR_STEP = {torch.float16: 0.625 * 2.0**-10}
-_GOLDEN, _MIX1, _MIX2 = -1640531535, -2048144789, -1028477387  # 0x9E3779B1, murmur3 fmix32 constants, as int32
-_WEIGHT_STREAM = 0x2545F491  # xor-ed into the key: the weights' noise differs from exp_avg_sq's
+# stochastic rounding and its noise: shared with every family (compensation.py)
+_hash, _round_stochastic, _noise_key, _WEIGHT_STREAM = hash_noise, round_stochastic, noise_key, WEIGHT_STREAM
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -104,30 +97,6 @@ def _adamw_update(p32: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, no
     return p32 * coef[6] - (m32 / denom) * coef[7]
 
 
-def _hash(key: Tensor, idx: Tensor) -> Tensor:
-    """int32 noise from a counter-based hash (murmur3 fmix32) of element index and ``key``."""
-    h = idx * _GOLDEN + key  # int32 arithmetic wraps; the shifts are masked to make them logical
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _MIX1
-    h = h ^ ((h >> 13) & 0x7FFFF)
-    h = h * _MIX2
-    return h ^ ((h >> 16) & 0xFFFF)
-
-
-def _round_stochastic(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
-    """``x`` (fp32) rounded to one of its two ``dtype`` neighbours, the far one with probability
-    |x - near one| / spacing; ``noise`` from :func:`_hash` (bf16 uses its top 16 bits, fp16 its top 24)."""
-    if dtype == torch.bfloat16:
-        kept = (x.view(torch.int32) + ((noise >> 16) & 0xFFFF)) & -65536  # carries into the kept bits, or not
-        return torch.where(x.isnan(), x, kept.view(torch.float32))
-    uniform = ((noise >> 8) & 0xFFFFFF).float() * 2.0**-24
-    near = x.to(dtype).float()
-    err = x - near
-    step = _NEIGHBOUR_STEP[dtype]
-    far = (near * torch.where(err * near >= 0, 1.0 + step, 1.0 - step)).to(dtype).float()
-    return torch.where(uniform * (far - near).abs() < err.abs(), far, near)
-
-
 def _index(idx: Tensor | None, p: Tensor) -> Tensor:
     """Element numbers for the noise: row-major position in ``p`` unless given (pieces, gathered tensors)."""
     if idx is None:
@@ -135,28 +104,19 @@ def _index(idx: Tensor | None, p: Tensor) -> Tensor:
     return idx
 
 
-def _kahan_(p, g, m, v, c, key, idx, coef):
-    p32 = p.float()
-    update = _adamw_update(p32, g, m, v, coef, _hash(key, _index(idx, p)))
-    y = update + c.float()  # this step's update plus what earlier steps could not apply
-    new = (p32 + y).to(p.dtype)
-    c.copy_(y - (new.float() - p32))  # the part the rounded weight did not absorb
-    p.copy_(new)
+def _kernel(mode: str):
+    """The step of one mode: moments, then the weight written by :func:`.compensation.write`."""
+    def kernel(p, g, m, v, c, key, idx, coef):
+        idx = _index(idx, p)
+        p32 = p.float()
+        update = _adamw_update(p32, g, m, v, coef, None if mode == "none" else _hash(key, idx))
+        write(p, p32, update, c, mode, None if mode == "none" else key ^ _WEIGHT_STREAM, idx)
+
+    kernel.__name__ = kernel.__qualname__ = f"_{mode}_"
+    return kernel
 
 
-def _stochastic_(p, g, m, v, c, key, idx, coef):
-    idx = _index(idx, p)
-    p32 = p.float()
-    x = p32 + _adamw_update(p32, g, m, v, coef, _hash(key, idx))
-    p.copy_(_round_stochastic(x, p.dtype, _hash(key ^ _WEIGHT_STREAM, idx)))
-
-
-def _nearest_(p, g, m, v, c, key, idx, coef):
-    p32 = p.float()
-    p.copy_(p32 + _adamw_update(p32, g, m, v, coef, None))
-
-
-_KERNELS = {"kahan": _kahan_, "stochastic": _stochastic_, "none": _nearest_}
+_KERNELS = {mode: _kernel(mode) for mode in COMPENSATIONS}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -321,7 +281,6 @@ def _call(kernel, mode, *args):
 # ----------------------------------------------------------------------------------------------------
 
 _NATIVE_SOURCE, _NATIVE_SYMBOL = "adamw_bf16_cpu.c", "adamw_bf16_step"
-_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernel's mode numbers
 
 
 def _agrees_with_eager(mode: str, device: torch.device, dtype: torch.dtype, run, n: int = 37) -> bool:
@@ -399,7 +358,7 @@ def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, co
     numel = [params[i].numel() for i in ok]
     both = [k for i in ok for k in ((keys[i], keys[i] ^ _WEIGHT_STREAM) if keys else (0, 0))]
     args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, c(ctypes.c_int64, numel),
-            c(ctypes.c_int32, both), c(ctypes.c_float, coef), _MODES[mode])
+            c(ctypes.c_int32, both), c(ctypes.c_float, coef), C_MODES[mode])
     _native.run_split(fn, args, sum(numel), threads=threads)
 
 
@@ -442,21 +401,6 @@ def _coefficients(*, lr, beta1, beta2, eps, weight_decay, step) -> list[float]:
     raw = [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(1.0 - beta2**step), eps,
            -lr * weight_decay, lr / (1.0 - beta1**step)]
     return torch.tensor(raw, dtype=torch.float32).tolist()
-
-
-def _mix32(x: int) -> int:
-    x &= 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-def _noise_key(noise_id: int, step: int) -> int:
-    """int32 key of one tensor's rounding noise at one step."""
-    k = _mix32(_mix32(noise_id + 0x9E3779B9) ^ step)
-    return k - (1 << 32) if k >= 1 << 31 else k
 
 
 def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -504,10 +448,7 @@ def _state_dtype(p: Tensor) -> torch.dtype:
     return torch.bfloat16 if p.dtype in _LOW_PRECISION else p.dtype
 
 
-def _check_compensation(compensation) -> None:
-    if compensation not in COMPENSATIONS:
-        allowed = ", ".join(map(repr, COMPENSATIONS))
-        raise ValueError(f"Invalid compensation={compensation!r}: expected one of {allowed}")
+_check_compensation = check_compensation
 
 
 def _check_family_keys(group: dict) -> None:
@@ -600,24 +541,14 @@ class AdamWBF16(Optimizer):
         for st in self.state.values():
             if "step" in st and not torch.is_tensor(st["step"]):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+        drop_unused_buffers(self, "AdamWBF16")
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        placed = [(p, g["compensation"]) for g in self.param_groups for p in g["params"]]
-        dropped = []
-        for i, (p, compensation) in zip(saved_ids, placed):
+        placed = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, placed):  # torch cast them to the parameter's dtype
             saved, state = state_dict["state"].get(i, {}), self.state[p]
-            if "kahan_comp" in state and (compensation != "kahan" or p.dtype not in _LOW_PRECISION):
-                # compensation no longer applies (PEFT reloads a bf16 adapter in fp32; compensation changed): this
-                # tensor runs without it, and a kept buffer would only cost memory
-                del state["kahan_comp"]
-                dropped.append((i, p.dtype))
             for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
                 if key in saved and key in state and state[key].dtype != _state_dtype(p):
                     state[key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
-        if dropped:
-            logger.warning("AdamWBF16.load_state_dict: dropped the saved kahan_comp of %d parameter(s) (ids %s): Kahan "
-                           "compensation applies to bf16/fp16 weights under compensation='kahan', and these are %s "
-                           "here", len(dropped), [i for i, _ in dropped[:8]],
-                           "/".join(sorted({str(d).removeprefix("torch.") for _, d in dropped})))
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -16,21 +16,6 @@
 
 #include "native.h"
 
-static inline uint32_t hash32(uint32_t key, uint32_t idx) { /* adamw_bf16._hash */
-    uint32_t h = idx * 0x9E3779B1u + key;
-    h ^= h >> 16;
-    h *= 0x85EBCA6Bu;
-    h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    return h ^ (h >> 16);
-}
-
-static inline uint16_t round_stochastic(float x, uint32_t noise) { /* adamw_bf16._round_stochastic, bf16 */
-    uint32_t b;
-    memcpy(&b, &x, 4);
-    return (uint16_t)((b + (noise >> 16)) >> 16); /* NaNs stay NaN, as in f32_to_bf16 */
-}
-
 /* One loop per mode (the mode a compile-time constant in each): a branch inside the loop would stop the
  * compiler from vectorizing it. */
 #define ADAMW_BF16_LOOP(MODE)                                                                              \
@@ -43,16 +28,7 @@ static inline uint16_t round_stochastic(float x, uint32_t noise) { /* adamw_bf16
         v[i] = MODE == 2 ? f32_to_bf16(v32) : round_stochastic(v32, hash32((uint32_t)key, (uint32_t)i));  \
         float denom = sqrtf(v32) * inv_bc2 + eps;                                                          \
         float update = p32 * decay - (m32 / denom) * step_size;                                            \
-        if (MODE == 0) {                                                                                   \
-            float y = update + bf16_to_f32(c[i]);                                                          \
-            uint16_t fresh = f32_to_bf16(p32 + y);                                                         \
-            c[i] = f32_to_bf16(y - (bf16_to_f32(fresh) - p32));                                            \
-            p[i] = fresh;                                                                                  \
-        } else if (MODE == 1) {                                                                            \
-            p[i] = round_stochastic(p32 + update, hash32((uint32_t)weight_key, (uint32_t)i)); \
-        } else {                                                                                           \
-            p[i] = f32_to_bf16(p32 + update);                                                              \
-        }                                                                                                  \
+        p[i] = write_bf16(p32, update, MODE == 0 ? &c[i] : NULL, hash32((uint32_t)weight_key, (uint32_t)i), MODE); \
     }
 
 static void step_one(uint16_t *restrict p, const uint16_t *restrict g, uint16_t *restrict m,

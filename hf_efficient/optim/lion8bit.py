@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import quant8
 from ._blockwise import Blockwise8bit
+from .compensation import write_all
 
 __all__ = ["Lion8bit", "lion"]
 
@@ -49,14 +50,17 @@ def _coefficients(group: dict, step: int) -> list[float]:
 
 
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
-         weight_decay: float) -> None:
-    """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel."""
+         weight_decay: float, compensation: str = "none", comps=None, keys=None) -> None:
+    """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
+    low-precision weights written under ``compensation`` (:func:`.compensation.write_all`)."""
+    old, new = [], []
     for p, g, m in zip(params, grads, exp_avgs):
         p32, g32 = p.detach().float(), g.float()
         update = torch.sign(m * beta1 + g32 * (1.0 - beta1))
-        new = p32 * (1.0 - lr * weight_decay) - update * lr
-        p.detach().copy_(new)
+        old.append(p32)
+        new.append(p32 * (1.0 - lr * weight_decay) - update * lr)
         m.mul_(beta2).add_(g32 * (1.0 - beta2))
+    write_all(params, old, new, comps, compensation, keys)
 
 
 class Lion8bit(Blockwise8bit):
@@ -90,14 +94,16 @@ class Lion8bit(Blockwise8bit):
 
     def __init__(self, params, *, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, min_8bit_size: int = 4096, fp32_state_params=None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, compensation: str = "kahan"):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, min_8bit_size=min_8bit_size,
-                        compile=compile)
+                        compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
 
     def step_32bit(self, group: dict, items) -> None:
         beta1, beta2 = group["betas"]
-        for _, _, st in items:
-            st["step"] += 1
-        lion([p for p, _, _ in items], [g for _, g, _ in items], [st["exp_avg"] for _, _, st in items],
-             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+        for it in items:
+            it[2]["step"] += 1
+        lion([p for p, *_ in items], [g for _, g, *_ in items], [it[2]["exp_avg"] for it in items],
+             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+             compensation=group["compensation"], comps=[it[2].get("kahan_comp") for it in items],
+             keys=[it[3] for it in items])

@@ -3,6 +3,7 @@
  * operation rounds as torch's eager ops do). The codec (tables, decoding, encoding, layout) is quant8.h's.
  *
  * maps: quant8.c_tables(). Per tensor: coef[6 * t ...] = beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr.
+ * bf16 weights are written under compensation `mode`, as adamw8bit_cpu.c's.
  */
 #include "native.h"
 #include "quant8.h"
@@ -24,25 +25,26 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
     *am = store_block(m, map, wm);
 }
 
-static void step_blocks(void *p, const void *g, uint32_t *wm, float *am, int64_t n, int is_bf16, const map_t *map,
-                        const float *coef, int64_t first, int64_t last) {
-    FOR_EACH_BLOCK(p, g, n, is_bf16, first, last, step_block(pb, gb, wm + i * WORDS, am + i, map, coef));
+static void step_blocks(void *p, const void *g, uint32_t *wm, float *am, int64_t n, int is_bf16, uint16_t *c,
+                        int32_t key, int mode, const map_t *map, const float *coef, int64_t first, int64_t last) {
+    FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, step_block(pb, gb, wm + i * WORDS, am + i, map, coef));
 }
 
 static void step_range(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, float *const *am,
-                       const int64_t *numel, const int32_t *bf16, const map_t *map, const float *coef, int64_t start,
-                       int64_t end) {
+                       const int64_t *numel, const int32_t *bf16, uint16_t *const *c, const int32_t *keys, int mode,
+                       const map_t *map, const float *coef, int64_t start, int64_t end) {
     FOR_EACH_PIECE(count, (numel[t] + BLOCK - 1) / BLOCK, start, end,
-                   step_blocks(p[t], g[t], wm[t], am[t], numel[t], bf16[t], map, coef + 6 * t, piece_start,
-                               piece_end));
+                   step_blocks(p[t], g[t], wm[t], am[t], numel[t], bf16[t], c[t], keys[t], mode, map, coef + 6 * t,
+                               piece_start, piece_end));
 }
 
 /* The step of all the tensors in one call, blocks [start, end) split over `threads` (see native.h). */
 void lion8bit_step(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, float *const *am,
-                   const int64_t *numel, const int32_t *bf16, const float *maps, const float *coef, int64_t start,
-                   int64_t end, int threads) {
+                   const int64_t *numel, const int32_t *bf16, uint16_t *const *c, const int32_t *keys, int mode,
+                   const float *maps, const float *coef, int64_t start, int64_t end, int threads) {
     map_t tables[2];
     quant8_maps(tables, maps);
     PARALLEL_RANGES(start, end, threads,
-                    step_range(count, p, g, wm, am, numel, bf16, &tables[0], coef, range_start, range_end));
+                    step_range(count, p, g, wm, am, numel, bf16, c, keys, mode, &tables[0], coef, range_start,
+                               range_end));
 }

@@ -21,6 +21,37 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
+/* compensation.hash_noise: the noise of element idx under key (murmur3 fmix32 of a counter). */
+static inline uint32_t hash32(uint32_t key, uint32_t idx) {
+    uint32_t h = idx * 0x9E3779B1u + key;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    return h ^ (h >> 16);
+}
+
+/* compensation.round_stochastic to bf16: NaNs stay NaN, as in f32_to_bf16. */
+static inline uint16_t round_stochastic(float x, uint32_t noise) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return (uint16_t)((b + (noise >> 16)) >> 16);
+}
+
+/* compensation.write for a bf16 weight: p32 + delta under mode 0 (kahan: *c carries what the rounded weight did not
+ * absorb), 1 (stochastic, with `noise`) or 2 (nearest). Inlined with a constant mode, the other branches vanish. */
+static inline uint16_t write_bf16(float p32, float delta, uint16_t *c, uint32_t noise, int mode) {
+    if (mode == 0) {
+        float y = delta + bf16_to_f32(*c);
+        uint16_t fresh = f32_to_bf16(p32 + y);
+        *c = f32_to_bf16(y - (bf16_to_f32(fresh) - p32));
+        return fresh;
+    }
+    if (mode == 1)
+        return round_stochastic(p32 + delta, noise);
+    return f32_to_bf16(p32 + delta);
+}
+
 /* Largest finite values: a second moment at most this large stays finite in its storage (fp32 max rounds to bf16
  * inf). */
 #define F32_MAX 3.40282346638528859811704183484516925e+38f

@@ -213,11 +213,28 @@ static inline void load_block(float *restrict out, const void *x, int64_t i, int
         memcpy(out, (const float *)x + i * BLOCK, valid * sizeof(float));
 }
 
+/* The new weights `fresh` of a block of bf16 weights p (`valid` elements, numbered from `first` in their tensor) from
+ * their fp32 values before the step (`old`), under compensation `mode` (native.h's write_bf16; c: the block's Kahan
+ * buffer under mode 0; key: the weights' noise key under mode 1). One loop per mode: each vectorizes. */
+static inline void store_bf16(uint16_t *restrict p, const float *restrict fresh, const float *restrict old,
+                              uint16_t *restrict c, int64_t valid, uint32_t key, int64_t first, int mode) {
+    if (mode == 0)
+        for (int64_t e = 0; e < valid; e++)
+            p[e] = write_bf16(old[e], fresh[e] - old[e], &c[e], 0, 0);
+    else if (mode == 1)
+        for (int64_t e = 0; e < valid; e++)
+            p[e] = write_bf16(old[e], fresh[e] - old[e], NULL, hash32(key, (uint32_t)(first + e)), 1);
+    else
+        for (int64_t e = 0; e < valid; e++)
+            p[e] = f32_to_bf16(fresh[e]); /* round to nearest, as torch's copy_ */
+}
+
 /* STEP for blocks [first, last) of a tensor of n elements: weights p and gradients g (fp32, or bf16 where is_bf16)
  * as 256 floats `pb` / `gb` of block `i`. Whole fp32 blocks are stepped in place; others through buffers, the last,
- * partial block zero-padded (a zero weight and gradient keep zero moments there), bf16 rounded to nearest even on
- * store (as torch's copy_). Needs native.h. */
-#define FOR_EACH_BLOCK(p, g, n, is_bf16, first, last, STEP)                                                \
+ * partial block zero-padded (a zero weight and gradient keep zero moments there). bf16 weights are written by
+ * store_bf16 under compensation `mode` (c: the tensor's Kahan buffer or NULL; key: its weights' noise key).
+ * Needs native.h. */
+#define FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, STEP)                                  \
     for (int64_t i = (first); i < (last); i++) {                                                          \
         int64_t valid_ = (n) - i * BLOCK < BLOCK ? (n) - i * BLOCK : BLOCK;                               \
         if (valid_ == BLOCK && !(is_bf16)) {                                                              \
@@ -226,14 +243,16 @@ static inline void load_block(float *restrict out, const void *x, int64_t i, int
             STEP;                                                                                         \
             continue;                                                                                     \
         }                                                                                                 \
-        float pb[BLOCK], gb_[BLOCK];                                                                      \
+        float pb[BLOCK], gb_[BLOCK], old_[BLOCK];                                                         \
         const float *gb = gb_;                                                                            \
         load_block(pb, (p), i, valid_, (is_bf16));                                                        \
         load_block(gb_, (g), i, valid_, (is_bf16));                                                       \
+        if ((is_bf16) && (mode) != 2)                                                                     \
+            memcpy(old_, pb, sizeof old_);                                                                \
         STEP;                                                                                             \
         if (is_bf16)                                                                                      \
-            for (int64_t e = 0; e < valid_; e++)                                                          \
-                ((uint16_t *)(p))[i * BLOCK + e] = f32_to_bf16(pb[e]);                                    \
+            store_bf16((uint16_t *)(p) + i * BLOCK, pb, old_, (c) ? (uint16_t *)(c) + i * BLOCK : NULL,   \
+                       valid_, (uint32_t)(key), i * BLOCK, (mode));                                       \
         else                                                                                              \
             memcpy((float *)(p) + i * BLOCK, pb, valid_ * sizeof(float));                                 \
     }

@@ -1,0 +1,147 @@
+"""How an fp32 update reaches a bf16 / fp16 weight without being lost: one place for every family.
+
+A bf16 weight near 1.0 moves in steps of 2**-7; an update far below half of that is rounded away, every step (the
+"stale weights" of Gopher, appendix C2). Every optimizer of this package computes the new weight in fp32 and then
+writes it with one of three modes (the ``compensation`` option):
+
+* ``"kahan"``: a buffer ``kahan_comp`` (bf16, the parameter's shape: 2 bytes per parameter) carries the part of
+  each update that the rounded weight could not absorb into the next step (Kahan summation);
+* ``"stochastic"``: the weight is rounded up or down at random, with the probabilities that make the rounding
+  unbiased; no buffer;
+* ``"none"``: round to nearest (the stale-weights behaviour), for comparison.
+
+Stochastic rounding needs no random state: its noise is a hash of (parameter position, step, element), so a
+resumed run rounds exactly as the uninterrupted one would, and data-parallel replicas agree. The C kernels do the
+same operations (``native.h``: ``hash32``, ``round_stochastic``, ``write_bf16``), in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["COMPENSATIONS", "C_MODES", "drop_unused_buffers", "LOW_PRECISION", "check_compensation", "applies", "noise_key", "weight_key", "hash_noise",
+           "round_stochastic", "write", "write_all", "element_index"]
+
+COMPENSATIONS = ("kahan", "stochastic", "none")
+C_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernels' mode numbers (native.h's write_bf16)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+WEIGHT_STREAM = 0x2545F491  # xor-ed into a key: a weight's noise differs from a moment's (AdamWBF16's exp_avg_sq)
+
+# To bf16 (an fp32 number's top 16 bits): add 16 random bits below the kept ones and truncate, which carries into
+# the kept bits with probability |x - truncated| / spacing: unbiased, and a few integer operations. To fp16 (not a
+# bit prefix of fp32): pick the far neighbour by comparing noise with |x - nearest| / spacing. Its spacing is found
+# without bit tricks: multiplying the nearest value by 1 +- 0.625 ulp lands strictly between half and one and a
+# half neighbour spacings away, so rounding that product to nearest gives the neighbour, across a power of two too.
+_NEIGHBOUR_STEP = {torch.float16: 0.625 * 2.0**-10}
+_GOLDEN, _MIX1, _MIX2 = -1640531535, -2048144789, -1028477387  # 0x9E3779B1, murmur3 fmix32 constants, as int32
+
+
+def check_compensation(compensation) -> None:
+    if compensation not in COMPENSATIONS:
+        allowed = ", ".join(map(repr, COMPENSATIONS))
+        raise ValueError(f"Invalid compensation={compensation!r}: expected one of {allowed}")
+
+
+def applies(p: Tensor, compensation: str) -> bool:
+    """Whether ``p``'s updates go through a compensated write (a low-precision weight, a mode other than none)."""
+    return compensation != "none" and p.dtype in LOW_PRECISION
+
+
+def _mix32(x: int) -> int:
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def noise_key(noise_id: int, step: int) -> int:
+    """int32 key of one tensor's rounding noise at one step (``noise_id``: its position among the parameters)."""
+    k = _mix32(_mix32(noise_id + 0x9E3779B9) ^ step)
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def weight_key(noise_id: int, step: int) -> int:
+    """The key of a weight's stochastic rounding (:func:`noise_key`'s stream for weights)."""
+    return noise_key(noise_id, step) ^ WEIGHT_STREAM
+
+
+def hash_noise(key: Tensor, idx: Tensor) -> Tensor:
+    """int32 noise from a counter-based hash (murmur3 fmix32) of element index and ``key``."""
+    h = idx * _GOLDEN + key  # int32 arithmetic wraps; the shifts are masked to make them logical
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _MIX1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _MIX2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def round_stochastic(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
+    """``x`` (fp32) rounded to one of its two ``dtype`` neighbours, the far one with probability
+    |x - near one| / spacing; ``noise`` from :func:`hash_noise` (bf16 uses its top 16 bits, fp16 its top 24)."""
+    if dtype == torch.bfloat16:
+        kept = (x.view(torch.int32) + ((noise >> 16) & 0xFFFF)) & -65536  # carries into the kept bits, or not
+        return torch.where(x.isnan(), x, kept.view(torch.float32))
+    uniform = ((noise >> 8) & 0xFFFFFF).float() * 2.0**-24
+    near = x.to(dtype).float()
+    err = x - near
+    step = _NEIGHBOUR_STEP[dtype]
+    far = (near * torch.where(err * near >= 0, 1.0 + step, 1.0 - step)).to(dtype).float()
+    return torch.where(uniform * (far - near).abs() < err.abs(), far, near)
+
+
+def element_index(p: Tensor, start: int = 0) -> Tensor:
+    """Element numbers of ``p`` (row-major, from ``start``): what numbers each element's noise."""
+    return torch.arange(start, start + p.numel(), dtype=torch.int32, device=p.device).view(p.shape)
+
+
+def write(p: Tensor, p32: Tensor, delta: Tensor, comp: Tensor | None, mode: str, key: Tensor | None,
+          idx: Tensor | None) -> None:
+    """Write the weight ``p32 + delta`` (fp32: ``p32`` the weight before the step, ``delta`` this step's update)
+    into ``p`` under ``mode``: ``comp`` is the Kahan buffer (``"kahan"``), ``key`` / ``idx`` number the noise of
+    ``"stochastic"`` (``idx``: :func:`element_index` unless given). fp32 weights take ``p32 + delta`` as is."""
+    if mode == "kahan" and p.dtype in LOW_PRECISION:
+        y = delta + comp.float()  # this step's update plus what earlier steps could not apply
+        fresh = (p32 + y).to(p.dtype)
+        comp.copy_(y - (fresh.float() - p32))  # the part the rounded weight did not absorb
+        p.copy_(fresh)
+    elif mode == "stochastic" and p.dtype in LOW_PRECISION:
+        p.copy_(round_stochastic(p32 + delta, p.dtype, hash_noise(key, element_index(p) if idx is None else idx)))
+    else:
+        p.copy_(p32 + delta)
+
+
+def drop_unused_buffers(optimizer, owner: str) -> None:
+    """After a load: drop the ``kahan_comp`` of tensors that no longer use one (a parameter that is fp32 now: PEFT
+    reloads a bf16 adapter in fp32; a group whose compensation is no longer kahan), with one warning. Such a tensor
+    runs without it, and a kept buffer would only cost memory."""
+    dropped = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "kahan_comp" in state and not (group.get("compensation") == "kahan"
+                                                        and p.dtype in LOW_PRECISION):
+                del state["kahan_comp"]
+                dropped.append(str(p.dtype).removeprefix("torch."))
+    if dropped:
+        logger.warning("%s.load_state_dict: dropped the saved kahan_comp of %d parameter(s): Kahan compensation "
+                       "applies to bf16/fp16 weights under compensation='kahan', and these are %s here", owner,
+                       len(dropped), "/".join(sorted(set(dropped))))
+
+
+def write_all(params, old, new, comps, mode: str, keys) -> None:
+    """Each ``params[i]`` from its fp32 values before (``old[i]``) and after (``new[i]``) a step computed on an fp32
+    copy: :func:`write` for low-precision weights under a compensation (``comps[i]``: Kahan buffer or None, ``keys[i]``:
+    the int noise key), else the new values rounded to nearest as torch's ``copy_``."""
+    for i, p in enumerate(params):
+        if applies(p, mode):
+            key = torch.tensor(keys[i], dtype=torch.int32, device=p.device) if mode == "stochastic" else None
+            write(p.detach(), old[i], new[i] - old[i], comps[i] if comps else None, mode, key, None)
+        else:
+            p.detach().copy_(new[i])
