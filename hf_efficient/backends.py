@@ -16,13 +16,14 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from .optim.compensation import LOW_PRECISION
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
 
 __all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit",
            "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16", "Layout", "bnb_layout", "torchao_layout",
            "bnb_keeps_8bit", "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
-           "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory"]
+           "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory", "torch_adamw_memory"]
 
 
 def _with_cls(load: Callable[[], type]):
@@ -40,9 +41,20 @@ def fused_adamw_supported(device: torch.device, params: Iterable[torch.Tensor]) 
         p.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) for p in params)
 
 
+def _compensated_adamw_cls():
+    from .optim.adamw import AdamW
+    return AdamW
+
+
 @_with_cls(lambda: torch.optim.AdamW)
 def build_torch_adamw(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    fused = fused_adamw_supported(device, (p for g in groups for p in g["params"]))
+    """torch's AdamW; with bf16/fp16 weights, optim/adamw.py's (fp32 moments, the compensated write: torch's would
+    keep moments in the weights' dtype and lose every update below half a ulp)."""
+    params = [p for g in groups for p in g["params"]]
+    if any(p.dtype in LOW_PRECISION for p in params):
+        return _compensated_adamw_cls()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                        compensation=options["compensation"])
+    fused = fused_adamw_supported(device, params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=True if fused else None, foreach=None if fused else True)
 
@@ -162,7 +174,8 @@ def _adamw8bit_cls():
 @_with_cls(_adamw8bit_cls)
 def build_torch_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
     return _adamw8bit_cls()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params)
+                            min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
+                            compensation=options["compensation"])
 
 
 def _adafactor_cls():
@@ -173,7 +186,8 @@ def _adafactor_cls():
 @_with_cls(_adafactor_cls)
 def build_adafactor(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
     return _adafactor_cls()(groups, lr=lr, weight_decay=weight_decay, beta1=options["beta1"],
-                            decay_rate=options["decay_rate"], clip_threshold=options["clip_threshold"])
+                            decay_rate=options["decay_rate"], clip_threshold=options["clip_threshold"],
+                            compensation=options["compensation"])
 
 
 def _adamw_bf16_cls():
@@ -330,6 +344,19 @@ def adamw_memory(ts, opts: Mapping) -> int:
     return sum(t.count * (2 * t.numel * t.dtype.itemsize + _STEP) for t in ts)
 
 
+def _kahan_bytes(t, opts: Mapping) -> int:
+    """The bf16 ``kahan_comp`` of a bf16/fp16 tensor under compensation=kahan (optim/compensation.py)."""
+    return t.count * 2 * t.numel if opts.get("compensation") == "kahan" and t.dtype in LOW_PRECISION else 0
+
+
+def torch_adamw_memory(ts, opts: Mapping) -> int:
+    """build_torch_adamw: torch.optim.AdamW on fp32 weights; on bf16/fp16 ones optim/adamw.py's fp32 moments and,
+    under kahan, their bf16 buffer."""
+    if not any(t.dtype in LOW_PRECISION for t in ts):
+        return adamw_memory(ts, opts)
+    return sum(t.count * (8 * t.numel + _STEP) + _kahan_bytes(t, opts) for t in ts)
+
+
 def bnb_memory(moments: int) -> Callable:
     """bitsandbytes: uint8 ``state<i>`` + float32 ``absmax<i>`` per 256 elements per moment; else float32 state.
 
@@ -366,7 +393,8 @@ def torchao_memory(moments: int) -> Callable:
 
 def torch_8bit_memory(moments: int) -> Callable:
     """This package's 8-bit optimizers: per moment uint8 codes padded to whole blocks + float32 absmax per block;
-    else float32 moments. Step: float32. The code books are module constants, not state."""
+    else float32 moments. Step: float32. The code books are module constants, not state. bf16/fp16 weights under
+    compensation=kahan: their bf16 buffer."""
     def rule(ts, opts: Mapping) -> int:
         total = 0
         for t in ts:
@@ -375,28 +403,24 @@ def torch_8bit_memory(moments: int) -> Callable:
             else:
                 blocks = -(-t.numel // BLOCK)
                 total += t.count * moments * (blocks * BLOCK + 4 * blocks)
-            total += t.count * _STEP
+            total += t.count * _STEP + _kahan_bytes(t, opts)
         return total
     return rule
 
 
 def adafactor_memory(ts, opts: Mapping) -> int:
     """optim/adafactor.py: float32 row + column statistics of a matrix (full exp_avg_sq for vectors),
-    float32 exp_avg when beta1 is set, a step."""
+    float32 exp_avg when beta1 is set, a step; bf16/fp16 weights under compensation=kahan: their bf16 buffer."""
     total = 0
     for t in ts:
         one = 4 * math.prod(t.shape[:-2]) * (t.shape[-2] + t.shape[-1]) if len(t.shape) >= 2 else 4 * t.numel
         if opts.get("beta1") is not None:
             one += 4 * t.numel
-        total += t.count * (one + _STEP)
+        total += t.count * (one + _STEP) + _kahan_bytes(t, opts)
     return total
 
 
 def adamw_bf16_memory(ts, opts: Mapping) -> int:
     """optim/adamw_bf16.py: exp_avg, exp_avg_sq (and, for bf16/fp16 params with ``compensation=kahan``,
     kahan_comp) shaped and typed like the parameter; a float32 step."""
-    total = 0
-    for t in ts:
-        buffers = 3 if opts.get("compensation") == "kahan" and t.dtype in (torch.bfloat16, torch.float16) else 2
-        total += t.count * (buffers * t.numel * t.dtype.itemsize + _STEP)
-    return total
+    return sum(t.count * (2 * t.numel * t.dtype.itemsize + _STEP) + _kahan_bytes(t, opts) for t in ts)

@@ -5,6 +5,7 @@ Everything is validated before anything is built, so a mistake leaves no half-ma
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -15,9 +16,12 @@ from .guard import check_params, protect
 from .optim import _native
 from .options import check_flags, check_hyperparams, check_unique, parse_options
 from .param_groups import DecaySplit, build_param_groups, named_params, param_device, split_parameters
-from .registry import Resolution, get_spec, resolve
+from .optim.compensation import LOW_PRECISION
+from .registry import Resolution, compensation_of, get_spec, resolve
 
 __all__ = ["create_optimizer", "OptimizerInfo", "optimizer_info"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,7 +96,9 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
     device = param_device(p for _, p in named)
     if device.type == "cpu":
         _native.check_thread_limit()
-    res = resolve(spec.name, device, options["backend"])
+    low = any(p.dtype in LOW_PRECISION for _, p in named)
+    options["compensation"] = _compensation(spec, options["compensation"], low)
+    res = resolve(spec.name, device, options["backend"], compensated=low and options["compensation"] != "none")
     optimizer = res.spec.backends[res.backend].build(
         groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, options=options,
         fp32_state_params=keep_fp32, device=device)
@@ -103,6 +109,19 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
 
         attach(optimizer)
     return optimizer
+
+
+_SAID: set = set()
+
+
+def _compensation(spec, asked: str, low: bool) -> str:
+    """The compensation the optimizer runs with (``auto``: the family's); says once that an explicit one does
+    nothing where every weight is fp32 (it compensates rounding to bf16/fp16 only)."""
+    if not low and asked in ("kahan", "stochastic") and (spec.name, asked) not in _SAID:
+        _SAID.add((spec.name, asked))
+        logger.warning("%s: compensation=%s has no effect here: every parameter is fp32 or wider, and compensation "
+                       "only concerns updates rounded to bf16/fp16 weights", spec.trainer_name, asked)
+    return compensation_of(spec, asked)
 
 
 def _as_groups(params) -> list[dict]:

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from .backends import adamw_memory
+from .optim.compensation import LOW_PRECISION
 from .options import parse_options
 from .param_groups import split_parameters
-from .registry import PREFIX, get_spec, resolve
+from .registry import PREFIX, compensation_of, get_spec, resolve
 
 __all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "peak_memory",
            "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS"]
@@ -215,7 +216,9 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
     spec = get_spec(name)
     opts = parse_options(spec.name, spec.options, dict(options, **({"backend": backend} if backend else {})),
                          source="estimate_memory")
-    res = resolve(spec.name, dev, opts["backend"], log=False)
+    opts["compensation"] = compensation_of(spec, opts["compensation"])
+    low = any(t.dtype in LOW_PRECISION for t in tensors if t.trainable)
+    res = resolve(spec.name, dev, opts["backend"], log=False, compensated=low and opts["compensation"] != "none")
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
         opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")

@@ -79,7 +79,8 @@ OPTIONS: dict[str, Option] = {
         Option("nonfinite", str, "raise", "what a step does with an inf/NaN gradient", ("raise", "skip", "ignore")),
         Option("embedding_state", str, "32bit", "state precision of embedding matrices under 8-bit", ("32bit", "8bit")),
         Option("min_8bit_size", int, 4096, "tensors with fewer elements keep 32-bit state", check=_positive, check_text="must be > 0"),
-        Option("compensation", str, "kahan", "how bf16 weights keep sub-ulp updates", ("kahan", "stochastic", "none")),
+        Option("compensation", str, "auto", "how an update reaches bf16/fp16 weights (auto: the name's default, "
+               "measured per family; no-op on fp32 weights)", ("auto", "kahan", "stochastic", "none")),
         Option("beta1", float, None, "Adafactor first-moment decay (None: no first moment, least memory)", optional=True,
                check=lambda b: 0.0 <= b < 1.0, check_text="must be in [0, 1)"),
         Option("decay_rate", float, -0.8, "Adafactor second-moment decay exponent: beta2_t = 1 - t**decay_rate",

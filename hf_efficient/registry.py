@@ -24,7 +24,7 @@ from . import backends
 from .optional import install_hint, version_of
 
 __all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "FAMILIES", "SPECS", "PREFIX",
-           "get_spec", "resolve", "available_optimizers"]
+           "get_spec", "resolve", "available_optimizers", "compensation_of"]
 
 logger = logging.getLogger(__name__)
 PREFIX = "hf_eff_"
@@ -45,6 +45,7 @@ class Backend:
     keeps_8bit: Callable | None = None  # 8-bit families: optimizer -> rule(group i, index in group, param) -> bool
     fsdp2: str | None = None  # why it cannot step FSDP2's DTensor shards (None: it can)
     flaw: str | None = None  # why it is never chosen automatically: warned when forced
+    compensates: bool = False  # writes bf16/fp16 weights under the compensation option (optim/compensation.py)
 
     def serves(self, device_type: str) -> bool:
         return device_type in self.min_version or "*" in self.min_version
@@ -108,6 +109,8 @@ class Family:
     deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)
     uses_eps: bool = True  # Lion has none (bitsandbytes' Lion stores an unused eps=0.0 in its groups)
     flags: tuple[str, ...] = ()  # group flags that change the math (maximize, amsgrad) its optimizers implement
+    # how updates reach bf16/fp16 weights under compensation=auto (scripts/convergence.py's bf16-model runs decide)
+    compensation: str = "kahan"
 
     def __reduce__(self):  # a registry singleton (its rules are closures): pickled by name, as a copy of an optimizer
         return _family, (self.name,)
@@ -181,13 +184,18 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MOMENTS = {"step", "exp_avg", "exp_avg_sq"}
 
 
+def _kahan(p, group, default=None) -> set[str]:
+    """``kahan_comp`` where a saved group compensates bf16/fp16 weights by Kahan summation (``default``: what a group
+    without the key ran with: AdamWBF16 always had it; the other families gained it later, and resume from zero)."""
+    return {"kahan_comp"} if group.get("compensation", default) == "kahan" and p.dtype in _LOW_PRECISION else set()
+
+
 def _adamw_required(p, group) -> set[str]:
-    return _MOMENTS | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+    return _MOMENTS | ({"max_exp_avg_sq"} if group.get("amsgrad") else set()) | _kahan(p, group)
 
 
 def _adamw_bf16_required(p, group) -> set[str]:
-    kahan = group.get("compensation", "kahan") == "kahan" and p.dtype in _LOW_PRECISION
-    return _MOMENTS | ({"kahan_comp"} if kahan else set())
+    return _MOMENTS | _kahan(p, group, "kahan")
 
 
 def _adamw_bf16_dtype(p) -> torch.dtype:
@@ -198,7 +206,7 @@ def _adamw_bf16_dtype(p) -> torch.dtype:
 
 def _adafactor_required(p, group) -> set[str]:
     need = {"step"} | ({"exp_avg_sq_row", "exp_avg_sq_col"} if p.dim() >= 2 else {"exp_avg_sq"})
-    return need | ({"exp_avg"} if group.get("beta1") is not None else set())
+    return need | ({"exp_avg"} if group.get("beta1") is not None else set()) | _kahan(p, group)
 
 
 def _adafactor_check(st: dict, p, where: str, trainer_name: str) -> None:
@@ -212,34 +220,36 @@ def _adafactor_check(st: dict, p, where: str, trainer_name: str) -> None:
 
 
 _M, _V = StateKey("param", signed=True, label="first moment"), StateKey("param", label="second moment")
-ADAMW = Family("adamw", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "max_exp_avg_sq": _V},
+_KAHAN = StateKey("param", signed=True, label="Kahan compensation")  # optim/compensation.py, bf16/fp16 weights
+ADAMW = Family("adamw", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "max_exp_avg_sq": _V,
+                         "kahan_comp": _KAHAN},
                _adamw_required, "adamw", bench_format="fp32", quality_target=0.01, flags=("maximize", "amsgrad"))
 ADAMW8BIT = Family(
     "adamw8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_sq": StateKey("codes"),
-                  "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax")},
-    lambda p, group: set(_MOMENTS), "adamw", bench_format="8-bit blockwise", quality_target=0.01,
+                  "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax"), "kahan_comp": _KAHAN},
+    lambda p, group: _MOMENTS | _kahan(p, group), "adamw", bench_format="8-bit blockwise", quality_target=0.01,
     deepspeed_options={"embedding_state": (
         "8bit", "cannot keep 32-bit state for embeddings and small tensors, as it does by default "
                 "(embedding_state=32bit): ZeRO hands the optimizer one flat partition per param group. Set optim_args "
                 "embedding_state=8bit to accept 8-bit state everywhere")})
 ADAFACTOR = Family(
     "adafactor", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "exp_avg_sq_row": StateKey("row"),
-                  "exp_avg_sq_col": StateKey("col")},
+                  "exp_avg_sq_col": StateKey("col"), "kahan_comp": _KAHAN},
     _adafactor_required, "adafactor", bench_format="factored", quality_target=0.03,
     marks=frozenset({"exp_avg_sq_row", "exp_avg_sq_col"}), check_state=_adafactor_check,
     deepspeed="ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, but "
               "keeps a full fp32 second moment (4 bytes per parameter instead of << 1)")
 ADAMW_BF16 = Family(
-    "adamw_bf16", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V,
-                   "kahan_comp": StateKey("param", signed=True, label="Kahan compensation")},
+    "adamw_bf16", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "kahan_comp": _KAHAN},
     _adamw_bf16_required, "adamw", bench_format="bf16 + Kahan", quality_target=0.01, param_dtype=torch.bfloat16,
     marks=frozenset({"kahan_comp"}), moment_dtype=_adamw_bf16_dtype,
     deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
               "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
               f"{PREFIX}adamw), without the memory it exists to save")
 LION8BIT = Family(
-    "lion8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_absmax": StateKey("absmax")},
-    lambda p, group: {"step", "exp_avg"}, "lion", bench_format="8-bit blockwise", quality_target=0.01,
+    "lion8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_absmax": StateKey("absmax"),
+                 "kahan_comp": _KAHAN},
+    lambda p, group: {"step", "exp_avg"} | _kahan(p, group), "lion", bench_format="8-bit blockwise", quality_target=0.01,
     deepspeed_options=ADAMW8BIT.deepspeed_options, uses_eps=False)
 AUTO = Family("auto", {}, lambda p, group: set(), "auto")
 FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16, LION8BIT)}
@@ -261,7 +271,7 @@ TORCHAO_FLAW = ("torchao's AdamW8bit stores small second moments as exactly 0, s
                 "times too far")
 _ADAM_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
 _BNB_NO_DTENSOR = "bitsandbytes' 8-bit kernels have no DTensor sharding rule"
-_TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.adamw_memory)
+_TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.torch_adamw_memory, compensates=True)
 _BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"}, backends.build_bnb_adamw8bit,
                     backends.bnb_memory(2), layout=backends.bnb_layout("AdamW", *_ADAM_MOMENTS),
                     keeps_8bit=backends.bnb_keeps_8bit, fsdp2=_BNB_NO_DTENSOR)
@@ -269,16 +279,16 @@ _BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.50"}, backends.build_bnb
                      backends.bnb_memory(2), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
                      fsdp2=_BNB_NO_DTENSOR)
 _TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(2),
-                      needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
+                      needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True,
                       fsdp2="our 8-bit kernels reshape each tensor into 256-element blocks, which a DTensor shard "
                             "does not allow (not run on shards)")
 _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit,
                         backends.torchao_memory(2), layout=backends.torchao_layout(*_ADAM_MOMENTS),
                         keeps_8bit=backends.torchao_keeps_8bit, flaw=TORCHAO_FLAW)
-_TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory,
+_TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory, compensates=True,
                            fsdp2="its factored row/column statistics are plain tensors that cannot mix with DTensor "
                                  "shards")
-_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory,
+_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True,
                       fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
 def _lion8bit_cls():
     from .optim.lion8bit import Lion8bit
@@ -287,19 +297,20 @@ def _lion8bit_cls():
 
 def _build_torch_lion8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
     return _lion8bit_cls()(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params)
+                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
+                           compensation=options["compensation"])
 
 
 _build_torch_lion8bit.optimizer_cls = _lion8bit_cls
 _LION_MOMENTS = (("exp_avg", True),)
 _TORCH_LION8BIT = Backend("torch", None, _ANY, _build_torch_lion8bit, backends.torch_8bit_memory(1),
                           needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
-                          fsdp2=_TORCH_8BIT.fsdp2)
+                          fsdp2=_TORCH_8BIT.fsdp2, compensates=True)
 _BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
                         backends.bnb_builder("Lion8bit", uses_eps=False), backends.bnb_memory(1),
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
                         fsdp2=_BNB_NO_DTENSOR)
-_COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release")
+_COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release", "compensation")
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
 SPECS: dict[str, OptimizerSpec] = {
@@ -336,7 +347,7 @@ SPECS: dict[str, OptimizerSpec] = {
                       _COMMON + ("beta1", "decay_rate", "clip_threshold"), uses_betas=False),
         OptimizerSpec("adamw_bf16", ADAMW_BF16, 6.0, "6",
                       "AdamW on bf16 params: bf16 m, v and Kahan compensation; no fp32 master copy",
-                      {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON + ("compensation",),
+                      {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON,
                       estimate_rows=(EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)),
     ]
 }
@@ -379,9 +390,20 @@ def _log_once(res: Resolution) -> None:
                     res.reason)
 
 
+def compensation_of(spec: OptimizerSpec, asked: str) -> str:
+    """The compensation a name runs with: its family's measured default for ``compensation=auto``."""
+    return spec.facts.compensation if asked == "auto" else asked
+
+
+_NO_COMPENSATION = "writes bf16/fp16 weights rounded to nearest (no compensated update)"
+
+
 def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None, *,
-            log: bool = True) -> Resolution:
+            log: bool = True, compensated: bool = False) -> Resolution:
     """Pick the backend that runs ``name`` on ``device``, by the table above, and log the choice once.
+
+    ``compensated``: the parameters include bf16/fp16 weights and the compensation is not ``none``: only backends
+    that compensate qualify (a forced one that does not is refused, saying what to do instead).
 
     ``log=False`` is for questions rather than choices (memory estimates, ``hf-efficient list``): a user
     should see which backend trains their model, not one for every name an estimate looked at.
@@ -402,13 +424,17 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
         if (spec.name, dev) not in _logged:
             _logged.add((spec.name, dev))
             warnings.warn(msg, stacklevel=2)
-        res = resolve(spec.fallback[1], dev, backend, log=log)
+        res = resolve(spec.fallback[1], dev, backend, log=log, compensated=compensated)
         return Resolution(res.name, res.backend, res.optimizer_cls, f"{msg}; {res.reason}", res.spec, dev)
     if backend is not None:
         if backend not in spec.backends:
             raise ValueError(f"backend={backend!r} is not a backend of {spec.trainer_name}; it has: "
                              f"{', '.join(spec.backends)}")
         chosen, why_not = spec.backends[backend], spec.backends[backend].why_not(dev)
+        if compensated and not chosen.compensates:
+            raise ValueError(f"backend={backend!r} {_NO_COMPENSATION}: on these bf16/fp16 weights, updates below half "
+                             f"a ulp of a weight would be lost (stale weights). Use backend=torch (it compensates), "
+                             f"or pass compensation=none to accept rounding to nearest")
         if why_not is not None:
             if chosen.package and version_of(chosen.package) is None:
                 raise ImportError(f"{spec.trainer_name} with backend={backend!r} needs {chosen.package}, which is "
@@ -425,6 +451,8 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
         reasons = []
         for b in spec.order(dev):
             why_not = spec.backends[b].why_not(dev)
+            if why_not is None and compensated and not spec.backends[b].compensates:
+                why_not = f"{b} {_NO_COMPENSATION}"
             if why_not is None:
                 chosen = spec.backends[b]
                 break

@@ -121,17 +121,24 @@ def test_fp32_adamw_state_into_adamw_bf16_is_cast_with_fresh_compensation(source
     _train(model, opt, 1, start=2)
 
 
-def test_adamw_bf16_state_into_adamw_drops_the_compensation(caplog):
+def test_adamw_bf16_state_into_adamw_carries_the_compensation(caplog):
+    """Both keep a Kahan buffer on bf16 weights: hf_eff_adamw takes it over, its bf16 moments widened to fp32; under
+    compensation=none the buffer has no use and is dropped, saying so."""
     src_model, src = _make("adamw_bf16", None, torch.bfloat16)
     _train(src_model, src, 2)
     sd = src.state_dict()
+    saved = _by_name(sd)
     model, opt = _make("adamw", None, torch.bfloat16)
+    opt.load_state_dict(copy.deepcopy(sd))
+    for name, st in _by_name(opt.state_dict()).items():
+        assert torch.equal(st["kahan_comp"], saved[name]["kahan_comp"])
+        assert st["exp_avg"].dtype == torch.float32 and torch.equal(st["exp_avg"], saved[name]["exp_avg"].float())
+    _train(model, opt, 1, start=2)
+    model, opt = _make("adamw", None, torch.bfloat16, compensation="none")
     with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
         opt.load_state_dict(copy.deepcopy(sd))
     assert "Kahan compensation dropped" in caplog.text
-    saved = _by_name(sd)
-    for name, st in _by_name(opt.state_dict()).items():
-        assert "kahan_comp" not in st and torch.equal(st["exp_avg"], saved[name]["exp_avg"])
+    assert all("kahan_comp" not in st for st in _by_name(opt.state_dict()).values())
     _train(model, opt, 1, start=2)
 
 

@@ -35,11 +35,10 @@ import math
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw as _torch_adamw
 
 from . import quant8
 from ._blockwise import Blockwise8bit
-from .compensation import write_all
+from .adamw import adamw_fp32_state
 from .quant8 import BLOCK, dynamic_map, quantize_moments
 
 __all__ = ["AdamW8bit", "dynamic_map", "quantize_moments", "BLOCK"]
@@ -76,27 +75,6 @@ def _coefficients(group: dict, step: int) -> list[float]:
     lr = group["lr"]
     return [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(1.0 - beta2**step), group["eps"],
             1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step)]
-
-
-def _step_32bit(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
-                compensation: str = "none", comps=None, keys=None) -> None:
-    """torch's own AdamW (fused on CPU and CUDA) for fp32 state; other weight dtypes go through fp32 copies, written
-    back by :func:`.compensation.write_all` (``comps``: each tensor's Kahan buffer or None; ``keys``: noise keys)."""
-    fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
-    other = [i for i, p in enumerate(params) if p.dtype != torch.float32]
-    for idx in (fp32, other):
-        if not idx:
-            continue
-        old = [params[i].detach().float() for i in idx] if idx is other else None
-        ps = [params[i].detach() for i in idx] if idx is fp32 else [x.clone() for x in old]
-        gs = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
-        fused = all(p.device.type == "cpu" for p in ps)  # CUDA's fused kernel wants its steps on the GPU
-        _torch_adamw(ps, gs, [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx], [], [steps[i] for i in idx],
-                     foreach=None if fused else False, fused=fused, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-                     weight_decay=weight_decay, eps=eps, maximize=False)
-        if idx is other:
-            pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-            write_all(pick(params), old, ps, pick(comps), compensation, pick(keys))
 
 
 class AdamW8bit(Blockwise8bit):
@@ -139,8 +117,9 @@ class AdamW8bit(Blockwise8bit):
 
     def step_32bit(self, group: dict, items) -> None:
         beta1, beta2 = group["betas"]
-        _step_32bit([p for p, *_ in items], [g for _, g, *_ in items], [it[2]["exp_avg"] for it in items],
-                    [it[2]["exp_avg_sq"] for it in items], [it[2]["step"] for it in items], lr=group["lr"],
-                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                    compensation=group["compensation"], comps=[it[2].get("kahan_comp") for it in items],
-                    keys=[it[3] for it in items])
+        states = [it[2] for it in items]
+        adamw_fp32_state([p for p, *_ in items], [g for _, g, *_ in items], [st["exp_avg"] for st in states],
+                         [st["exp_avg_sq"] for st in states], None, [st["step"] for st in states], lr=group["lr"],
+                         beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                         compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
+                         keys=[it[3] for it in items])
