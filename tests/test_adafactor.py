@@ -23,12 +23,13 @@ def _reference(params, **kw):
 
 
 def _pair(dtype, shapes=SHAPES, seed=0, **kw):
-    """Our optimizer on ``dtype`` weights beside the reference on float64 copies of the same values."""
+    """Our optimizer on ``dtype`` weights beside the reference on float64 copies of the same values (rounded to
+    ``dtype`` after each step: ours rounds to nearest too, ``compensation="none"``)."""
     g = torch.Generator().manual_seed(seed)
     w0 = [torch.randn(s, generator=g).to(dtype) for s in shapes]
     ours = [nn.Parameter(w.clone()) for w in w0]
     ref = [nn.Parameter(w.double()) for w in w0]
-    return ours, Adafactor(ours, lr=LR, **kw), ref, _reference(ref, **kw)
+    return ours, Adafactor(ours, lr=LR, compensation="none", **kw), ref, _reference(ref, **kw)
 
 
 def _step_both(ours, opt, ref, ref_opt, grads, dtype):

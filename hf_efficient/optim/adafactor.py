@@ -5,21 +5,38 @@ Shazeer & Stern (2018): for a matrix, keep only the row and column means of the 
 their outer product. transformers' ``Adafactor`` and ``torch.optim.Adafactor`` both scale the step by the
 parameter's RMS by default (``scale_parameter`` / relative step), so a Trainer learning rate of 5e-5 is
 silently not the step size; here it is (transformers' ``scale_parameter=False, relative_step=False``).
+
+bf16 / fp16 weights: the new weight is computed in fp32 and written by :func:`.compensation.write` under the
+``compensation`` option (``kahan``: a bf16 ``kahan_comp`` buffer; ``stochastic``; ``none``: round to nearest, the
+stale weights). Statistics and ``exp_avg`` are fp32 whatever the weight's dtype.
+
+Kernels. On CPU, contiguous fp32 and bf16 weights with gradients of their dtype go through a C kernel
+(``adafactor_cpu.c``, the op ``hf_efficient::adafactor_step``, built once per machine, see :mod:`._native`): all
+such tensors of a step in one call on torch's threads, reading each gradient once from memory and twice more from
+cache (the passes are in the C file), the compensation in the same pass as the update. It must agree with the eager
+step on a probe before it is used. Everything else (fp16, other layouts, CUDA) runs :func:`_eager_step`, the
+reference. The two differ only in the order of sums: the row and column sums of squares (fp32), so statistics
+agree to a few fp32 ulps and weights to an ulp; the update's sum of squares is taken in double in both.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 
 import torch
 from torch import Tensor
 
-from ..options import check_group, check_hyperparams, start_step
+from ..options import check_group, check_hyperparams, check_step, start_step
+from . import _dispatch, _native
+from .compensation import C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, weight_key, write
 
 __all__ = ["Adafactor"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _SQRT_FP32_MAX = 2.0**64 * (1 - 2.0**-24)  # the largest fp32 whose square is finite in fp32
+_STATS = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg")  # fp32 whatever the weight's dtype
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -38,12 +55,15 @@ class Adafactor(torch.optim.Optimizer):
         decay_rate: second-moment decay ``beta2_t = 1 - t ** decay_rate`` (the paper's -0.8).
         clip_threshold: RMS bound of the normalised update.
         eps: added to squared gradients (transformers' ``eps[0]``).
+        compensation: how updates reach bf16 / fp16 weights: ``"kahan"`` (a bf16 buffer, 2 bytes per parameter),
+            ``"stochastic"`` or ``"none"`` (see :mod:`.compensation`); fp32 weights ignore it.
     """
 
     def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.0, beta1: float | None = None,
-                 decay_rate: float = -0.8, clip_threshold: float = 1.0, eps: float = 1e-30):
+                 decay_rate: float = -0.8, clip_threshold: float = 1.0, eps: float = 1e-30,
+                 compensation: str = "kahan"):
         defaults = dict(lr=lr, weight_decay=weight_decay, beta1=beta1, decay_rate=decay_rate,
-                        clip_threshold=clip_threshold, eps=eps)
+                        clip_threshold=clip_threshold, eps=eps, compensation=compensation)
         check_group(None, defaults, "Adafactor", _check_family_keys)
         super().__init__(params, defaults)
 
@@ -54,30 +74,84 @@ class Adafactor(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         # torch accepts a Python number as a saved ``step`` (older checkpoints): make it the tensor step() uses
         super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("compensation", "none")  # pickled before the option existed: it rounded to nearest
         for per_param in self.state.values():
             if "step" in per_param and not torch.is_tensor(per_param["step"]):
                 per_param["step"] = torch.tensor(float(per_param["step"]), dtype=torch.float32)
 
-    def _init_state(self, p: Tensor, beta1: float | None) -> dict:
-        state = self.state[p]
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, except that statistics stay fp32 (torch casts floating state to the parameter's dtype: a bf16
+        weight's row statistics would become bf16) and ``kahan_comp`` bf16; a ``kahan_comp`` no longer used is
+        dropped with a warning, a missing one starts at zero. Saved steps and groups are checked first."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            for i, saved in state_dict["state"].items():
+                if isinstance(saved, dict) and "step" in saved:
+                    check_step(saved["step"], f"Adafactor.load_state_dict: parameter {i}")
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
+            for gi, g in enumerate(state_dict["param_groups"]):
+                try:
+                    check_group(None, {**self.defaults, "compensation": "none", **g, "params": ()}, "Adafactor",
+                                _check_family_keys)
+                except ValueError as e:
+                    raise ValueError(f"Adafactor.load_state_dict: saved param group {gi}: {e}; nothing was "
+                                     "loaded") from e
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
+            for key in (*_STATS, "kahan_comp"):
+                want = torch.bfloat16 if key == "kahan_comp" else torch.float32
+                if key in state and state[key].dtype != want:  # from the saved tensor: no round trip through bf16
+                    state[key] = saved[key].to(device=p.device, dtype=want).contiguous()
+            if "step" in state and not torch.is_tensor(state["step"]):
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        drop_unused_buffers(self, "Adafactor")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = start_step(self, closure, "Adafactor")  # closure, then sparse gradients refused: nothing half-done
+        todo, position = [], 0  # position: the parameter's index across groups, as in state_dict(): its noise stream
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    todo.append((p, group, _fill_state(self.state[p], p, group), position))
+                position += 1
+        if not todo:
+            return loss
+        steps = [state["step"] for _, _, state, _ in todo]
+        fn = _native_fn() if any(p.device.type == "cpu" for p, _, _, _ in todo) else None
+        native, eager = [], []
+        for (p, group, state, position), step in zip(todo, (s + 1 for s in torch.stack(steps).tolist())):
+            if not p.numel():
+                continue
+            mode = group["compensation"]
+            key = weight_key(position, int(step)) if mode == "stochastic" and p.dtype in LOW_PRECISION else 0
+            item = (p.detach(), p.grad, state, _coefficients(p, group, step), mode, key, group["beta1"] is not None)
+            (native if fn is not None and _native_fits(*item) else eager).append(item)
+        if native:  # first: the one call that could fail (no memory for its scratch) before anything changed
+            _native_items(_op, native)
+        for item in eager:
+            _eager_step(*item)
+        torch._foreach_add_(steps, 1)
+        return loss
+
+
+def _fill_state(state: dict, p: Tensor, group: dict) -> dict:
+    """``p``'s ``state``, with what its group needs now created at zero (a group may gain beta1 or kahan later)."""
+    if not state:
         state["step"] = torch.tensor(0.0)
         if p.dim() >= 2:
             state["exp_avg_sq_row"] = torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device)
             state["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32, device=p.device)
         else:
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        if beta1 is not None:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-        return state
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = start_step(self, closure, "Adafactor")  # closure, then sparse gradients refused: nothing half-done
-        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p, group in todo:
-            state = self.state[p] if self.state[p] else self._init_state(p, group["beta1"])
-            _adafactor_step(p, p.grad, state, group)
-        return loss
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    if group["beta1"] is not None and "exp_avg" not in state:
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
+        state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+    return state
 
 
 def _check_family_keys(group: dict) -> None:
@@ -90,44 +164,67 @@ def _check_family_keys(group: dict) -> None:
                          f"(beta2_t = 1 - t**decay_rate)")
     if not group["clip_threshold"] > 0:
         raise ValueError(f"Invalid clip_threshold={group['clip_threshold']!r}: it must be > 0")
+    check_compensation(group["compensation"])
 
 
-def _adafactor_step(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
-    state["step"] += 1
-    w = state["step"].item() ** group["decay_rate"]  # 1 - beta2_t: the weight of this step's squared gradient
-    eps = group["eps"]
+# ----------------------------------------------------------------------------------------------------
+# The step. coef = [1/k, k/m, k/n, eps, 1 - beta2_t, 1 - lr*wd, lr, 1 - beta1, clip_threshold] (Python floats:
+# torch rounds each to fp32 where an op takes it, the C kernel where the same op happens).
+# ----------------------------------------------------------------------------------------------------
+
+
+def _coefficients(p: Tensor, group: dict, step: float) -> list[float]:
+    if p.dim() >= 2:  # g * g / k with k = max(n, m): squares scaled before they are summed (see the class)
+        n, m = p.shape[-2], p.shape[-1]
+        k = max(n, m)
+        factors = [1.0 / k, k / m, k / n]
+    else:
+        factors = [0.0, 0.0, 0.0]
+    beta1 = group["beta1"]
+    lr = group["lr"]
+    return [*factors, group["eps"], step ** group["decay_rate"], 1.0 - lr * group["weight_decay"], lr,
+            0.0 if beta1 is None else 1.0 - beta1, group["clip_threshold"]]
+
+
+def _eager_step(p: Tensor, grad: Tensor, state: dict, coef: list[float], mode: str, key: int, beta1: bool) -> None:
+    """One tensor's step in torch ops, any device, dtype and layout: the reference the C kernel is held to."""
+    inv_k, k_cols, k_rows, eps, w, decay, lr, omb1, clip = coef
     # one fp32 scratch tensor: the squared gradient, then the update; ``grad`` is only read
     buf = torch.empty(p.shape, dtype=torch.float32, device=p.device)
     if "exp_avg_sq_row" in state:
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-        n, m = p.shape[-2], p.shape[-1]
-        k = max(n, m)
         # g * g / k, scaled before the square completes: no sum below overflows unless the mean it gives does,
         # and a mean beyond fp32 (|g| near fp32's max) is held at fp32's max instead of becoming inf
-        _scaled_copy(buf, grad, 1.0 / k).mul_(grad)
-        row.lerp_(buf.sum(dim=-1).mul_(k / m).add_(eps).clamp_(max=_FP32_MAX), w)
-        col.lerp_(buf.sum(dim=-2).mul_(k / n).add_(eps).clamp_(max=_FP32_MAX), w)
+        _scaled_copy(buf, grad, inv_k).mul_(grad)
+        row.lerp_(buf.sum(dim=-1).mul_(k_cols).add_(eps).clamp_(max=_FP32_MAX), w)
+        col.lerp_(buf.sum(dim=-2).mul_(k_rows).add_(eps).clamp_(max=_FP32_MAX), w)
         # v ~ outer(row, col) / mean(row): the rank-1 estimate that minimises the I-divergence
-        row_mean = row.div(n).sum(dim=-1, keepdim=True).clamp_(max=_FP32_MAX)
+        row_mean = row.div(p.shape[-2]).sum(dim=-1, keepdim=True, dtype=torch.float64).float().clamp_(max=_FP32_MAX)
         r = row.div(row_mean).rsqrt_().unsqueeze(-1)
         update = torch.mul(grad, r, out=buf).mul_(col.rsqrt().unsqueeze(-2))  # (g * r) * c stays finite
     else:  # vectors are small: clamp the gradient so that its square, and so g / sqrt(v), stay exact
-        g = _scaled_copy(buf, grad, 1.0).clamp_(-_SQRT_FP32_MAX, _SQRT_FP32_MAX)
-        v = state["exp_avg_sq"].lerp_(g.square().add_(eps), w)
-        update = g.mul_(v.rsqrt())
-    scale = 1.0 / max(_rms(update) / group["clip_threshold"], 1.0)
-    lr, decay = group["lr"], 1.0 - group["lr"] * group["weight_decay"]
-    if group["beta1"] is not None:
+        update = _scaled_copy(buf, grad, 1.0).clamp_(-_SQRT_FP32_MAX, _SQRT_FP32_MAX)
+        v = state["exp_avg_sq"].lerp_(update.square().add_(eps), w)
+        update.mul_(v.rsqrt())
+    # the update's RMS from its sum of squares in double: no square overflows, and the C kernel's sum agrees
+    sumsq = torch.linalg.vector_norm(update, dtype=torch.float64).item() ** 2
+    scale = 1.0 / max(math.sqrt(sumsq / max(update.numel(), 1)) / clip, 1.0)
+    if beta1:
         if scale != 1.0:
             update.mul_(scale)
-        update, scale = state["exp_avg"].lerp_(update, 1.0 - group["beta1"]), 1.0
-    if p.dtype == torch.float32:
+        update, step = state["exp_avg"].lerp_(update, omb1), -lr
+    else:
+        step = -lr * scale
+    if p.dtype not in LOW_PRECISION:
         if decay != 1.0:
             p.mul_(decay)
-        p.add_(update, alpha=-lr * scale)
-    else:  # low-precision params: do the arithmetic in fp32 (in the scratch tensor) and round once
-        torch.mul(update, -lr * scale, out=buf).add_(p, alpha=decay)
-        p.copy_(buf)
+        p.add_(torch.mul(update, step, out=buf))
+        return
+    # low precision: the new weight in fp32, then written once under the compensation
+    p32 = p.float()
+    fresh = torch.mul(update, step, out=buf).add_(p32 if decay == 1.0 else p32 * decay)
+    key_t = torch.tensor(key, dtype=torch.int32, device=p.device) if mode == "stochastic" else None
+    write(p, p32, fresh.sub_(p32), state.get("kahan_comp"), mode, key_t, None)
 
 
 def _scaled_copy(out: Tensor, grad: Tensor, factor: float) -> Tensor:
@@ -138,12 +235,147 @@ def _scaled_copy(out: Tensor, grad: Tensor, factor: float) -> Tensor:
     return out.mul_(factor) if factor != 1.0 else out
 
 
-def _rms(update: Tensor) -> float:
-    """Root mean square of ``update`` (a contiguous fp32 tensor), exact also where the squares overflow fp32."""
-    flat = update.view(-1)
-    sumsq = torch.dot(flat, flat).item()
-    if math.isinf(sumsq):  # rare: some |element| >= 2**64; rescale by the largest so the squares are <= 1
-        top = flat.abs().max().item()
-        scaled = flat / top
-        sumsq = torch.dot(scaled, scaled).item() * top * top  # Python floats: double range
-    return math.sqrt(sumsq / max(flat.numel(), 1))
+# ----------------------------------------------------------------------------------------------------
+# The C kernel: its op, the tensors it takes, and its probe
+# ----------------------------------------------------------------------------------------------------
+
+_SOURCE, _SYMBOL = "adafactor_cpu.c", "adafactor_step"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # adafactor_cpu.c's dtype numbers
+
+
+def _native_fits(p: Tensor, grad: Tensor, state: dict, coef, mode: str, key: int, beta1: bool) -> bool:
+    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype, contiguous fp32 statistics."""
+    if not (p.device.type == "cpu" and p.dtype in _DTYPES and grad.dtype == p.dtype and _native.plain(p, grad)
+            and p.is_contiguous() and grad.is_contiguous()):
+        return False
+    used = [k for k in _STATS[:3] if k in state] + (["exp_avg"] if beta1 else [])
+    if not all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in used):
+        return False
+    comp = state.get("kahan_comp")
+    return not (mode == "kahan" and p.dtype == torch.bfloat16) or (comp.dtype == torch.bfloat16
+                                                                   and comp.is_contiguous())
+
+
+def _native_items(op, items, threads: int = -1) -> None:
+    """``items`` (as :func:`_eager_step` takes them) through ``op``, in one call."""
+    params, grads, stats, cols, exp_avgs, comps, meta, coef = ([] for _ in range(8))
+    for p, grad, state, c, mode, key, beta1 in items:
+        params.append(p)
+        grads.append(grad)
+        if p.dim() >= 2:
+            stats.append(state["exp_avg_sq_row"])
+            cols.append(state["exp_avg_sq_col"])
+            shape = [math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]]
+        else:
+            stats.append(state["exp_avg_sq"])
+            shape = [1, p.numel(), 0]
+        if beta1:
+            exp_avgs.append(state["exp_avg"])
+        kahan = mode == "kahan" and p.dtype == torch.bfloat16
+        if kahan:
+            comps.append(state["kahan_comp"])
+        meta += [_DTYPES[p.dtype], *shape, C_MODES[mode], key, int(beta1), int(kahan)]
+        coef += c
+    op(params, grads, stats, cols, exp_avgs, comps, meta, coef, threads)
+
+
+_META = 8  # per tensor: dtype, batch, rows, cols, mode, key, has exp_avg, has kahan_comp (the C file's first 6)
+
+
+def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
+         exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int) -> None:
+    """The C kernel over the tensors, the optional lists (cols, exp_avgs, comps) spread back to one slot per tensor."""
+    n = len(params)
+    rows = [meta[i * _META:(i + 1) * _META] for i in range(n)]
+    col_p, avg_p, comp_p = (_spread(ts, [r[j] for r in rows]) for ts, j in ((cols, 3), (exp_avgs, 6), (comps, 7)))
+    if threads < 0:
+        elements = sum(p.numel() for p in params)
+        threads = max(1, min(torch.get_num_threads(), elements // _native._MIN_PER_THREAD))
+    c = _dispatch.c_array
+    flat_meta = [x for r in rows for x in r[:6]]
+    status = fn(n, c(ctypes.c_void_p, params), c(ctypes.c_void_p, grads), c(ctypes.c_void_p, stats), col_p, avg_p,
+                comp_p, c(ctypes.c_int64, flat_meta), c(ctypes.c_double, coef), threads)
+    if status != 0:
+        raise MemoryError("Adafactor: the C kernel could not allocate its scratch memory; nothing was updated")
+
+
+def _spread(tensors: list[Tensor], has: list) -> ctypes.Array:
+    """Data pointers, one slot per tensor of the step: the next of ``tensors`` where ``has``, else NULL."""
+    it = iter(tensors)
+    return (ctypes.c_void_p * len(has))(*(next(it).data_ptr() if h else None for h in has))
+
+
+def _step_op(params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
+             exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int) -> None:
+    """The C kernel's step over lists, in place (``threads`` < 0: torch's count, fewer for small steps)."""
+    _run(_native_fn(), params, grads, stats, cols, exp_avgs, comps, meta, coef, threads)
+
+
+_op = _dispatch.custom_op("adafactor_step", _step_op, ("params", "stats", "cols", "exp_avgs", "comps"))
+
+
+def _native_fn():
+    """The C function of ``adafactor_cpu.c``, once its probe passed; else None (see :func:`._dispatch.native`)."""
+    return _dispatch.native(_SOURCE, _SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int], _probe,
+                            ctypes.c_int64)
+
+
+# (shape, dtype, compensation, beta1) of the probe: matrices of several row slices that 3 threads share unevenly,
+# more columns than one column unit, a batch of matrices, vectors of several units, every write
+_PROBE = [((1031, 287), torch.float32, "none", None), ((97, 2053), torch.bfloat16, "kahan", 0.9),
+          ((3, 37, 41), torch.bfloat16, "stochastic", None), ((517, 263), torch.bfloat16, "none", None),
+          ((2 * 65536 + 37,), torch.float32, "none", 0.9), ((2 * 65536 + 37,), torch.bfloat16, "stochastic", 0.9),
+          ((613,), torch.bfloat16, "kahan", None), ((7, 5), torch.bfloat16, "kahan", None)]
+
+
+def _probe_run(fn, threads: int = 3, steps: int = 3):
+    """The probe's tensors after ``steps`` steps through ``fn`` (None: the eager step): weights, states, lr."""
+    gen = torch.Generator().manual_seed(0)
+    lr = 1e-2
+    params = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype, _, _ in _PROBE]
+    groups = [dict(lr=lr, weight_decay=0.1, beta1=b1, decay_rate=-0.8, clip_threshold=1.0, eps=1e-30,
+                   compensation=mode) for _, _, mode, b1 in _PROBE]
+    states = [{} for _ in _PROBE]
+    for t in range(1, steps + 1):
+        items = []
+        for i, (p, group, state) in enumerate(zip(params, groups, states)):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype)
+            if t == 1:  # squares beyond fp32 at both ends of every tensor
+                g.view(-1)[0], g.view(-1)[-1] = 3e38, -2e19
+            _fill_state(state, p, group)
+            key = weight_key(i, t) if group["compensation"] == "stochastic" else 0
+            items.append((p, g, state, _coefficients(p, group, t), group["compensation"], key, group["beta1"] is not None))
+        if fn is None:
+            for item in items:
+                _eager_step(*item)
+        else:
+            _native_items(lambda *args: _run(fn, *args), items, threads)
+    return params, states, lr
+
+
+def _probe(fn) -> bool:
+    """The C function gives the eager step's results on :data:`_PROBE`, 3 steps split over 3 threads (whatever team
+    OpenMP gives, every unit must be done). Vectors: everything exact. Matrices, whose row and column sums of squares
+    add in another order: statistics within 2**-16 relative (a few ulps happen; a lost row or column is 1e-3),
+    exp_avg within 2**-16 of its largest value, weights within 2 fp32 ulps (one bf16 ulp) plus 2**-10 of a step, a
+    Kahan weight plus its buffer within 2**-15 relative plus 2**-10 of a step."""
+    (pn, sn, lr), (pe, se, _) = _probe_run(fn), _probe_run(None)
+    return all(_agree(a, b, sa, sb, lr) for a, b, sa, sb in zip(pn, pe, sn, se))
+
+
+def _agree(a: Tensor, b: Tensor, sa: dict, sb: dict, lr: float) -> bool:
+    """Weight ``a`` and state ``sa`` (C kernel) agree with ``b`` and ``sb`` (eager), as :func:`_probe` states."""
+    if a.dim() < 2:
+        return torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sb)
+    if set(sa) != set(sb):
+        return False
+    close = lambda x, y, rtol, atol: bool(torch.isclose(x, y, rtol=rtol, atol=atol).all())  # noqa: E731
+    ok = all(close(sa[k], sb[k], 2.0**-16, 0.0) for k in ("exp_avg_sq_row", "exp_avg_sq_col"))
+    if "exp_avg" in sb:
+        ok = ok and close(sa["exp_avg"], sb["exp_avg"], 0.0, 2.0**-16 * sb["exp_avg"].abs().max().item())
+    ulp = 2.0**-22 if a.dtype == torch.float32 else 2.0**-7
+    ok = ok and close(a.float(), b.float(), ulp, lr * 2.0**-10)
+    if "kahan_comp" in sb:
+        ok = ok and close(a.float() + sa["kahan_comp"].float(), b.float() + sb["kahan_comp"].float(), 2.0**-15,
+                          lr * 2.0**-10)
+    return ok

@@ -1,0 +1,457 @@
+/* Adafactor's step on CPU for contiguous fp32 and bf16 weights and gradients: adafactor.py's eager operations, in
+ * their order, over all the tensors of a step in one call on torch's OpenMP threads (built with -ffp-contract=off:
+ * every fp32 operation rounds as torch's do; torch's lerp is a fused multiply-add, so fmaf here too).
+ *
+ * Why passes. A matrix's update g * r_i * c_j needs the row and column statistics of the whole gradient, and the RMS
+ * clip needs the sum of the squares of the whole update before any weight is written: P1 reads g (row sums, partial
+ * column sums), P2 finishes the statistics (column sums, the row mean), P3 reads g again (the update's squares), P4
+ * reads g a third time and writes the weights. A vector needs two: P1 (its statistics and its update's squares) and
+ * P4. Tensors are stepped in groups of about GROUP_BYTES of gradient, all passes of a group before the next, so the
+ * second and third reads of g hit the cache and memory sees one read of g and one read and write of the weights.
+ *
+ * Results do not depend on the number of threads: work is cut in units fixed by the shapes, each unit writes its own
+ * partial sums, and partial sums are added in unit order. Sums differ from torch's in order only: the row and column
+ * sums of squares (fp32, as torch) and the update's sum of squares (double here and in the eager path).
+ *
+ * meta (per tensor, NMETA int64): dtype (0 fp32, 1 bf16), batch, rows, cols (0: a vector of `rows` elements), mode
+ * (compensation.C_MODES: 0 kahan, 1 stochastic, 2 nearest; fp32 weights ignore it), stochastic rounding key.
+ * coef (per tensor, NCOEF double, rounded to fp32 here where torch's ops round a Python number): 1/k, k/cols, k/rows
+ * (k = max(rows, cols)), eps, 1 - beta2_t, 1 - lr * weight_decay, lr, 1 - beta1, clip_threshold.
+ * exp_avg[t] NULL: no first moment; comp[t] NULL unless a bf16 weight under kahan. Returns 0, or -1 (no memory for
+ * the scratch: nothing was changed).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+enum { DTYPE, BATCH, ROWS, COLS, MODE, KEY, NMETA };
+enum { INV_K, K_COLS, K_ROWS, EPS, W, DECAY, LR, OMB1, CLIP, NCOEF };
+
+#define UNIT (1 << 16)         /* elements per unit of work: a few units per thread keeps the split even */
+#define MAX_SLOTS 64           /* row slices of a matrix, each with its partial column sums (64 x cols floats) */
+#define COL_CHUNK 2048         /* columns per unit of the column pass */
+#define GROUP_BYTES (6 << 20)  /* gradient bytes stepped pass by pass together: the re-reads stay in cache */
+#define LANES 32               /* independent fp32 accumulators of a row sum (vectorized without reassociation) */
+#define LANES_D 16             /* double accumulators of a sum of squares */
+#define SQRT_F32_MAX 18446742974197923840.0f /* 2**64 (1 - 2**-24): the largest float whose square is finite */
+
+typedef struct {
+    int64_t batch, n, m;      /* a batch of n x m matrices, or (m == 0) a vector of n elements */
+    int64_t per_unit, slots;  /* rows (elements for a vector) per unit; units per matrix */
+    int64_t units, col_units; /* units of P1 / P3 / P4, and of P2 */
+    int64_t unit0, col_unit0; /* first unit of each kind within the group */
+    int64_t colpart, rinv, cinv, part; /* offsets in the group's scratch (floats; doubles for part) */
+} plan_t;
+
+/* torch.lerp: a fused multiply-add from the nearer end */
+static inline float lerpf(float start, float end, float w) {
+    return fabsf(w) < 0.5f ? fmaf(w, end - start, start) : fmaf(w - 1.0f, end - start, end);
+}
+
+static inline __attribute__((always_inline)) float load(const void *x, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* torch.clamp(x, -SQRT_F32_MAX, SQRT_F32_MAX): a NaN stays NaN */
+static inline float clamp_sq(float x) { return x < -SQRT_F32_MAX ? -SQRT_F32_MAX : (x > SQRT_F32_MAX ? SQRT_F32_MAX : x); }
+
+static inline float fsum_lanes(float *acc) {
+    for (int h = LANES / 2; h; h /= 2)
+        for (int l = 0; l < h; l++)
+            acc[l] += acc[l + h];
+    return acc[0];
+}
+
+static inline double dsum_lanes(double *acc) {
+    for (int h = LANES_D / 2; h; h /= 2)
+        for (int l = 0; l < h; l++)
+            acc[l] += acc[l + h];
+    return acc[0];
+}
+
+/* ---------------------------------------------------------------------------------------------- matrices */
+
+/* P1 on rows [i0, i1) of one matrix: each row's sum of (g / k) * g, made its statistic; column sums into cp. */
+static inline __attribute__((always_inline)) void p1_matrix(const void *g, float *restrict row, float *restrict cp,
+                                                             int64_t m, int64_t i0, int64_t i1, const double *coef,
+                                                             const int bf16) {
+    const float inv_k = (float)coef[INV_K], k_m = (float)coef[K_COLS], eps = (float)coef[EPS], w = (float)coef[W];
+    for (int64_t j = 0; j < m; j++)
+        cp[j] = 0.0f;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t base = i * m;
+        float acc[LANES] = {0};
+        int64_t j = 0;
+        for (; j + LANES <= m; j += LANES)
+            for (int l = 0; l < LANES; l++) {
+                float x = load(g, base + j + l, bf16);
+                float s = (x * inv_k) * x;
+                acc[l] += s;
+                cp[j + l] += s;
+            }
+        for (int l = 0; j + l < m; l++) {
+            float x = load(g, base + j + l, bf16);
+            float s = (x * inv_k) * x;
+            acc[l] += s;
+            cp[j + l] += s;
+        }
+        row[i] = lerpf(row[i], clamp_max(fsum_lanes(acc) * k_m + eps, F32_MAX), w);
+    }
+}
+
+/* P2, columns [j0, j1) of one matrix: the slots' partial sums added in order, made the column statistic. */
+static void p2_cols(const float *cp, int64_t slots, int64_t m, int64_t j0, int64_t j1, float *restrict col,
+                    float *restrict cinv, const double *coef) {
+    const float k_n = (float)coef[K_ROWS], eps = (float)coef[EPS], w = (float)coef[W];
+    float tot[COL_CHUNK];
+    const int64_t len = j1 - j0;
+    memcpy(tot, cp + j0, len * sizeof(float));
+    for (int64_t s = 1; s < slots; s++)
+        for (int64_t j = 0; j < len; j++)
+            tot[j] += cp[s * m + j0 + j];
+    for (int64_t j = 0; j < len; j++) {
+        float c = lerpf(col[j0 + j], clamp_max(tot[j] * k_n + eps, F32_MAX), w);
+        col[j0 + j] = c;
+        cinv[j0 + j] = 1.0f / sqrtf(c);
+    }
+}
+
+/* P2, the row factors of one matrix: rsqrt(row / mean(row)), the mean summed in double (as the eager path). */
+static void p2_rows(const float *row, int64_t n, float *restrict rinv) {
+    const float nf = (float)n;
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        s += (double)(row[i] / nf);
+    const float mean = clamp_max((float)s, F32_MAX);
+    for (int64_t i = 0; i < n; i++)
+        rinv[i] = 1.0f / sqrtf(row[i] / mean);
+}
+
+/* P3 on rows [i0, i1): the sum of the squares of the update (g * r_i) * c_j, in double (no overflow). */
+static inline __attribute__((always_inline)) double p3_matrix(const void *g, const float *rinv, const float *cinv,
+                                                               int64_t m, int64_t i0, int64_t i1, const int bf16) {
+    double acc[LANES_D] = {0};
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t base = i * m;
+        const float r = rinv[i];
+        int64_t j = 0;
+        for (; j + LANES_D <= m; j += LANES_D)
+            for (int l = 0; l < LANES_D; l++) {
+                double u = (double)((load(g, base + j + l, bf16) * r) * cinv[j + l]);
+                acc[l] += u * u;
+            }
+        for (int l = 0; j + l < m; l++) {
+            double u = (double)((load(g, base + j + l, bf16) * r) * cinv[j + l]);
+            acc[l] += u * u;
+        }
+    }
+    return dsum_lanes(acc);
+}
+
+/* ---------------------------------------------------------------------------------------------- the write */
+
+typedef struct {
+    float decay, step, scale, omb1;
+    uint32_t key;
+} write_t;
+
+/* One weight: the clipped update (through the first moment if any) applied, then written under the mode. */
+static inline __attribute__((always_inline)) void write_one(void *p, float *restrict m1, uint16_t *restrict comp,
+                                                             int64_t e, int64_t idx, float u, const write_t c,
+                                                             const int bf16, const int mode, const int beta1) {
+    if (beta1) {
+        u = lerpf(m1[e], u * c.scale, c.omb1);
+        m1[e] = u;
+    }
+    if (!bf16) {
+        float *pf = p;
+        pf[e] = pf[e] * c.decay + u * c.step;
+        return;
+    }
+    uint16_t *pb = p;
+    const float p32 = bf16_to_f32(pb[e]);
+    const float fresh = p32 * c.decay + u * c.step;
+    pb[e] = write_bf16(p32, fresh - p32, mode == 0 ? &comp[e] : NULL, mode == 1 ? hash32(c.key, (uint32_t)idx) : 0,
+                       mode);
+}
+
+/* P4 on rows [i0, i1) of matrix `b` (p, g, m1, comp at its first element). */
+static inline __attribute__((always_inline)) void p4_matrix(void *p, const void *g, float *m1, uint16_t *comp,
+                                                             const float *rinv, const float *cinv, int64_t m,
+                                                             int64_t i0, int64_t i1, int64_t idx0, const write_t c,
+                                                             const int bf16, const int mode, const int beta1) {
+    for (int64_t i = i0; i < i1; i++) {
+        const float r = rinv[i];
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t e = i * m + j;
+            write_one(p, m1, comp, e, idx0 + e, (load(g, e, bf16) * r) * cinv[j], c, bf16, mode, beta1);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- vectors */
+
+/* P1 on elements [a, b): v = lerp(v, g*g + eps, w) with g clamped to SQRT_F32_MAX; the update's squares summed. */
+static inline __attribute__((always_inline)) double p1_vector(const void *g, float *restrict v, int64_t a, int64_t b,
+                                                               const double *coef, const int bf16) {
+    const float eps = (float)coef[EPS], w = (float)coef[W];
+    double acc[LANES_D] = {0};
+    int64_t e = a;
+    for (; e + LANES_D <= b; e += LANES_D)
+        for (int l = 0; l < LANES_D; l++) {
+            float x = clamp_sq(load(g, e + l, bf16));
+            float vn = lerpf(v[e + l], x * x + eps, w);
+            v[e + l] = vn;
+            double u = (double)(x * (1.0f / sqrtf(vn)));
+            acc[l] += u * u;
+        }
+    for (int l = 0; e + l < b; l++) {
+        float x = clamp_sq(load(g, e + l, bf16));
+        float vn = lerpf(v[e + l], x * x + eps, w);
+        v[e + l] = vn;
+        double u = (double)(x * (1.0f / sqrtf(vn)));
+        acc[l] += u * u;
+    }
+    return dsum_lanes(acc);
+}
+
+static inline __attribute__((always_inline)) void p4_vector(void *p, const void *g, float *m1, uint16_t *comp,
+                                                             const float *v, int64_t a, int64_t b, const write_t c,
+                                                             const int bf16, const int mode, const int beta1) {
+    for (int64_t e = a; e < b; e++)
+        write_one(p, m1, comp, e, e, clamp_sq(load(g, e, bf16)) * (1.0f / sqrtf(v[e])), c, bf16, mode, beta1);
+}
+
+/* ---------------------------------------------------------------------------------------------- dispatch */
+
+#define P4_CASES(CALL)                                                                                             \
+    switch ((bf16 ? 1 + mode : 0) * 2 + beta1) {                                                                   \
+    case 0: CALL(0, 2, 0); break;                                                                                  \
+    case 1: CALL(0, 2, 1); break;                                                                                  \
+    case 2: CALL(1, 0, 0); break;                                                                                  \
+    case 3: CALL(1, 0, 1); break;                                                                                  \
+    case 4: CALL(1, 1, 0); break;                                                                                  \
+    case 5: CALL(1, 1, 1); break;                                                                                  \
+    case 6: CALL(1, 2, 0); break;                                                                                  \
+    default: CALL(1, 2, 1); break;                                                                                 \
+    }
+
+typedef struct {
+    void *const *p;
+    const void *const *g;
+    float *const *stat; /* row statistics (a matrix) or exp_avg_sq (a vector) */
+    float *const *col;
+    float *const *exp_avg;
+    uint16_t *const *comp;
+    const int64_t *meta;
+    const double *coef;
+    plan_t *plan;
+    write_t *wr;
+    float *fs;  /* the group's float scratch */
+    double *ds; /* the group's double scratch */
+} step_t;
+
+static void run_p1(const step_t *s, int64_t t, int64_t u) {
+    const plan_t *pl = &s->plan[t];
+    const int bf16 = s->meta[t * NMETA + DTYPE] == 1;
+    const double *coef = s->coef + t * NCOEF;
+    if (pl->m == 0) {
+        const int64_t a = u * pl->per_unit, b = a + pl->per_unit < pl->n ? a + pl->per_unit : pl->n;
+        s->ds[pl->part + u] = bf16 ? p1_vector(s->g[t], s->stat[t], a, b, coef, 1)
+                                   : p1_vector(s->g[t], s->stat[t], a, b, coef, 0);
+        return;
+    }
+    const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
+    const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
+    const int64_t nm = pl->n * pl->m;
+    float *cp = s->fs + pl->colpart + u * pl->m;
+    if (bf16)
+        p1_matrix((const uint16_t *)s->g[t] + b * nm, s->stat[t] + b * pl->n, cp, pl->m, i0, i1, coef, 1);
+    else
+        p1_matrix((const float *)s->g[t] + b * nm, s->stat[t] + b * pl->n, cp, pl->m, i0, i1, coef, 0);
+}
+
+static void run_p2(const step_t *s, int64_t t, int64_t u) {
+    const plan_t *pl = &s->plan[t];
+    const int64_t chunks = (pl->m + COL_CHUNK - 1) / COL_CHUNK;
+    const int64_t b = u / (chunks + 1), c = u % (chunks + 1);
+    if (c == chunks) {
+        p2_rows(s->stat[t] + b * pl->n, pl->n, s->fs + pl->rinv + b * pl->n);
+        return;
+    }
+    const int64_t j0 = c * COL_CHUNK, j1 = j0 + COL_CHUNK < pl->m ? j0 + COL_CHUNK : pl->m;
+    p2_cols(s->fs + pl->colpart + b * pl->slots * pl->m, pl->slots, pl->m, j0, j1, s->col[t] + b * pl->m,
+            s->fs + pl->cinv + b * pl->m, s->coef + t * NCOEF);
+}
+
+static void run_p3(const step_t *s, int64_t t, int64_t u) {
+    const plan_t *pl = &s->plan[t];
+    if (pl->m == 0)
+        return; /* a vector's squares were summed in P1 */
+    const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
+    const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
+    const int64_t nm = pl->n * pl->m;
+    const float *rinv = s->fs + pl->rinv + b * pl->n, *cinv = s->fs + pl->cinv + b * pl->m;
+    s->ds[pl->part + u] = s->meta[t * NMETA + DTYPE] == 1
+                              ? p3_matrix((const uint16_t *)s->g[t] + b * nm, rinv, cinv, pl->m, i0, i1, 1)
+                              : p3_matrix((const float *)s->g[t] + b * nm, rinv, cinv, pl->m, i0, i1, 0);
+}
+
+/* The clip of tensor t from its units' sums of squares, added in order: scale = 1 / max(rms / clip, 1). */
+static void finish_scale(const step_t *s, int64_t t) {
+    const plan_t *pl = &s->plan[t];
+    const double *coef = s->coef + t * NCOEF;
+    double sumsq = 0.0;
+    for (int64_t u = 0; u < pl->units; u++)
+        sumsq += s->ds[pl->part + u];
+    const int64_t numel = pl->m ? pl->batch * pl->n * pl->m : pl->n;
+    const double ratio = sqrt(sumsq / (double)(numel > 1 ? numel : 1)) / coef[CLIP];
+    const double scale = 1.0 / (1.0 > ratio ? 1.0 : ratio); /* Python's max(ratio, 1.0): a NaN ratio stays NaN */
+    write_t *w = &s->wr[t];
+    w->decay = (float)coef[DECAY];
+    w->omb1 = (float)coef[OMB1];
+    w->scale = (float)scale;
+    w->step = s->exp_avg[t] ? (float)(-coef[LR]) : (float)(-coef[LR] * scale);
+    w->key = (uint32_t)s->meta[t * NMETA + KEY];
+}
+
+static void run_p4(const step_t *s, int64_t t, int64_t u) {
+    const plan_t *pl = &s->plan[t];
+    const int64_t *meta = s->meta + t * NMETA;
+    const int bf16 = meta[DTYPE] == 1, beta1 = s->exp_avg[t] != NULL;
+    const int mode = bf16 ? (int)meta[MODE] : 2;
+    const write_t c = s->wr[t];
+    const size_t esize = bf16 ? 2 : 4;
+    if (pl->m == 0) {
+        const int64_t a = u * pl->per_unit, b = a + pl->per_unit < pl->n ? a + pl->per_unit : pl->n;
+#define P4V(BF, MODE, B1) p4_vector(s->p[t], s->g[t], s->exp_avg[t], s->comp[t], s->stat[t], a, b, c, BF, MODE, B1)
+        P4_CASES(P4V)
+        return;
+    }
+    const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
+    const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
+    const int64_t off = b * pl->n * pl->m;
+    void *p = (char *)s->p[t] + off * esize;
+    const void *g = (const char *)s->g[t] + off * esize;
+    float *m1 = beta1 ? s->exp_avg[t] + off : NULL;
+    uint16_t *comp = s->comp[t] ? s->comp[t] + off : NULL;
+    const float *rinv = s->fs + pl->rinv + b * pl->n, *cinv = s->fs + pl->cinv + b * pl->m;
+#define P4M(BF, MODE, B1) p4_matrix(p, g, m1, comp, rinv, cinv, pl->m, i0, i1, off, c, BF, MODE, B1)
+    P4_CASES(P4M)
+}
+
+/* The tensor among [t0, t1) whose units (starting at start[t]) hold unit u. */
+static int64_t owner(const plan_t *plan, int64_t t0, int64_t t1, int64_t u, int cols) {
+    while (t1 - t0 > 1) {
+        int64_t mid = (t0 + t1) / 2;
+        if ((cols ? plan[mid].col_unit0 : plan[mid].unit0) <= u)
+            t0 = mid;
+        else
+            t1 = mid;
+    }
+    return t0;
+}
+
+/* Cut each tensor into units and the tensors into groups; returns the number of groups (bounds in `first`), and the
+ * largest scratch of a group in *floats and *doubles. */
+static int64_t make_plan(int64_t count, const int64_t *meta, plan_t *plan, int64_t *first, int64_t *floats,
+                         int64_t *doubles) {
+    int64_t groups = 0, bytes = 0, units = 0, col_units = 0, fs = 0, ds = 0;
+    *floats = *doubles = 0;
+    for (int64_t t = 0; t < count; t++) {
+        const int64_t *mt = meta + t * NMETA;
+        plan_t *pl = &plan[t];
+        pl->batch = mt[BATCH], pl->n = mt[ROWS], pl->m = mt[COLS];
+        const int64_t numel = pl->m ? pl->batch * pl->n * pl->m : pl->n;
+        const int64_t tb = numel * (mt[DTYPE] == 1 ? 2 : 4);
+        if (t == 0 || bytes + tb > GROUP_BYTES) { /* a new group */
+            first[groups++] = t;
+            bytes = units = col_units = fs = ds = 0;
+        }
+        bytes += tb;
+        if (pl->m == 0) {
+            pl->per_unit = UNIT;
+            pl->slots = (pl->n + UNIT - 1) / UNIT;
+            pl->units = pl->slots;
+            pl->col_units = 0;
+        } else {
+            int64_t slots = (pl->n * pl->m + UNIT - 1) / UNIT;
+            slots = slots < 1 ? 1 : (slots > MAX_SLOTS ? MAX_SLOTS : slots);
+            pl->per_unit = (pl->n + slots - 1) / slots;
+            pl->slots = (pl->n + pl->per_unit - 1) / pl->per_unit;
+            pl->units = pl->batch * pl->slots;
+            pl->col_units = pl->batch * ((pl->m + COL_CHUNK - 1) / COL_CHUNK + 1);
+        }
+        pl->unit0 = units, pl->col_unit0 = col_units;
+        units += pl->units, col_units += pl->col_units;
+        pl->part = ds;
+        ds += pl->units;
+        if (pl->m) {
+            pl->colpart = fs;
+            pl->rinv = fs + pl->units * pl->m;
+            pl->cinv = pl->rinv + pl->batch * pl->n;
+            fs = pl->cinv + pl->batch * pl->m;
+        }
+        *floats = fs > *floats ? fs : *floats;
+        *doubles = ds > *doubles ? ds : *doubles;
+    }
+    first[groups] = count;
+    return groups;
+}
+
+int64_t adafactor_step(int64_t count, void *const *p, const void *const *g, float *const *stat, float *const *col,
+                       float *const *exp_avg, uint16_t *const *comp, const int64_t *meta, const double *coef,
+                       int threads) {
+    if (count <= 0)
+        return 0;
+    int64_t floats, doubles;
+    plan_t *plan = malloc(count * sizeof(plan_t));
+    write_t *wr = malloc(count * sizeof(write_t));
+    int64_t *first = malloc((count + 1) * sizeof(int64_t));
+    if (!plan || !wr || !first) {
+        free(plan), free(wr), free(first);
+        return -1;
+    }
+    const int64_t groups = make_plan(count, meta, plan, first, &floats, &doubles);
+    float *fs = malloc((floats > 0 ? floats : 1) * sizeof(float));
+    double *ds = malloc((doubles > 0 ? doubles : 1) * sizeof(double));
+    if (!fs || !ds) {
+        free(plan), free(wr), free(first), free(fs), free(ds);
+        return -1;
+    }
+    const step_t s = {p, g, stat, col, exp_avg, comp, meta, coef, plan, wr, fs, ds};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const int64_t t0 = first[gi], t1 = first[gi + 1];
+        const int64_t units = plan[t1 - 1].unit0 + plan[t1 - 1].units;
+        const int64_t col_units = plan[t1 - 1].col_unit0 + plan[t1 - 1].col_units;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t t = owner(plan, t0, t1, u, 0);
+            run_p1(&s, t, u - plan[t].unit0);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < col_units; u++) {
+            int64_t t = owner(plan, t0, t1, u, 1);
+            run_p2(&s, t, u - plan[t].col_unit0);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t t = owner(plan, t0, t1, u, 0);
+            run_p3(&s, t, u - plan[t].unit0);
+        }
+#pragma omp single
+        for (int64_t t = t0; t < t1; t++)
+            finish_scale(&s, t);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t t = owner(plan, t0, t1, u, 0);
+            run_p4(&s, t, u - plan[t].unit0);
+        }
+    }
+    free(plan), free(wr), free(first), free(fs), free(ds);
+    return 0;
+}
