@@ -30,12 +30,24 @@
 enum { DTYPE, BATCH, ROWS, COLS, MODE, KEY, NMETA };
 enum { INV_K, K_COLS, K_ROWS, EPS, W, DECAY, LR, OMB1, CLIP, NCOEF };
 
+#ifndef UNIT
 #define UNIT (1 << 16)         /* elements per unit of work: a few units per thread keeps the split even */
+#endif
+#ifndef MAX_SLOTS
 #define MAX_SLOTS 64           /* row slices of a matrix, each with its partial column sums (64 x cols floats) */
+#endif
+#ifndef COL_CHUNK
 #define COL_CHUNK 2048         /* columns per unit of the column pass */
+#endif
+#ifndef GROUP_BYTES
 #define GROUP_BYTES (6 << 20)  /* gradient bytes stepped pass by pass together: the re-reads stay in cache */
+#endif
+#ifndef LANES
 #define LANES 32               /* independent fp32 accumulators of a row sum (vectorized without reassociation) */
-#define LANES_D 16             /* double accumulators of a sum of squares */
+#endif
+#ifndef LANES_D
+#define LANES_D 32             /* double accumulators of a sum of squares (32: full vectors of bf16 too) */
+#endif
 #define SQRT_F32_MAX 18446742974197923840.0f /* 2**64 (1 - 2**-24): the largest float whose square is finite */
 
 typedef struct {
@@ -58,17 +70,20 @@ static inline __attribute__((always_inline)) float load(const void *x, int64_t i
 /* torch.clamp(x, -SQRT_F32_MAX, SQRT_F32_MAX): a NaN stays NaN */
 static inline float clamp_sq(float x) { return x < -SQRT_F32_MAX ? -SQRT_F32_MAX : (x > SQRT_F32_MAX ? SQRT_F32_MAX : x); }
 
+/* The lanes added pairwise, halves at a time (constant trip counts: vector adds, not a scalar loop per row). */
+#define HALVE(acc, h)                                                                                              \
+    for (int l = 0; l < (h); l++)                                                                                  \
+        acc[l] += acc[l + (h)];
+
 static inline float fsum_lanes(float *acc) {
-    for (int h = LANES / 2; h; h /= 2)
-        for (int l = 0; l < h; l++)
-            acc[l] += acc[l + h];
+    _Static_assert(LANES == 32, "fsum_lanes adds 32 lanes");
+    HALVE(acc, 16) HALVE(acc, 8) HALVE(acc, 4) HALVE(acc, 2) HALVE(acc, 1)
     return acc[0];
 }
 
 static inline double dsum_lanes(double *acc) {
-    for (int h = LANES_D / 2; h; h /= 2)
-        for (int l = 0; l < h; l++)
-            acc[l] += acc[l + h];
+    _Static_assert(LANES_D == 32, "dsum_lanes adds 32 lanes");
+    HALVE(acc, 16) HALVE(acc, 8) HALVE(acc, 4) HALVE(acc, 2) HALVE(acc, 1)
     return acc[0];
 }
 
@@ -141,11 +156,11 @@ static inline __attribute__((always_inline)) double p3_matrix(const void *g, con
         for (; j + LANES_D <= m; j += LANES_D)
             for (int l = 0; l < LANES_D; l++) {
                 double u = (double)((load(g, base + j + l, bf16) * r) * cinv[j + l]);
-                acc[l] += u * u;
+                acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
             }
         for (int l = 0; j + l < m; l++) {
             double u = (double)((load(g, base + j + l, bf16) * r) * cinv[j + l]);
-            acc[l] += u * u;
+            acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
         }
     }
     return dsum_lanes(acc);
@@ -206,14 +221,14 @@ static inline __attribute__((always_inline)) double p1_vector(const void *g, flo
             float vn = lerpf(v[e + l], x * x + eps, w);
             v[e + l] = vn;
             double u = (double)(x * (1.0f / sqrtf(vn)));
-            acc[l] += u * u;
+            acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
         }
     for (int l = 0; e + l < b; l++) {
         float x = clamp_sq(load(g, e + l, bf16));
         float vn = lerpf(v[e + l], x * x + eps, w);
         v[e + l] = vn;
         double u = (double)(x * (1.0f / sqrtf(vn)));
-        acc[l] += u * u;
+        acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
     }
     return dsum_lanes(acc);
 }
