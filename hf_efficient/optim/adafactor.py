@@ -22,8 +22,8 @@ agree to a few fp32 ulps and weights to an ulp; the update's sum of squares is t
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
+from array import array
 
 import torch
 from torch import Tensor
@@ -123,12 +123,12 @@ class Adafactor(torch.optim.Optimizer):
         steps = [state["step"] for _, _, state, _ in todo]
         fn = _native_fn() if any(p.device.type == "cpu" for p, _, _, _ in todo) else None
         native, eager = [], []
-        for (p, group, state, position), step in zip(todo, (s + 1 for s in torch.stack(steps).tolist())):
+        for (p, group, state, position), step in zip(todo, (s.item() + 1 for s in steps)):
             if not p.numel():
                 continue
             mode = group["compensation"]
             key = weight_key(position, int(step)) if mode == "stochastic" and p.dtype in LOW_PRECISION else 0
-            item = (p.detach(), p.grad, state, _coefficients(p, group, step), mode, key, group["beta1"] is not None)
+            item = (p, p.grad, state, _coefficients(p, group, step), mode, key, group["beta1"] is not None)
             (native if fn is not None and _native_fits(*item) else eager).append(item)
         if native:  # first: the one call that could fail (no memory for its scratch) before anything changed
             _native_items(_op, native)
@@ -244,16 +244,21 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # adafactor_cpu.c's dtype numbe
 
 
 def _native_fits(p: Tensor, grad: Tensor, state: dict, coef, mode: str, key: int, beta1: bool) -> bool:
-    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype, contiguous fp32 statistics."""
-    if not (p.device.type == "cpu" and p.dtype in _DTYPES and grad.dtype == p.dtype and _native.plain(p, grad)
-            and p.is_contiguous() and grad.is_contiguous()):
+    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype; contiguous fp32 statistics and bf16 buffer
+    (as this class makes them; a user's own state tensors may differ, and then take the eager step)."""
+    if not (p.device.type == "cpu" and p.dtype in _DTYPES and grad.dtype == p.dtype and p.is_contiguous()
+            and grad.is_contiguous() and _native.plain(p, grad)):
         return False
-    used = [k for k in _STATS[:3] if k in state] + (["exp_avg"] if beta1 else [])
-    if not all(state[k].dtype == torch.float32 and state[k].is_contiguous() for k in used):
-        return False
-    comp = state.get("kahan_comp")
-    return not (mode == "kahan" and p.dtype == torch.bfloat16) or (comp.dtype == torch.bfloat16
-                                                                   and comp.is_contiguous())
+    for key in _STATS[:3] + (("exp_avg",) if beta1 else ()):
+        t = state.get(key)
+        if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()):
+            return False
+    comp = state.get("kahan_comp") if mode == "kahan" and p.dtype == torch.bfloat16 else None
+    return comp is None or (comp.dtype == torch.bfloat16 and comp.is_contiguous())
+
+
+# per tensor, as adafactor_cpu.c reads them: dtype, batch, rows, cols (0: a vector), mode, key, has exp_avg
+_META = 7
 
 
 def _native_items(op, items, threads: int = -1) -> None:
@@ -265,44 +270,40 @@ def _native_items(op, items, threads: int = -1) -> None:
         if p.dim() >= 2:
             stats.append(state["exp_avg_sq_row"])
             cols.append(state["exp_avg_sq_col"])
-            shape = [math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]]
+            meta += (_DTYPES[p.dtype], math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1], C_MODES[mode], key, beta1)
         else:
             stats.append(state["exp_avg_sq"])
-            shape = [1, p.numel(), 0]
+            meta += (_DTYPES[p.dtype], 1, p.numel(), 0, C_MODES[mode], key, beta1)
         if beta1:
             exp_avgs.append(state["exp_avg"])
-        kahan = mode == "kahan" and p.dtype == torch.bfloat16
-        if kahan:
+        if mode == "kahan" and p.dtype == torch.bfloat16:
             comps.append(state["kahan_comp"])
-        meta += [_DTYPES[p.dtype], *shape, C_MODES[mode], key, int(beta1), int(kahan)]
         coef += c
     op(params, grads, stats, cols, exp_avgs, comps, meta, coef, threads)
 
 
-_META = 8  # per tensor: dtype, batch, rows, cols, mode, key, has exp_avg, has kahan_comp (the C file's first 6)
-
-
 def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
          exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int) -> None:
-    """The C kernel over the tensors, the optional lists (cols, exp_avgs, comps) spread back to one slot per tensor."""
-    n = len(params)
-    rows = [meta[i * _META:(i + 1) * _META] for i in range(n)]
-    col_p, avg_p, comp_p = (_spread(ts, [r[j] for r in rows]) for ts, j in ((cols, 3), (exp_avgs, 6), (comps, 7)))
+    """The C kernel over the tensors; the optional lists (cols, exp_avgs, comps) given one slot per tensor. Arrays
+    from the ``array`` module: ctypes' own arrays cost 0.1 ms a step to fill from Python numbers."""
+    at = range(0, len(meta), _META)
+    arrays = [_pointers(ts) for ts in (params, grads, stats)] + [
+        _pointers(cols, [meta[i + 3] > 0 for i in at]), _pointers(exp_avgs, [meta[i + 6] for i in at]),
+        _pointers(comps, [meta[i] == 1 and meta[i + 4] == C_MODES["kahan"] for i in at]),
+        array("q", meta), array("d", coef)]
     if threads < 0:
-        elements = sum(p.numel() for p in params)
-        threads = max(1, min(torch.get_num_threads(), elements // _native._MIN_PER_THREAD))
-    c = _dispatch.c_array
-    flat_meta = [x for r in rows for x in r[:6]]
-    status = fn(n, c(ctypes.c_void_p, params), c(ctypes.c_void_p, grads), c(ctypes.c_void_p, stats), col_p, avg_p,
-                comp_p, c(ctypes.c_int64, flat_meta), c(ctypes.c_double, coef), threads)
-    if status != 0:
-        raise MemoryError("Adafactor: the C kernel could not allocate its scratch memory; nothing was updated")
+        threads = max(1, min(torch.get_num_threads(), sum(p.numel() for p in params) // _native._MIN_PER_THREAD))
+    if fn(len(params), *(a.buffer_info()[0] for a in arrays), threads) != 0:
+        raise MemoryError("Adafactor: the C kernel could not allocate its scratch memory (a few MB); nothing was "
+                          "updated")
 
 
-def _spread(tensors: list[Tensor], has: list) -> ctypes.Array:
-    """Data pointers, one slot per tensor of the step: the next of ``tensors`` where ``has``, else NULL."""
+def _pointers(tensors: list[Tensor], has: list | None = None) -> array:
+    """Data pointers, one slot per tensor of the step: the next of ``tensors`` where ``has`` (default: all), else 0."""
+    if has is None:
+        return array("Q", [t.data_ptr() for t in tensors])
     it = iter(tensors)
-    return (ctypes.c_void_p * len(has))(*(next(it).data_ptr() if h else None for h in has))
+    return array("Q", [next(it).data_ptr() if h else 0 for h in has])
 
 
 def _step_op(params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],

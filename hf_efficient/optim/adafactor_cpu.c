@@ -14,10 +14,11 @@
  * sums of squares (fp32, as torch) and the update's sum of squares (double here and in the eager path).
  *
  * meta (per tensor, NMETA int64): dtype (0 fp32, 1 bf16), batch, rows, cols (0: a vector of `rows` elements), mode
- * (compensation.C_MODES: 0 kahan, 1 stochastic, 2 nearest; fp32 weights ignore it), stochastic rounding key.
+ * (compensation.C_MODES: 0 kahan, 1 stochastic, 2 nearest; fp32 weights ignore it), stochastic rounding key,
+ * whether it keeps a first moment (exp_avg[t]).
  * coef (per tensor, NCOEF double, rounded to fp32 here where torch's ops round a Python number): 1/k, k/cols, k/rows
  * (k = max(rows, cols)), eps, 1 - beta2_t, 1 - lr * weight_decay, lr, 1 - beta1, clip_threshold.
- * exp_avg[t] NULL: no first moment; comp[t] NULL unless a bf16 weight under kahan. Returns 0, or -1 (no memory for
+ * comp[t]: the Kahan buffer of a bf16 weight under kahan (else unused). Returns 0, or -1 (no memory for
  * the scratch: nothing was changed).
  */
 #include <math.h>
@@ -27,7 +28,7 @@
 
 #include "native.h"
 
-enum { DTYPE, BATCH, ROWS, COLS, MODE, KEY, NMETA };
+enum { DTYPE, BATCH, ROWS, COLS, MODE, KEY, FIRST, NMETA };
 enum { INV_K, K_COLS, K_ROWS, EPS, W, DECAY, LR, OMB1, CLIP, NCOEF };
 
 #ifndef UNIT
@@ -329,14 +330,14 @@ static void finish_scale(const step_t *s, int64_t t) {
     w->decay = (float)coef[DECAY];
     w->omb1 = (float)coef[OMB1];
     w->scale = (float)scale;
-    w->step = s->exp_avg[t] ? (float)(-coef[LR]) : (float)(-coef[LR] * scale);
+    w->step = s->meta[t * NMETA + FIRST] ? (float)(-coef[LR]) : (float)(-coef[LR] * scale);
     w->key = (uint32_t)s->meta[t * NMETA + KEY];
 }
 
 static void run_p4(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
     const int64_t *meta = s->meta + t * NMETA;
-    const int bf16 = meta[DTYPE] == 1, beta1 = s->exp_avg[t] != NULL;
+    const int bf16 = meta[DTYPE] == 1, beta1 = meta[FIRST] != 0;
     const int mode = bf16 ? (int)meta[MODE] : 2;
     const write_t c = s->wr[t];
     const size_t esize = bf16 ? 2 : 4;
