@@ -259,6 +259,8 @@ def _native_fits(p: Tensor, grad: Tensor, state: dict, coef, mode: str, key: int
 
 # per tensor, as adafactor_cpu.c reads them: dtype, batch, rows, cols (0: a vector), mode, key, has exp_avg
 _META = 7
+# gradient bytes whose passes run together: their second and third reads come from the cache (L2 + a share of L3)
+_GROUP_BYTES = 6 << 20
 
 
 def _native_items(op, items, threads: int = -1) -> None:
@@ -283,7 +285,8 @@ def _native_items(op, items, threads: int = -1) -> None:
 
 
 def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
-         exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int) -> None:
+         exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int,
+         group_bytes: int | None = None) -> None:
     """The C kernel over the tensors; the optional lists (cols, exp_avgs, comps) given one slot per tensor. Arrays
     from the ``array`` module: ctypes' own arrays cost 0.1 ms a step to fill from Python numbers."""
     at = range(0, len(meta), _META)
@@ -293,7 +296,8 @@ def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], col
         array("q", meta), array("d", coef)]
     if threads < 0:
         threads = max(1, min(torch.get_num_threads(), sum(p.numel() for p in params) // _native._MIN_PER_THREAD))
-    if fn(len(params), *(a.buffer_info()[0] for a in arrays), threads) != 0:
+    group_bytes = _GROUP_BYTES if group_bytes is None else group_bytes
+    if fn(len(params), *(a.buffer_info()[0] for a in arrays), group_bytes, threads) != 0:
         raise MemoryError("Adafactor: the C kernel could not allocate its scratch memory (a few MB); nothing was "
                           "updated")
 
@@ -317,8 +321,8 @@ _op = _dispatch.custom_op("adafactor_step", _step_op, ("params", "stats", "cols"
 
 def _native_fn():
     """The C function of ``adafactor_cpu.c``, once its probe passed; else None (see :func:`._dispatch.native`)."""
-    return _dispatch.native(_SOURCE, _SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int], _probe,
-                            ctypes.c_int64)
+    return _dispatch.native(_SOURCE, _SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int],
+                            _probe, ctypes.c_int64)
 
 
 # (shape, dtype, compensation, beta1) of the probe: matrices of several row slices that 3 threads share unevenly,
@@ -330,7 +334,8 @@ _PROBE = [((1031, 287), torch.float32, "none", None), ((97, 2053), torch.bfloat1
 
 
 def _probe_run(fn, threads: int = 3, steps: int = 3):
-    """The probe's tensors after ``steps`` steps through ``fn`` (None: the eager step): weights, states, lr."""
+    """The probe's tensors after ``steps`` steps through ``fn`` (None: the eager step): weights, states, lr. Groups
+    of 64 KB of gradient: every tensor its own group, through every stage of the C kernel's pipeline."""
     gen = torch.Generator().manual_seed(0)
     lr = 1e-2
     params = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype, _, _ in _PROBE]
@@ -350,7 +355,7 @@ def _probe_run(fn, threads: int = 3, steps: int = 3):
             for item in items:
                 _eager_step(*item)
         else:
-            _native_items(lambda *args: _run(fn, *args), items, threads)
+            _native_items(lambda *args: _run(fn, *args, group_bytes=1 << 16), items, threads)  # a group per tensor
     return params, states, lr
 
 

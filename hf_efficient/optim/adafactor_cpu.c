@@ -6,8 +6,9 @@
  * clip needs the sum of the squares of the whole update before any weight is written: P1 reads g (row sums, partial
  * column sums), P2 finishes the statistics (column sums, the row mean), P3 reads g again (the update's squares), P4
  * reads g a third time and writes the weights. A vector needs two: P1 (its statistics and its update's squares) and
- * P4. Tensors are stepped in groups of about GROUP_BYTES of gradient, all passes of a group before the next, so the
- * second and third reads of g hit the cache and memory sees one read of g and one read and write of the weights.
+ * P4. Tensors are stepped in groups of about `group_bytes` of gradient (a few MB), the passes of a few groups at a
+ * time (the pipeline in adafactor_step), so the second and third reads of g hit the cache and memory sees one read
+ * of g and one read and write of the weights (and of exp_avg, kahan_comp).
  *
  * Results do not depend on the number of threads: work is cut in units fixed by the shapes, each unit writes its own
  * partial sums, and partial sums are added in unit order. Sums differ from torch's in order only: the row and column
@@ -40,9 +41,7 @@ enum { INV_K, K_COLS, K_ROWS, EPS, W, DECAY, LR, OMB1, CLIP, NCOEF };
 #ifndef COL_CHUNK
 #define COL_CHUNK 2048         /* columns per unit of the column pass */
 #endif
-#ifndef GROUP_BYTES
-#define GROUP_BYTES (6 << 20)  /* gradient bytes stepped pass by pass together: the re-reads stay in cache */
-#endif
+#define RING 4 /* groups in flight at once (the pipeline in adafactor_step) */
 #ifndef LANES
 #define LANES 32               /* independent fp32 accumulators of a row sum (vectorized without reassociation) */
 #endif
@@ -57,6 +56,7 @@ typedef struct {
     int64_t units, col_units; /* units of P1 / P3 / P4, and of P2 */
     int64_t unit0, col_unit0; /* first unit of each kind within the group */
     int64_t colpart, rinv, cinv, part; /* offsets in the group's scratch (floats; doubles for part) */
+    int64_t group;
 } plan_t;
 
 /* torch.lerp: a fused multiply-add from the nearer end */
@@ -265,10 +265,19 @@ typedef struct {
     const int64_t *meta;
     const double *coef;
     plan_t *plan;
-    write_t *wr;
-    float *fs;  /* the group's float scratch */
-    double *ds; /* the group's double scratch */
+    float *fs;  /* RING group scratches of fs_size floats */
+    double *ds; /* and of ds_size doubles */
+    int64_t fs_size, ds_size;
 } step_t;
+
+/* The scratch of tensor t's group: groups in flight together use different ones. */
+static inline float *fscratch(const step_t *s, int64_t t) {
+    return s->fs + (s->plan[t].group % RING) * s->fs_size;
+}
+
+static inline double *dscratch(const step_t *s, int64_t t) {
+    return s->ds + (s->plan[t].group % RING) * s->ds_size;
+}
 
 static void run_p1(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
@@ -276,14 +285,14 @@ static void run_p1(const step_t *s, int64_t t, int64_t u) {
     const double *coef = s->coef + t * NCOEF;
     if (pl->m == 0) {
         const int64_t a = u * pl->per_unit, b = a + pl->per_unit < pl->n ? a + pl->per_unit : pl->n;
-        s->ds[pl->part + u] = bf16 ? p1_vector(s->g[t], s->stat[t], a, b, coef, 1)
+        dscratch(s, t)[pl->part + u] = bf16 ? p1_vector(s->g[t], s->stat[t], a, b, coef, 1)
                                    : p1_vector(s->g[t], s->stat[t], a, b, coef, 0);
         return;
     }
     const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
     const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
     const int64_t nm = pl->n * pl->m;
-    float *cp = s->fs + pl->colpart + u * pl->m;
+    float *cp = fscratch(s, t) + pl->colpart + u * pl->m;
     if (bf16)
         p1_matrix((const uint16_t *)s->g[t] + b * nm, s->stat[t] + b * pl->n, cp, pl->m, i0, i1, coef, 1);
     else
@@ -295,12 +304,13 @@ static void run_p2(const step_t *s, int64_t t, int64_t u) {
     const int64_t chunks = (pl->m + COL_CHUNK - 1) / COL_CHUNK;
     const int64_t b = u / (chunks + 1), c = u % (chunks + 1);
     if (c == chunks) {
-        p2_rows(s->stat[t] + b * pl->n, pl->n, s->fs + pl->rinv + b * pl->n);
+        p2_rows(s->stat[t] + b * pl->n, pl->n, fscratch(s, t) + pl->rinv + b * pl->n);
         return;
     }
     const int64_t j0 = c * COL_CHUNK, j1 = j0 + COL_CHUNK < pl->m ? j0 + COL_CHUNK : pl->m;
-    p2_cols(s->fs + pl->colpart + b * pl->slots * pl->m, pl->slots, pl->m, j0, j1, s->col[t] + b * pl->m,
-            s->fs + pl->cinv + b * pl->m, s->coef + t * NCOEF);
+    float *fs = fscratch(s, t);
+    p2_cols(fs + pl->colpart + b * pl->slots * pl->m, pl->slots, pl->m, j0, j1, s->col[t] + b * pl->m,
+            fs + pl->cinv + b * pl->m, s->coef + t * NCOEF);
 }
 
 static void run_p3(const step_t *s, int64_t t, int64_t u) {
@@ -310,28 +320,31 @@ static void run_p3(const step_t *s, int64_t t, int64_t u) {
     const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
     const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
     const int64_t nm = pl->n * pl->m;
-    const float *rinv = s->fs + pl->rinv + b * pl->n, *cinv = s->fs + pl->cinv + b * pl->m;
-    s->ds[pl->part + u] = s->meta[t * NMETA + DTYPE] == 1
+    const float *rinv = fscratch(s, t) + pl->rinv + b * pl->n, *cinv = fscratch(s, t) + pl->cinv + b * pl->m;
+    dscratch(s, t)[pl->part + u] = s->meta[t * NMETA + DTYPE] == 1
                               ? p3_matrix((const uint16_t *)s->g[t] + b * nm, rinv, cinv, pl->m, i0, i1, 1)
                               : p3_matrix((const float *)s->g[t] + b * nm, rinv, cinv, pl->m, i0, i1, 0);
 }
 
-/* The clip of tensor t from its units' sums of squares, added in order: scale = 1 / max(rms / clip, 1). */
-static void finish_scale(const step_t *s, int64_t t) {
+/* The clip of tensor t from its units' sums of squares, added in order: scale = 1 / max(rms / clip, 1). Each unit
+ * of P4 computes it (a few dozen additions), which saves a pass and its wait for every thread. */
+static write_t finish_scale(const step_t *s, int64_t t) {
     const plan_t *pl = &s->plan[t];
     const double *coef = s->coef + t * NCOEF;
+    const double *part = dscratch(s, t) + pl->part;
     double sumsq = 0.0;
     for (int64_t u = 0; u < pl->units; u++)
-        sumsq += s->ds[pl->part + u];
+        sumsq += part[u];
     const int64_t numel = pl->m ? pl->batch * pl->n * pl->m : pl->n;
     const double ratio = sqrt(sumsq / (double)(numel > 1 ? numel : 1)) / coef[CLIP];
     const double scale = 1.0 / (1.0 > ratio ? 1.0 : ratio); /* Python's max(ratio, 1.0): a NaN ratio stays NaN */
-    write_t *w = &s->wr[t];
-    w->decay = (float)coef[DECAY];
-    w->omb1 = (float)coef[OMB1];
-    w->scale = (float)scale;
-    w->step = s->meta[t * NMETA + FIRST] ? (float)(-coef[LR]) : (float)(-coef[LR] * scale);
-    w->key = (uint32_t)s->meta[t * NMETA + KEY];
+    write_t w;
+    w.decay = (float)coef[DECAY];
+    w.omb1 = (float)coef[OMB1];
+    w.scale = (float)scale;
+    w.step = s->meta[t * NMETA + FIRST] ? (float)(-coef[LR]) : (float)(-coef[LR] * scale);
+    w.key = (uint32_t)s->meta[t * NMETA + KEY];
+    return w;
 }
 
 static void run_p4(const step_t *s, int64_t t, int64_t u) {
@@ -339,7 +352,7 @@ static void run_p4(const step_t *s, int64_t t, int64_t u) {
     const int64_t *meta = s->meta + t * NMETA;
     const int bf16 = meta[DTYPE] == 1, beta1 = meta[FIRST] != 0;
     const int mode = bf16 ? (int)meta[MODE] : 2;
-    const write_t c = s->wr[t];
+    const write_t c = finish_scale(s, t);
     const size_t esize = bf16 ? 2 : 4;
     if (pl->m == 0) {
         const int64_t a = u * pl->per_unit, b = a + pl->per_unit < pl->n ? a + pl->per_unit : pl->n;
@@ -354,7 +367,7 @@ static void run_p4(const step_t *s, int64_t t, int64_t u) {
     const void *g = (const char *)s->g[t] + off * esize;
     float *m1 = beta1 ? s->exp_avg[t] + off : NULL;
     uint16_t *comp = s->comp[t] ? s->comp[t] + off : NULL;
-    const float *rinv = s->fs + pl->rinv + b * pl->n, *cinv = s->fs + pl->cinv + b * pl->m;
+    const float *rinv = fscratch(s, t) + pl->rinv + b * pl->n, *cinv = fscratch(s, t) + pl->cinv + b * pl->m;
 #define P4M(BF, MODE, B1) p4_matrix(p, g, m1, comp, rinv, cinv, pl->m, i0, i1, off, c, BF, MODE, B1)
     P4_CASES(P4M)
 }
@@ -373,8 +386,8 @@ static int64_t owner(const plan_t *plan, int64_t t0, int64_t t1, int64_t u, int 
 
 /* Cut each tensor into units and the tensors into groups; returns the number of groups (bounds in `first`), and the
  * largest scratch of a group in *floats and *doubles. */
-static int64_t make_plan(int64_t count, const int64_t *meta, plan_t *plan, int64_t *first, int64_t *floats,
-                         int64_t *doubles) {
+static int64_t make_plan(int64_t count, const int64_t *meta, int64_t group_bytes, plan_t *plan, int64_t *first,
+                         int64_t *floats, int64_t *doubles) {
     int64_t groups = 0, bytes = 0, units = 0, col_units = 0, fs = 0, ds = 0;
     *floats = *doubles = 0;
     for (int64_t t = 0; t < count; t++) {
@@ -383,11 +396,12 @@ static int64_t make_plan(int64_t count, const int64_t *meta, plan_t *plan, int64
         pl->batch = mt[BATCH], pl->n = mt[ROWS], pl->m = mt[COLS];
         const int64_t numel = pl->m ? pl->batch * pl->n * pl->m : pl->n;
         const int64_t tb = numel * (mt[DTYPE] == 1 ? 2 : 4);
-        if (t == 0 || bytes + tb > GROUP_BYTES) { /* a new group */
+        if (t == 0 || bytes + tb > group_bytes) { /* a new group */
             first[groups++] = t;
             bytes = units = col_units = fs = ds = 0;
         }
         bytes += tb;
+        pl->group = groups - 1;
         if (pl->m == 0) {
             pl->per_unit = UNIT;
             pl->slots = (pl->n + UNIT - 1) / UNIT;
@@ -418,56 +432,64 @@ static int64_t make_plan(int64_t count, const int64_t *meta, plan_t *plan, int64
     return groups;
 }
 
+/* Unit v of pass `pass` (1 to 4) of group gi. */
+static void run_unit(const step_t *s, const int64_t *first, int pass, int64_t gi, int64_t v) {
+    const int64_t t = owner(s->plan, first[gi], first[gi + 1], v, pass == 2);
+    const plan_t *pl = &s->plan[t];
+    if (pass == 1)
+        run_p1(s, t, v - pl->unit0);
+    else if (pass == 2)
+        run_p2(s, t, v - pl->col_unit0);
+    else if (pass == 3)
+        run_p3(s, t, v - pl->unit0);
+    else
+        run_p4(s, t, v - pl->unit0);
+}
+
+/* Units of a pass of group gi (none outside [0, groups)). */
+static int64_t pass_units(const plan_t *plan, const int64_t *first, int64_t groups, int64_t gi, int pass) {
+    if (gi < 0 || gi >= groups)
+        return 0;
+    const plan_t *last = &plan[first[gi + 1] - 1];
+    return pass == 2 ? last->col_unit0 + last->col_units : last->unit0 + last->units;
+}
+
 int64_t adafactor_step(int64_t count, void *const *p, const void *const *g, float *const *stat, float *const *col,
                        float *const *exp_avg, uint16_t *const *comp, const int64_t *meta, const double *coef,
-                       int threads) {
+                       int64_t group_bytes, int threads) {
     if (count <= 0)
         return 0;
     int64_t floats, doubles;
     plan_t *plan = malloc(count * sizeof(plan_t));
-    write_t *wr = malloc(count * sizeof(write_t));
     int64_t *first = malloc((count + 1) * sizeof(int64_t));
-    if (!plan || !wr || !first) {
-        free(plan), free(wr), free(first);
+    if (!plan || !first) {
+        free(plan), free(first);
         return -1;
     }
-    const int64_t groups = make_plan(count, meta, plan, first, &floats, &doubles);
-    float *fs = malloc((floats > 0 ? floats : 1) * sizeof(float));
-    double *ds = malloc((doubles > 0 ? doubles : 1) * sizeof(double));
+    const int64_t groups = make_plan(count, meta, group_bytes, plan, first, &floats, &doubles);
+    float *fs = malloc(RING * (floats > 0 ? floats : 1) * sizeof(float));
+    double *ds = malloc(RING * (doubles > 0 ? doubles : 1) * sizeof(double));
     if (!fs || !ds) {
-        free(plan), free(wr), free(first), free(fs), free(ds);
+        free(plan), free(first), free(fs), free(ds);
         return -1;
     }
-    const step_t s = {p, g, stat, col, exp_avg, comp, meta, coef, plan, wr, fs, ds};
+    const step_t s = {p, g, stat, col, exp_avg, comp, meta, coef, plan, fs, ds, floats, doubles};
+    /* A pipeline: stage k runs P4 of group k-3, P3 of k-2, P2 of k-1 and P1 of k, and its end is the only wait:
+     * groups + 3 waits for the step, where a wait after every pass of every group made 4 per group (a thread the
+     * OS takes away for a while holds the others at each). */
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t gi = 0; gi < groups; gi++) {
-        const int64_t t0 = first[gi], t1 = first[gi + 1];
-        const int64_t units = plan[t1 - 1].unit0 + plan[t1 - 1].units;
-        const int64_t col_units = plan[t1 - 1].col_unit0 + plan[t1 - 1].col_units;
+    for (int64_t k = 0; k < groups + 3; k++) {
+        const int64_t n[4] = {pass_units(plan, first, groups, k - 3, 4), pass_units(plan, first, groups, k - 2, 3),
+                              pass_units(plan, first, groups, k - 1, 2), pass_units(plan, first, groups, k, 1)};
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; u++) {
-            int64_t t = owner(plan, t0, t1, u, 0);
-            run_p1(&s, t, u - plan[t].unit0);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < col_units; u++) {
-            int64_t t = owner(plan, t0, t1, u, 1);
-            run_p2(&s, t, u - plan[t].col_unit0);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; u++) {
-            int64_t t = owner(plan, t0, t1, u, 0);
-            run_p3(&s, t, u - plan[t].unit0);
-        }
-#pragma omp single
-        for (int64_t t = t0; t < t1; t++)
-            finish_scale(&s, t);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; u++) {
-            int64_t t = owner(plan, t0, t1, u, 0);
-            run_p4(&s, t, u - plan[t].unit0);
+        for (int64_t u = 0; u < n[0] + n[1] + n[2] + n[3]; u++) {
+            int64_t v = u;
+            int i = 0;
+            while (v >= n[i])
+                v -= n[i++];
+            run_unit(&s, first, 4 - i, k - 3 + i, v);
         }
     }
-    free(plan), free(wr), free(first), free(fs), free(ds);
+    free(plan), free(first), free(fs), free(ds);
     return 0;
 }
