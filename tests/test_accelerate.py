@@ -200,7 +200,7 @@ def test_backend_and_decay_embeddings_inside_optim_args(monkeypatch):
     ("HF_EFF_WARMUP_RATIO", "1.5", r"HF_EFF_WARMUP_RATIO: warmup_ratio must be in \[0, 1\)"),
     ("HF_EFF_OPTIM_ARGS", "embedding_state", "HF_EFF_OPTIM_ARGS: optim_args: 'embedding_state' is not of the form"),
     ("HF_EFF_OPTIM_ARGS", "embeding_state=8bit", "HF_EFF_OPTIM_ARGS \\(optim_args\\): unknown option 'embeding_state' "
-                                                 "for 'adamw'.* Accepted: backend, decay_embeddings"),
+                                                 "for 'adamw'.* Accepted: backend, compensation, decay_embeddings"),
     ("HF_EFF_CONFIG", "/nonexistent.yaml", "HF_EFF_CONFIG: config file '/nonexistent.yaml' does not exist"),
     ("HF_EFF_CONFIG", "/", "HF_EFF_CONFIG: config file '/' is a directory: give the path of a YAML file"),
     ("HF_EFF_LR", "inf", "HF_EFF_LR: Invalid learning rate lr=inf: it must be a finite number"),

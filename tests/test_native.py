@@ -68,7 +68,7 @@ def check_every_element_done() -> None:
     for threads in (None, 2, 3, 4):
         p = torch.zeros(N)
         m8.AdamW8bit.native_step(f8, [(p, torch.ones(N), m8.AdamW8bit.zero_state(N, CPU), m8.AdamW8bit.coefficients(
-            dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), 1))], threads=threads)
+            dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), 1), 0)], threads=threads)
         assert (p != 0).all(), f"8-bit kernel, {threads} threads: {(p == 0).sum().item()} of {N} weights not updated"
         p = torch.ones(N, dtype=torch.bfloat16)
         state = [torch.zeros(N, dtype=torch.bfloat16) for _ in range(3)]

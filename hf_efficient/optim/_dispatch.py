@@ -15,6 +15,7 @@ step again would apply it twice.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import threading
 from typing import Callable
@@ -45,7 +46,10 @@ def compile_errors() -> tuple:
     from torch._dynamo.exc import TorchDynamoException  # BackendCompilerFailed, InductorError, Unsupported
     from torch._inductor.exc import CppCompileError
 
-    return TorchDynamoException, CppCompileError
+    # a fullgraph function recompiled more than dynamo's recompile_limit times (each weight/gradient dtype pair and
+    # torch thread count is a graph): raised before the new graph ran, and no TorchDynamoException
+    limit = getattr(importlib.import_module("torch._dynamo.exc"), "FailOnRecompileLimitHit", TorchDynamoException)
+    return TorchDynamoException, CppCompileError, limit
 
 
 def cached(key, make: Callable[[], object | None]):
