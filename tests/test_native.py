@@ -36,8 +36,7 @@ N = (1 << 20) + 1
 
 def _bound_8bit():
     lib = _native.load("adamw8bit_cpu.c")
-    return None if lib is None else _native.bind(lib, "adamw8bit_step", [ctypes.c_int64] + [ctypes.c_void_p] * 10
-                                                 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+    return None if lib is None else _native.bind(lib, "adamw8bit_step", m8.AdamW8bit.argtypes())
 
 
 def _bound_bf16():

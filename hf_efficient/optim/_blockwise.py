@@ -116,10 +116,15 @@ class Blockwise8bit(Optimizer):
     @classmethod
     def native_fn(cls):
         """The C function, once its probe passed; else None."""
+        return _dispatch.native(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step", cls.argtypes(), cls._probe)
+
+    @classmethod
+    def argtypes(cls) -> list:
+        """The C function's: count, weights, gradients, each moment's codes then absmaxes, numel, bf16 flags, Kahan
+        buffers, noise keys, compensation mode, maps, coefficients, start, end, threads."""
         k = len(cls.MOMENTS)
-        return _dispatch.native(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step",
-                                [ctypes.c_int64] + [ctypes.c_void_p] * (2 + 2 * k + 4) + [ctypes.c_int]
-                                + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], cls._probe)
+        return ([ctypes.c_int64] + [ctypes.c_void_p] * (2 + 2 * k + 4) + [ctypes.c_int] + [ctypes.c_void_p] * 2
+                + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
 
     @staticmethod
     def native_fits(p: Tensor, g: Tensor) -> bool:
