@@ -1,15 +1,32 @@
-"""Adafactor against transformers' Adafactor (its step-size mode), and its behaviour under misuse and overflow.
+"""Adafactor against transformers' Adafactor (its step-size mode), its C kernel against its eager step, the
+compensated writes of bf16 weights, resume, and its behaviour under misuse and overflow.
 
 Reference: ``transformers.optimization.Adafactor(scale_parameter=False, relative_step=False)`` holds the same
 math; run in float64 (weights rounded to the tested dtype after every step) it is the exact answer.
+
+C kernel against the eager step (the reference of every other path). Tolerances, and why:
+
+* vectors: bit for bit (weights, ``exp_avg_sq``, ``exp_avg``, ``kahan_comp``): the same fp32 operations in the same
+  order (torch's lerp is a fused multiply-add, so is the kernel's); the update's sum of squares is taken in double
+  by both, so the clip factor rounds to the same fp32 number.
+* matrices: the row and column sums of squares add in another order (torch's cascade against the kernel's lanes
+  and row slices), a few fp32 ulps apart (seen: 4e-7 relative). So statistics within 2**-16 relative; the update
+  then differs by as much, so ``exp_avg`` within 2**-16 of its largest element, weights within 2 fp32 ulps (one
+  bf16 ulp: the difference can move a rounding) plus 2**-10 of a step, and a Kahan weight plus its buffer (the
+  value it stands for) within 2**-15 relative plus 2**-10 of a step. A lost row, column or update is far outside.
+* the kernel's own results do not depend on the number of threads: bit for bit on 1 and 3.
 """
 
 from __future__ import annotations
+
+import io
+import logging
 
 import pytest
 import torch
 from torch import nn
 
+from hf_efficient.optim import adafactor as af
 from hf_efficient.optim.adafactor import Adafactor
 
 LR = 1e-2
@@ -180,3 +197,326 @@ def test_a_gradient_in_another_layout_gives_the_same_step():
     opt_a.step()
     opt_b.step()
     assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------ C kernel == eager
+
+ODD = [(517, 263), (97, 2053), (3, 37, 41), (131109,), (613,), (7, 5), (1,)]  # row slices, column units, batch, units
+
+
+def _native_or_skip():
+    if af._native_fn() is None:
+        pytest.skip("no C compiler: the C kernel is not built here")
+
+
+@pytest.fixture
+def threads():
+    """3 threads (more than this machine's 2 cores: the kernel must split its units over any team)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(n)
+
+
+def _train(dtype, native: bool, monkeypatch, steps=3, shapes=ODD, seed=0, **kw):
+    """``steps`` steps of Adafactor on ``shapes`` in ``dtype`` (the first step's gradients hold squares beyond fp32
+    at both ends), through the C kernel or the eager step only."""
+    with monkeypatch.context() as m:
+        if not native:
+            m.setattr(af, "_native_fn", lambda: None)
+        gen = torch.Generator().manual_seed(seed)
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+        opt = Adafactor(params, lr=LR, weight_decay=0.1, **kw)
+        for t in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                if t == 0:
+                    p.grad.view(-1)[0], p.grad.view(-1)[-1] = 3e38, -2e19
+            opt.step()
+    return params, opt
+
+
+def _assert_close(pn, pe, sn: dict, se: dict, where: str):
+    """The module docstring's tolerances: C kernel (``pn``, ``sn``) against eager (``pe``, ``se``)."""
+    assert set(sn) == set(se), where
+    if pn.dim() < 2:
+        assert torch.equal(pn, pe), where
+        for k in se:
+            assert torch.equal(sn[k], se[k]), (where, k)
+        return
+    for k in ("exp_avg_sq_row", "exp_avg_sq_col"):
+        torch.testing.assert_close(sn[k], se[k], rtol=2.0**-16, atol=0.0, msg=f"{where} {k}")
+    if "exp_avg" in se:
+        torch.testing.assert_close(sn["exp_avg"], se["exp_avg"], rtol=0.0, atol=2.0**-16 * se["exp_avg"].abs().max().item(),
+                                   msg=f"{where} exp_avg")
+    ulp = 2.0**-22 if pn.dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(pn.float(), pe.float(), rtol=ulp, atol=LR * 2.0**-10, msg=f"{where} weights")
+    if "kahan_comp" in se:
+        torch.testing.assert_close(pn.float() + sn["kahan_comp"].float(), pe.float() + se["kahan_comp"].float(),
+                                   rtol=2.0**-15, atol=LR * 2.0**-10, msg=f"{where} weight + kahan_comp")
+
+
+@pytest.mark.parametrize("dtype, compensation", [(torch.float32, "kahan"), (torch.bfloat16, "kahan"),
+                                                 (torch.bfloat16, "stochastic"), (torch.bfloat16, "none")])
+@pytest.mark.parametrize("beta1", [None, 0.9])
+@pytest.mark.parametrize("group_bytes", [6 << 20, 1 << 16], ids=["one-group", "group-per-tensor"])
+def test_native_kernel_equals_eager(dtype, compensation, beta1, group_bytes, threads, monkeypatch):
+    """Module docstring: tolerances. Every tensor in one group, or each in its own (every stage of the pipeline)."""
+    _native_or_skip()
+    monkeypatch.setattr(af, "_GROUP_BYTES", group_bytes)
+    native, opt_n = _train(dtype, True, monkeypatch, compensation=compensation, beta1=beta1)
+    eager, opt_e = _train(dtype, False, monkeypatch, compensation=compensation, beta1=beta1)
+    for shape, pn, pe in zip(ODD, native, eager):
+        _assert_close(pn, pe, opt_n.state[pn], opt_e.state[pe], f"{shape} {dtype} {compensation} beta1={beta1}")
+        assert pn.isfinite().all() and all(t.isfinite().all() for t in opt_n.state[pn].values())
+    assert any(not torch.equal(a, b) for a, b in zip(native, _train(dtype, True, monkeypatch, steps=0)[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_results_do_not_depend_on_threads(dtype, monkeypatch):
+    _native_or_skip()
+    runs = []
+    for n in (1, 3):
+        torch.set_num_threads(n)
+        runs.append(_train(dtype, True, monkeypatch, compensation="stochastic", beta1=0.9))
+    torch.set_num_threads(2)
+    (p1, o1), (p3, o3) = runs
+    for a, b in zip(p1, p3):
+        assert torch.equal(a, b)
+        assert all(torch.equal(o1.state[a][k], o3.state[b][k]) for k in o1.state[a])
+
+
+def test_native_kernel_keeps_nonfinite_values_where_eager_does(monkeypatch):
+    """With nonfinite="ignore" inf and NaN gradients reach the step: NaN and inf land where the eager step puts them
+    (an inf makes the clip factor 0 and its own update NaN; a NaN poisons its matrix), the rest as the docstring."""
+    _native_or_skip()
+    shapes = [(40, 30), (40, 30), (300,), (300,)]
+
+    def run(native):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(af, "_native_fn", lambda: None)
+            params = [nn.Parameter(torch.linspace(-1, 1, 1200)[:torch.Size(s).numel()].reshape(s).bfloat16())
+                      for s in shapes]
+            opt = Adafactor(params, lr=LR, beta1=0.9)
+            for i, p in enumerate(params):
+                p.grad = torch.full(p.shape, 1e-3).bfloat16()
+                p.grad.view(-1)[7] = float("inf") if i % 2 else float("nan")
+            opt.step()
+        return params, opt
+
+    (pn, on), (pe, oe) = run(True), run(False)
+    for a, b in zip(pn, pe):
+        for sa, sb in [(a, b)] + [(on.state[a][k], oe.state[b][k]) for k in oe.state[b] if k != "step"]:
+            assert torch.equal(sa.isnan(), sb.isnan()) and torch.equal(sa.isinf(), sb.isinf())
+            finite = sb.isfinite()
+            torch.testing.assert_close(sa[finite].float(), sb[finite].float(), rtol=2.0**-7, atol=1e-6)
+
+
+def test_probe_refuses_a_kernel_that_misses_a_unit():
+    """The probe compares every tensor it steps: a kernel whose last unit of work is not done is not used."""
+    _native_or_skip()
+    fn = af._native_fn()
+    assert af._probe(fn)
+
+    def lazy(count, params, *rest):  # the real kernel, then one tensor's last weight put back as it was
+        import ctypes
+
+        first = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0]
+        before = ctypes.c_float.from_address(first + 4 * (1031 * 287 - 1)).value
+        out = fn(count, params, *rest)
+        ctypes.c_float.from_address(first + 4 * (1031 * 287 - 1)).value = before
+        return out
+
+    assert af._PROBE[0][:2] == ((1031, 287), torch.float32)
+    assert not af._probe(lazy)
+
+
+def test_native_kernel_is_a_torch_op():
+    """One call of hf_efficient::adafactor_step per step, whatever the number of tensors."""
+    _native_or_skip()
+    params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = Adafactor(params, lr=LR)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert [e.count for e in prof.key_averages() if e.key == "hf_efficient::adafactor_step"] == [1]
+
+
+# ------------------------------------------------------------------------------------------ compensation
+
+SPACING = 2.0**-7  # bf16 spacing in [1, 2)
+
+
+@pytest.mark.parametrize("dtype, native", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)],
+                         ids=["bf16-C-kernel", "bf16-eager", "fp16"])
+def test_stale_weights_shown_and_fixed(dtype, native, monkeypatch):
+    """Weights in [1, 1.5) (bf16 spacing 2**-7) and steps of lr = 1e-4 (the clipped update's RMS is 1): 1/78 of a
+    spacing, 60 steps. Rounded to nearest (``none``) nothing moves; Kahan holds every weight within one spacing of
+    the same run on fp32 weights (the buffer keeps what the weight could not absorb); stochastic rounding is
+    unbiased, so the mean over 8192 weights is within 0.1 spacing of the fp32 run's mean. fp16 weights (spacing
+    2**-10) take the eager step on CPU: the same bounds hold there with room."""
+    if native:
+        _native_or_skip()
+
+    def run(dtype, compensation="kahan"):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(af, "_native_fn", lambda: None)
+            g = torch.Generator().manual_seed(0)
+            start = (1.0 + 0.5 * torch.rand(64, 128, generator=g)).bfloat16()
+            params = [nn.Parameter(start.to(dtype, copy=True)), nn.Parameter(start[0].to(dtype, copy=True))]
+            opt = Adafactor(params, lr=1e-4, compensation=compensation)
+            for _ in range(60):
+                for p in params:
+                    p.grad = (1.0 + 0.1 * torch.randn(p.shape, generator=g)).to(dtype)
+                opt.step()
+        return [p.float() for p in params], [start.float(), start[0].float()], opt  # a matrix and a vector
+
+    ref, start, _ = run(torch.float32)
+    for r, s in zip(ref, start):
+        assert 60 * 1e-4 * 0.5 < (s - r).mean().item() < 60 * 1e-4 * 1.5  # ~0.8 spacing
+    stale, _, _ = run(dtype, "none")
+    assert all(torch.equal(a, s) for a, s in zip(stale, start))
+    kahan, _, opt = run(dtype, "kahan")
+    assert all((a - r).abs().max().item() <= SPACING for a, r in zip(kahan, ref))
+    assert all(st["kahan_comp"].dtype == torch.bfloat16 for st in opt.state.values())
+    sr, _, opt = run(dtype, "stochastic")
+    assert abs((sr[0] - ref[0]).mean().item()) < 0.1 * SPACING
+    assert all("kahan_comp" not in st for st in opt.state.values())
+
+
+def test_compensation_is_a_no_op_on_fp32_weights(monkeypatch):
+    runs = [_train(torch.float32, True, monkeypatch, compensation=mode) for mode in ("kahan", "stochastic", "none")]
+    for params, opt in runs:
+        assert all("kahan_comp" not in opt.state[p] for p in params)
+        assert all(torch.equal(a, b) for a, b in zip(params, runs[0][0]))
+
+
+def test_bad_compensation_is_refused():
+    with pytest.raises(ValueError, match=r"compensation='fancy'.*'kahan', 'stochastic', 'none'"):
+        Adafactor([nn.Parameter(torch.zeros(2))], compensation="fancy")
+    _group_error({}, {"compensation": "round"}, r"compensation='round'")
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+RESUME = [(33, 70), (70,), (5, 6, 7)]  # matrix, vector, batch (bf16), and an fp32 matrix beside them
+
+
+def _resume_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ps = [nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in RESUME]
+    return ps + [nn.Parameter(torch.randn(9, 4, generator=gen))]
+
+
+def _resume_grads(params, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in params] for _ in range(steps)]
+
+
+def _steps(opt, params, grads):
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g
+        opt.step()
+
+
+def _groups(params, **kw):
+    return [{"params": params[:2], **kw}, {"params": params[2:], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C-kernel", "eager"])
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_resume_is_exact(native, compensation, monkeypatch):
+    """Save after 3 steps, ``torch.load(weights_only=True)``, load into a fresh optimizer on the saved weights, 3
+    more steps: bit for bit the uninterrupted run (weights and every state tensor, kahan_comp included; stochastic
+    rounding draws from (position, step, element), nothing saved)."""
+    if native:
+        _native_or_skip()
+    else:
+        monkeypatch.setattr(af, "_native_fn", lambda: None)
+    grads = _resume_grads(_resume_params(), 6)
+    full = _resume_params()
+    opt = Adafactor(_groups(full, weight_decay=0.1), lr=LR, beta1=0.9, compensation=compensation)
+    _steps(opt, full, grads)
+
+    half = _resume_params()
+    first = Adafactor(_groups(half, weight_decay=0.1), lr=LR, beta1=0.9, compensation=compensation)
+    _steps(first, half, grads[:3])
+    buf = io.BytesIO()
+    torch.save({"opt": first.state_dict(), "weights": [p.detach() for p in half]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = [nn.Parameter(w.clone()) for w in saved["weights"]]
+    second = Adafactor(_groups(resumed), lr=LR, compensation="none")  # the saved groups' hyperparameters win
+    second.load_state_dict(saved["opt"])
+    assert [g["compensation"] for g in second.param_groups] == [compensation] * 2
+    _steps(second, resumed, grads[3:])
+    for a, b in zip(full, resumed):
+        assert torch.equal(a, b)
+        sa, sb = opt.state[a], second.state[b]
+        assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+    assert ("kahan_comp" in opt.state[full[0]]) == (compensation == "kahan")
+    assert "kahan_comp" not in opt.state[full[-1]]  # fp32 weights have none
+
+
+def test_load_keeps_fp32_statistics_of_low_precision_weights():
+    """torch's load_state_dict casts floating state to the parameter's dtype; statistics stay fp32 here (from the
+    saved values: no round trip through bf16), the Kahan buffer bf16, also for fp16 weights."""
+    params = _resume_params() + [nn.Parameter(torch.randn(6, 5).half())]
+    opt = Adafactor(_groups(params), lr=LR, beta1=0.9)
+    _steps(opt, params, _resume_grads(params, 2))
+    sd = opt.state_dict()
+    fresh = Adafactor(_groups(params), lr=LR, beta1=0.9)
+    fresh.load_state_dict(sd)
+    for p in params:
+        for k, v in fresh.state[p].items():
+            want = torch.bfloat16 if k == "kahan_comp" else torch.float32
+            assert v.dtype == want, (p.dtype, k, v.dtype)
+            assert torch.equal(v, opt.state[p][k]) and v.is_contiguous()
+
+
+def test_load_without_kahan_comp_starts_it_at_zero():
+    """A state saved under compensation="none" (or before the option existed) resumes under kahan from a zero
+    buffer, made at the next step."""
+    params = _resume_params()
+    opt = Adafactor(_groups(params), lr=LR, compensation="none")
+    _steps(opt, params, _resume_grads(params, 2))
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g["compensation"] = "kahan"
+    fresh = Adafactor(_groups(params), lr=LR)
+    fresh.load_state_dict(sd)
+    assert all("kahan_comp" not in fresh.state[p] for p in params)
+    for g in sd["param_groups"]:
+        del g["compensation"]  # saved before the option existed: the optimizer's own
+    older = Adafactor(_groups(params), lr=LR, compensation="kahan")
+    older.load_state_dict(sd)
+    assert [g["compensation"] for g in older.param_groups] == ["kahan"] * 2
+    _steps(older, params, _resume_grads(params, 1, seed=5))
+    assert all(older.state[p]["kahan_comp"].any() for p in params[:3])
+
+
+@pytest.mark.parametrize("change", ["fp32-weights", "stochastic"])
+def test_load_drops_a_kahan_comp_no_longer_used(change, caplog):
+    """A saved kahan_comp for weights that are fp32 now (PEFT reloads an adapter in fp32) or a group that no longer
+    runs kahan is dropped, with one warning."""
+    params = _resume_params()
+    opt = Adafactor(_groups(params), lr=LR)
+    _steps(opt, params, _resume_grads(params, 2))
+    sd = opt.state_dict()
+    if change == "stochastic":
+        for g in sd["param_groups"]:
+            g["compensation"] = "stochastic"
+        targets = params
+    else:
+        targets = [nn.Parameter(p.detach().float()) for p in params]
+    fresh = Adafactor(_groups(targets), lr=LR)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient"):
+        fresh.load_state_dict(sd)
+    assert all("kahan_comp" not in fresh.state[p] for p in targets)
+    warnings = [r for r in caplog.records if "kahan_comp" in r.getMessage()]
+    assert len(warnings) == 1 and "dropped" in warnings[0].getMessage()
+    _steps(fresh, targets, _resume_grads(targets, 1))

@@ -74,8 +74,8 @@ class Adafactor(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         # torch accepts a Python number as a saved ``step`` (older checkpoints): make it the tensor step() uses
         super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("compensation", "none")  # pickled before the option existed: it rounded to nearest
+        for group in self.param_groups:  # saved before the option existed: the optimizer's own (a Kahan buffer from 0)
+            group.setdefault("compensation", self.defaults.setdefault("compensation", "kahan"))
         for per_param in self.state.values():
             if "step" in per_param and not torch.is_tensor(per_param["step"]):
                 per_param["step"] = torch.tensor(float(per_param["step"]), dtype=torch.float32)
@@ -91,8 +91,7 @@ class Adafactor(torch.optim.Optimizer):
         if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
             for gi, g in enumerate(state_dict["param_groups"]):
                 try:
-                    check_group(None, {**self.defaults, "compensation": "none", **g, "params": ()}, "Adafactor",
-                                _check_family_keys)
+                    check_group(None, {**self.defaults, **g, "params": ()}, "Adafactor", _check_family_keys)
                 except ValueError as e:
                     raise ValueError(f"Adafactor.load_state_dict: saved param group {gi}: {e}; nothing was "
                                      "loaded") from e
@@ -104,9 +103,7 @@ class Adafactor(torch.optim.Optimizer):
             for key in (*_STATS, "kahan_comp"):
                 want = torch.bfloat16 if key == "kahan_comp" else torch.float32
                 if key in state and state[key].dtype != want:  # from the saved tensor: no round trip through bf16
-                    state[key] = saved[key].to(device=p.device, dtype=want).contiguous()
-            if "step" in state and not torch.is_tensor(state["step"]):
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                    state[key] = saved[key].to(device=p.device, dtype=want, copy=True).contiguous()
         drop_unused_buffers(self, "Adafactor")
 
     @torch.no_grad()
@@ -128,7 +125,10 @@ class Adafactor(torch.optim.Optimizer):
                 continue
             mode = group["compensation"]
             key = weight_key(position, int(step)) if mode == "stochastic" and p.dtype in LOW_PRECISION else 0
-            item = (p, p.grad, state, _coefficients(p, group, step), mode, key, group["beta1"] is not None)
+            grad = p.grad
+            if fn is not None and p.dtype in _DTYPES and p.is_contiguous() and not grad.is_contiguous():
+                grad = grad.contiguous()  # a transposed gradient: one copy, and the C kernel steps it
+            item = (p, grad, state, _coefficients(p, group, step), mode, key, group["beta1"] is not None)
             (native if fn is not None and _native_fits(*item) else eager).append(item)
         if native:  # first: the one call that could fail (no memory for its scratch) before anything changed
             _native_items(_op, native)
