@@ -201,12 +201,13 @@ def _print_table(what, estimates, measured, auto, unavailable) -> None:
     if first.assumption:
         print(f"assumed: {first.assumption}")
     head = ["optimizer", "backend", "params", "dtype", "state B/param", "state MB", "saving vs fp32 AdamW",
-            "params+grads+state MB"] + (["measured MB", "diff"] if measured else [])
+            "params+grads+state MB", "total B/param"] + (["measured MB", "diff"] if measured else [])
     lines = []
     for row, est in estimates:
         cells = [row.label, est.backend + ("" if est.name.endswith(row.name) else f" (as {est.name})"),
                  f"{est.num_params:,}", est.param_dtype, f"{est.state_bytes_per_param:.3f}",
-                 f"{est.state_bytes / MB:.1f}", f"{est.saving:.1%}", f"{est.total_bytes / MB:.1f}"]
+                 f"{est.state_bytes / MB:.1f}", f"{est.saving:.1%}", f"{est.total_bytes / MB:.1f}",
+                 f"{est.total_bytes_per_param:.2f}"]
         if measured:
             m = measured[row.label]
             cells += [f"{m / MB:.1f}", f"{(m - est.state_bytes) / max(est.state_bytes, 1):+.2%}"]

@@ -168,6 +168,12 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + self.state_bytes
 
     @property
+    def total_bytes_per_param(self) -> float:
+        """Weights + gradients + optimizer state per trainable parameter (fp32 AdamW: 16; bf16 weights with 8-bit
+        state and stochastic rounding: ~6)."""
+        return self.total_bytes / max(self.num_params, 1)
+
+    @property
     def saving(self) -> float:
         """Fraction of fp32 AdamW's state bytes saved (0.75: a quarter of its memory)."""
         return 1.0 - self.state_bytes / self.fp32_adamw_state_bytes if self.fp32_adamw_state_bytes else 0.0
@@ -175,7 +181,7 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d.update(state_bytes_per_param=self.state_bytes_per_param, total_bytes=self.total_bytes, saving=self.saving,
-                 state_mb=self.state_bytes / MB)
+                 state_mb=self.state_bytes / MB, total_bytes_per_param=self.total_bytes_per_param)
         return d
 
 

@@ -311,15 +311,19 @@ _BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
                         fsdp2=_BNB_NO_DTENSOR)
 _COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release", "compensation")
+# hf-efficient estimate: each name on bf16 weights too (its default compensation: Kahan's buffer counted there)
+_BF16_ROWS = (EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)
 _8BIT = _COMMON + ("embedding_state", "min_8bit_size")
 
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
     for s in [
-        OptimizerSpec("adamw", ADAMW, 8.0, "8", "AdamW, state in the parameters' dtype (8 B/param on fp32, 4 on "
-                      "bf16/fp16); torch's fused kernel where the device has one, else foreach",
+        OptimizerSpec("adamw", ADAMW, 8.0, "8", "AdamW, fp32 moments; torch's fused kernel where the device has one, "
+                      "else foreach; bf16/fp16 weights are stepped as fp32 copies and written compensated (+2 B/param "
+                      "for Kahan's buffer)",
                       {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON,
-                      dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)),
+                      dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
+                      estimate_rows=(EstimateRow(), *_BF16_ROWS)),
         OptimizerSpec("adam8bit", ADAMW8BIT, 2.03, "~2.03",
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
@@ -329,7 +333,10 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
                       estimate_rows=(
                           EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-                          EstimateRow(" (default: 32-bit embeddings)"))),
+                          EstimateRow(" (default: 32-bit embeddings)"),
+                          *_BF16_ROWS, EstimateRow(" (bf16 params, stochastic rounding, every tensor 8-bit)", {
+                              "compensation": "stochastic", "embedding_state": "8bit", "min_8bit_size": 1},
+                              torch.bfloat16))),
         OptimizerSpec("paged_adam8bit", ADAMW8BIT, 2.03, "~2.03", "as adam8bit, state paged to host memory (CUDA)",
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
         OptimizerSpec("lion8bit", LION8BIT, 1.02, "~1.02",
@@ -340,11 +347,12 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
                       estimate_rows=(
                           EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-                          EstimateRow(" (default: 32-bit embeddings)"))),
+                          EstimateRow(" (default: 32-bit embeddings)"), *_BF16_ROWS)),
         OptimizerSpec("adafactor", ADAFACTOR, 0.0, "<< 1",
                       "factored second moment (row + column statistics); lr is the step size",
                       {"torch": _TORCH_ADAFACTOR}, {"default": ("torch",)},
-                      _COMMON + ("beta1", "decay_rate", "clip_threshold"), uses_betas=False),
+                      _COMMON + ("beta1", "decay_rate", "clip_threshold"), uses_betas=False,
+                      estimate_rows=(EstimateRow(), *_BF16_ROWS)),
         OptimizerSpec("adamw_bf16", ADAMW_BF16, 6.0, "6",
                       "AdamW on bf16 params: bf16 m, v and Kahan compensation; no fp32 master copy",
                       {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON,
