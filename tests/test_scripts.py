@@ -108,7 +108,7 @@ def test_convergence_quick(tmp_path):
            f"`{lion.reference}`" in md
 
     # a later session of the same task (Lion at an lr not run above) merges into the page; another task is refused
-    conv.main(["--quick", "--in-process", "--threads", "1", "--only", "lion8bit", "--lr-scale", "lion=1/7",
+    conv.main(["--quick", "--in-process", "--threads", "1", "--only", "hf_eff_lion8bit", "--lr-scale", "lion=1/7",
                "--out", str(tmp_path / "new")])
     conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "new" / "convergence.json")])
     merged = json.loads((tmp_path / "convergence.json").read_text())
@@ -124,7 +124,16 @@ def test_convergence_quick(tmp_path):
     with pytest.raises(SystemExit, match="steps 2 in the page, 3 in the new runs"):
         conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "other.json")])
     assert json.loads((tmp_path / "convergence.json").read_text()) == merged  # untouched
-    assert by["hf_eff_adamw_bf16"]["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
+    kahan = by["hf_eff_adamw_bf16 compensation=kahan"]
+    assert kahan["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
+    assert "## bf16 model: each name with each compensation mode" in md
+    # the lowest-memory run: gradient release leaves at most a bucket and the tied embedding's gradient alive
+    low = by[conv.LOWEST_MEMORY[0][0]]
+    assert low["live_peak"]["gradients"] < 0.6 * kahan["live_peak"]["gradients"]
+    conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "new" / "convergence.json"), "--drop",
+               "hf_eff_adamw"])
+    kept = json.loads((tmp_path / "convergence.json").read_text())["results"]
+    assert "hf_eff_adamw" not in [r["run"]["label"] for r in kept] and len(kept) == len(labels) - 1
     assert "## Targets" in md and "Load average" in md
 
 
