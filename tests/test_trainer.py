@@ -207,3 +207,32 @@ def test_adamw_bf16_trains_a_bf16_model_with_warmup_and_no_autocast(tmp_path):
     assert p.dtype == torch.bfloat16
     assert {k: v.dtype for k, v in state.items() if k != "step"} == {
         "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "kahan_comp": torch.bfloat16}
+
+
+@pytest.mark.parametrize("optim", ["hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_lion8bit", "hf_eff_adafactor"])
+def test_every_name_trains_a_bf16_model_compensated_and_resumes_exactly(tmp_path, optim):
+    """A bf16 model (no autocast): each name's default compensation holds what rounding to bf16 drops (its Kahan
+    buffer, or stochastic rounding), the loss falls, and a resume from a checkpoint equals the uninterrupted run
+    bit for bit (buffer and noise stream included)."""
+    n, data = 4, ClassificationSet()
+    spec = hfe.registry.get_spec(optim)
+    bf16 = lambda: tiny_bert().to(torch.bfloat16)  # noqa: E731
+    lr = 1e-3 if "lion" in optim else 3e-3
+    full_model = bf16()
+    trainer = Trainer(model=full_model, args=_args(tmp_path / "full", optim, steps=2 * n, learning_rate=lr),
+                      train_dataset=data)
+    trainer.train()
+    losses = _losses(trainer)
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
+    p = full_model.bert.encoder.layer[0].intermediate.dense.weight
+    assert hfe.optimizer_info(trainer.optimizer).options["compensation"] == spec.facts.compensation
+    if spec.facts.compensation == "kahan":
+        assert trainer.optimizer.state[p]["kahan_comp"].dtype == torch.bfloat16
+    first = Trainer(model=bf16(), args=_args(tmp_path / "run", optim, steps=2 * n, learning_rate=lr,
+                                             save_strategy="steps", save_steps=n), train_dataset=data)
+    first.train()
+    resumed = bf16()
+    Trainer(model=resumed, args=_args(tmp_path / "run", optim, steps=2 * n, learning_rate=lr),
+            train_dataset=data).train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{n}"))
+    for (name, a), (_, b) in zip(full_model.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), name
