@@ -189,25 +189,31 @@ def _coefficients(p: Tensor, group: dict, step: float) -> list[float]:
 def _eager_step(p: Tensor, grad: Tensor, state: dict, coef: list[float], mode: str, key: int, beta1: bool) -> None:
     """One tensor's step in torch ops, any device, dtype and layout: the reference the C kernel is held to."""
     inv_k, k_cols, k_rows, eps, w, decay, lr, omb1, clip = coef
-    # one fp32 scratch tensor: the squared gradient, then the update; ``grad`` is only read
+    # fp32 scratch: g / k, then the update; ``grad`` is only read
     buf = torch.empty(p.shape, dtype=torch.float32, device=p.device)
     if "exp_avg_sq_row" in state:
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
         # g * g / k, scaled before the square completes: no sum below overflows unless the mean it gives does,
         # and a mean beyond fp32 (|g| near fp32's max) is held at fp32's max instead of becoming inf
-        _scaled_copy(buf, grad, inv_k).mul_(grad)
-        row.lerp_(buf.sum(dim=-1).mul_(k_cols).add_(eps).clamp_(max=_FP32_MAX), w)
-        col.lerp_(buf.sum(dim=-2).mul_(k_rows).add_(eps).clamp_(max=_FP32_MAX), w)
+        g_k = _scaled_copy(buf, grad, inv_k)
+        sq = torch.mul(g_k, grad)
+        row.lerp_(sq.sum(dim=-1).mul_(k_cols).add_(eps).clamp_(max=_FP32_MAX), w)
+        col.lerp_(sq.sum(dim=-2).mul_(k_rows).add_(eps).clamp_(max=_FP32_MAX), w)
+        # the update's sum of squares, factored: u = g * r * c with r**2 = mean / row and c**2 = 1 / col, so
+        # sum(u * u) = k * mean * sum_j D_j / col_j, D_j = sum_i (g_ij / k) * (g_ij / row_i) (no square formed)
+        d = torch.mul(grad, row.reciprocal().unsqueeze(-1), out=sq).mul_(g_k).sum(dim=-2)
         # v ~ outer(row, col) / mean(row): the rank-1 estimate that minimises the I-divergence
         row_mean = row.div(p.shape[-2]).sum(dim=-1, keepdim=True, dtype=torch.float64).float().clamp_(max=_FP32_MAX)
+        over_cols = (d.double() / col.double()).sum(dim=-1)
+        sumsq = (row_mean.double().squeeze(-1) * over_cols).sum().item() * max(p.shape[-2], p.shape[-1])
         r = row.div(row_mean).rsqrt_().unsqueeze(-1)
         update = torch.mul(grad, r, out=buf).mul_(col.rsqrt().unsqueeze(-2))  # (g * r) * c stays finite
     else:  # vectors are small: clamp the gradient so that its square, and so g / sqrt(v), stay exact
         update = _scaled_copy(buf, grad, 1.0).clamp_(-_SQRT_FP32_MAX, _SQRT_FP32_MAX)
         v = state["exp_avg_sq"].lerp_(update.square().add_(eps), w)
         update.mul_(v.rsqrt())
-    # the update's RMS from its sum of squares in double: no square overflows, and the C kernel's sum agrees
-    sumsq = torch.linalg.vector_norm(update, dtype=torch.float64).item() ** 2
+        # the update's sum of squares in double: no square overflows, and the C kernel's sum agrees
+        sumsq = torch.linalg.vector_norm(update, dtype=torch.float64).item() ** 2
     scale = 1.0 / max(math.sqrt(sumsq / max(update.numel(), 1)) / clip, 1.0)
     if beta1:
         if scale != 1.0:

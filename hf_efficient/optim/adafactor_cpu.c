@@ -2,17 +2,18 @@
  * their order, over all the tensors of a step in one call on torch's OpenMP threads (built with -ffp-contract=off:
  * every fp32 operation rounds as torch's do; torch's lerp is a fused multiply-add, so fmaf here too).
  *
- * Why passes. A matrix's update g * r_i * c_j needs the row and column statistics of the whole gradient, and the RMS
- * clip needs the sum of the squares of the whole update before any weight is written: P1 reads g (row sums, partial
- * column sums), P2 finishes the statistics (column sums, the row mean), P3 reads g again (the update's squares), P4
- * reads g a third time and writes the weights. A vector needs two: P1 (its statistics and its update's squares) and
- * P4. Tensors are stepped in groups of about `group_bytes` of gradient (a few MB), the passes of a few groups at a
- * time (the pipeline in adafactor_step), so the second and third reads of g hit the cache and memory sees one read
- * of g and one read and write of the weights (and of exp_avg, kahan_comp).
+ * Why passes. A matrix's update u = g * r_i * c_j needs the row and column statistics of the whole gradient, and the
+ * RMS clip needs the sum of u * u before any weight is written. r_i^2 = mean / row_i, c_j^2 = 1 / col_j, so that sum
+ * is k * mean * sum_j D_j / col_j with D_j = sum_i (g_ij / k) * (g_ij / row_i): P1 reads g once for the row sums, the column sums and
+ * D (row_i is known once its row is summed; the row is read again from L1), P2 finishes the statistics, the row
+ * factors and the sum, P3 reads g again and writes the weights. A vector: P1 (its statistics and its update's
+ * squares, in double) and P3. Tensors are stepped in groups of about `group_bytes` of gradient, the passes of a few
+ * groups at a time (the pipeline in adafactor_step), so that P3's read of g hits the cache: memory sees one read of
+ * g and one read and write of the weights (and of exp_avg, kahan_comp).
  *
  * Results do not depend on the number of threads: work is cut in units fixed by the shapes, each unit writes its own
  * partial sums, and partial sums are added in unit order. Sums differ from torch's in order only: the row and column
- * sums of squares (fp32, as torch) and the update's sum of squares (double here and in the eager path).
+ * sums (fp32, as torch) and the sum of squares (double here and in the eager path).
  *
  * meta (per tensor, NMETA int64): dtype (0 fp32, 1 bf16), batch, rows, cols (0: a vector of `rows` elements), mode
  * (compensation.C_MODES: 0 kahan, 1 stochastic, 2 nearest; fp32 weights ignore it), stochastic rounding key,
@@ -33,30 +34,27 @@ enum { DTYPE, BATCH, ROWS, COLS, MODE, KEY, FIRST, NMETA };
 enum { INV_K, K_COLS, K_ROWS, EPS, W, DECAY, LR, OMB1, CLIP, NCOEF };
 
 #ifndef UNIT
-#define UNIT (1 << 16)         /* elements per unit of work: a few units per thread keeps the split even */
+#define UNIT (1 << 16) /* elements per unit of work: a few units per thread keeps the split even */
 #endif
 #ifndef MAX_SLOTS
-#define MAX_SLOTS 64           /* row slices of a matrix, each with its partial column sums (64 x cols floats) */
+#define MAX_SLOTS 64 /* row slices of a matrix, each with its partial column sums (2 x 64 x cols floats) */
 #endif
 #ifndef COL_CHUNK
-#define COL_CHUNK 2048         /* columns per unit of the column pass */
+#define COL_CHUNK 2048 /* columns per unit of P2 */
 #endif
-#define RING 4 /* groups in flight at once (the pipeline in adafactor_step) */
-#ifndef LANES
-#define LANES 32               /* independent fp32 accumulators of a row sum (vectorized without reassociation) */
-#endif
-#ifndef LANES_D
-#define LANES_D 32             /* double accumulators of a sum of squares (32: full vectors of bf16 too) */
-#endif
+#define RING 3   /* groups in flight at once (the pipeline in adafactor_step) */
+#define LANES 32 /* independent accumulators of a sum (vectorized without reassociating the additions) */
 #define SQRT_F32_MAX 18446742974197923840.0f /* 2**64 (1 - 2**-24): the largest float whose square is finite */
 
 typedef struct {
     int64_t batch, n, m;      /* a batch of n x m matrices, or (m == 0) a vector of n elements */
     int64_t per_unit, slots;  /* rows (elements for a vector) per unit; units per matrix */
-    int64_t units, col_units; /* units of P1 / P3 / P4, and of P2 */
+    int64_t units, col_units; /* units of P1 and P3, and of P2 */
     int64_t unit0, col_unit0; /* first unit of each kind within the group */
-    int64_t colpart, rinv, cinv, part; /* offsets in the group's scratch (floats; doubles for part) */
     int64_t group;
+    /* offsets in the group's scratch: floats (column and D partial sums, row and column factors) and doubles (sums of
+     * squares: per P2 column unit of a matrix, per P1 unit of a vector; a matrix's row means) */
+    int64_t colpart, dpart, rinv, cinv, part, mean;
 } plan_t;
 
 /* torch.lerp: a fused multiply-add from the nearer end */
@@ -77,26 +75,25 @@ static inline float clamp_sq(float x) { return x < -SQRT_F32_MAX ? -SQRT_F32_MAX
         acc[l] += acc[l + (h)];
 
 static inline float fsum_lanes(float *acc) {
-    _Static_assert(LANES == 32, "fsum_lanes adds 32 lanes");
     HALVE(acc, 16) HALVE(acc, 8) HALVE(acc, 4) HALVE(acc, 2) HALVE(acc, 1)
     return acc[0];
 }
 
 static inline double dsum_lanes(double *acc) {
-    _Static_assert(LANES_D == 32, "dsum_lanes adds 32 lanes");
     HALVE(acc, 16) HALVE(acc, 8) HALVE(acc, 4) HALVE(acc, 2) HALVE(acc, 1)
     return acc[0];
 }
 
 /* ---------------------------------------------------------------------------------------------- matrices */
 
-/* P1 on rows [i0, i1) of one matrix: each row's sum of (g / k) * g, made its statistic; column sums into cp. */
+/* P1 on rows [i0, i1) of one matrix: each row's sum of s = (g / k) * g made its statistic row_i, and into the
+ * column partial sums cp (s) and dp ((g / k) * (g / row_i): no square formed, so no overflow before the division). */
 static inline __attribute__((always_inline)) void p1_matrix(const void *g, float *restrict row, float *restrict cp,
-                                                             int64_t m, int64_t i0, int64_t i1, const double *coef,
-                                                             const int bf16) {
+                                                             float *restrict dp, int64_t m, int64_t i0, int64_t i1,
+                                                             const double *coef, const int bf16) {
     const float inv_k = (float)coef[INV_K], k_m = (float)coef[K_COLS], eps = (float)coef[EPS], w = (float)coef[W];
     for (int64_t j = 0; j < m; j++)
-        cp[j] = 0.0f;
+        cp[j] = dp[j] = 0.0f;
     for (int64_t i = i0; i < i1; i++) {
         const int64_t base = i * m;
         float acc[LANES] = {0};
@@ -114,29 +111,43 @@ static inline __attribute__((always_inline)) void p1_matrix(const void *g, float
             acc[l] += s;
             cp[j + l] += s;
         }
-        row[i] = lerpf(row[i], clamp_max(fsum_lanes(acc) * k_m + eps, F32_MAX), w);
+        const float r = lerpf(row[i], clamp_max(fsum_lanes(acc) * k_m + eps, F32_MAX), w);
+        row[i] = r;
+        const float rr = 1.0f / r;
+        for (j = 0; j < m; j++) { /* the row again, from L1 */
+            float x = load(g, base + j, bf16);
+            dp[j] += (x * inv_k) * (x * rr);
+        }
     }
 }
 
-/* P2, columns [j0, j1) of one matrix: the slots' partial sums added in order, made the column statistic. */
-static void p2_cols(const float *cp, int64_t slots, int64_t m, int64_t j0, int64_t j1, float *restrict col,
-                    float *restrict cinv, const double *coef) {
+/* P2, columns [j0, j1) of one matrix: the slots' partial sums added in order, made the column statistic and its
+ * factor; returns sum_j D_j / col_j (double) for the clip. */
+static double p2_cols(const float *cp, const float *dp, int64_t slots, int64_t m, int64_t j0, int64_t j1,
+                      float *restrict col, float *restrict cinv, const double *coef) {
     const float k_n = (float)coef[K_ROWS], eps = (float)coef[EPS], w = (float)coef[W];
-    float tot[COL_CHUNK];
+    float tot[COL_CHUNK], dtot[COL_CHUNK];
     const int64_t len = j1 - j0;
     memcpy(tot, cp + j0, len * sizeof(float));
+    memcpy(dtot, dp + j0, len * sizeof(float));
     for (int64_t s = 1; s < slots; s++)
-        for (int64_t j = 0; j < len; j++)
+        for (int64_t j = 0; j < len; j++) {
             tot[j] += cp[s * m + j0 + j];
+            dtot[j] += dp[s * m + j0 + j];
+        }
+    double acc[LANES] = {0};
     for (int64_t j = 0; j < len; j++) {
         float c = lerpf(col[j0 + j], clamp_max(tot[j] * k_n + eps, F32_MAX), w);
         col[j0 + j] = c;
         cinv[j0 + j] = 1.0f / sqrtf(c);
+        acc[j % LANES] += (double)dtot[j] / (double)c;
     }
+    return dsum_lanes(acc);
 }
 
-/* P2, the row factors of one matrix: rsqrt(row / mean(row)), the mean summed in double (as the eager path). */
-static void p2_rows(const float *row, int64_t n, float *restrict rinv) {
+/* P2, the row factors of one matrix: rsqrt(row / mean(row)), the mean summed in double (as the eager path); returns
+ * the mean. */
+static float p2_rows(const float *row, int64_t n, float *restrict rinv) {
     const float nf = (float)n;
     double s = 0.0;
     for (int64_t i = 0; i < n; i++)
@@ -144,27 +155,7 @@ static void p2_rows(const float *row, int64_t n, float *restrict rinv) {
     const float mean = clamp_max((float)s, F32_MAX);
     for (int64_t i = 0; i < n; i++)
         rinv[i] = 1.0f / sqrtf(row[i] / mean);
-}
-
-/* P3 on rows [i0, i1): the sum of the squares of the update (g * r_i) * c_j, in double (no overflow). */
-static inline __attribute__((always_inline)) double p3_matrix(const void *g, const float *rinv, const float *cinv,
-                                                               int64_t m, int64_t i0, int64_t i1, const int bf16) {
-    double acc[LANES_D] = {0};
-    for (int64_t i = i0; i < i1; i++) {
-        const int64_t base = i * m;
-        const float r = rinv[i];
-        int64_t j = 0;
-        for (; j + LANES_D <= m; j += LANES_D)
-            for (int l = 0; l < LANES_D; l++) {
-                double u = (double)((load(g, base + j + l, bf16) * r) * cinv[j + l]);
-                acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
-            }
-        for (int l = 0; j + l < m; l++) {
-            double u = (double)((load(g, base + j + l, bf16) * r) * cinv[j + l]);
-            acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
-        }
-    }
-    return dsum_lanes(acc);
+    return mean;
 }
 
 /* ---------------------------------------------------------------------------------------------- the write */
@@ -194,8 +185,8 @@ static inline __attribute__((always_inline)) void write_one(void *p, float *rest
                        mode);
 }
 
-/* P4 on rows [i0, i1) of matrix `b` (p, g, m1, comp at its first element). */
-static inline __attribute__((always_inline)) void p4_matrix(void *p, const void *g, float *m1, uint16_t *comp,
+/* P3 on rows [i0, i1) of a matrix (p, g, m1, comp at its first element; idx0: the index of that element). */
+static inline __attribute__((always_inline)) void p3_matrix(void *p, const void *g, float *m1, uint16_t *comp,
                                                              const float *rinv, const float *cinv, int64_t m,
                                                              int64_t i0, int64_t i1, int64_t idx0, const write_t c,
                                                              const int bf16, const int mode, const int beta1) {
@@ -210,31 +201,32 @@ static inline __attribute__((always_inline)) void p4_matrix(void *p, const void 
 
 /* ---------------------------------------------------------------------------------------------- vectors */
 
-/* P1 on elements [a, b): v = lerp(v, g*g + eps, w) with g clamped to SQRT_F32_MAX; the update's squares summed. */
+/* P1 on elements [a, b): v = lerp(v, g*g + eps, w) with g clamped to SQRT_F32_MAX; the update's squares summed (in
+ * double: exact squares, no overflow). */
 static inline __attribute__((always_inline)) double p1_vector(const void *g, float *restrict v, int64_t a, int64_t b,
                                                                const double *coef, const int bf16) {
     const float eps = (float)coef[EPS], w = (float)coef[W];
-    double acc[LANES_D] = {0};
+    double acc[LANES] = {0};
     int64_t e = a;
-    for (; e + LANES_D <= b; e += LANES_D)
-        for (int l = 0; l < LANES_D; l++) {
+    for (; e + LANES <= b; e += LANES)
+        for (int l = 0; l < LANES; l++) {
             float x = clamp_sq(load(g, e + l, bf16));
             float vn = lerpf(v[e + l], x * x + eps, w);
             v[e + l] = vn;
             double u = (double)(x * (1.0f / sqrtf(vn)));
-            acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
+            acc[l] = fma(u, u, acc[l]);
         }
     for (int l = 0; e + l < b; l++) {
         float x = clamp_sq(load(g, e + l, bf16));
         float vn = lerpf(v[e + l], x * x + eps, w);
         v[e + l] = vn;
         double u = (double)(x * (1.0f / sqrtf(vn)));
-        acc[l] = fma(u, u, acc[l]); /* exact squares; any rounding of the double sum will do */
+        acc[l] = fma(u, u, acc[l]);
     }
     return dsum_lanes(acc);
 }
 
-static inline __attribute__((always_inline)) void p4_vector(void *p, const void *g, float *m1, uint16_t *comp,
+static inline __attribute__((always_inline)) void p3_vector(void *p, const void *g, float *m1, uint16_t *comp,
                                                              const float *v, int64_t a, int64_t b, const write_t c,
                                                              const int bf16, const int mode, const int beta1) {
     for (int64_t e = a; e < b; e++)
@@ -243,7 +235,7 @@ static inline __attribute__((always_inline)) void p4_vector(void *p, const void 
 
 /* ---------------------------------------------------------------------------------------------- dispatch */
 
-#define P4_CASES(CALL)                                                                                             \
+#define WRITE_CASES(CALL)                                                                                          \
     switch ((bf16 ? 1 + mode : 0) * 2 + beta1) {                                                                   \
     case 0: CALL(0, 2, 0); break;                                                                                  \
     case 1: CALL(0, 2, 1); break;                                                                                  \
@@ -264,77 +256,78 @@ typedef struct {
     uint16_t *const *comp;
     const int64_t *meta;
     const double *coef;
-    plan_t *plan;
+    const plan_t *plan;
     float *fs;  /* RING group scratches of fs_size floats */
     double *ds; /* and of ds_size doubles */
     int64_t fs_size, ds_size;
 } step_t;
 
-/* The scratch of tensor t's group: groups in flight together use different ones. */
-static inline float *fscratch(const step_t *s, int64_t t) {
-    return s->fs + (s->plan[t].group % RING) * s->fs_size;
-}
+/* Tensor t's scratch: groups in flight together use different ones. */
+static inline float *fscratch(const step_t *s, int64_t t) { return s->fs + (s->plan[t].group % RING) * s->fs_size; }
 
-static inline double *dscratch(const step_t *s, int64_t t) {
-    return s->ds + (s->plan[t].group % RING) * s->ds_size;
+static inline double *dscratch(const step_t *s, int64_t t) { return s->ds + (s->plan[t].group % RING) * s->ds_size; }
+
+/* The bounds [*i0, *i1) of unit u's rows (elements of a vector) in its matrix *b. */
+static inline void unit_rows(const plan_t *pl, int64_t u, int64_t *b, int64_t *i0, int64_t *i1) {
+    *b = pl->m ? u / pl->slots : 0;
+    *i0 = (pl->m ? u % pl->slots : u) * pl->per_unit;
+    *i1 = *i0 + pl->per_unit < pl->n ? *i0 + pl->per_unit : pl->n;
 }
 
 static void run_p1(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
     const int bf16 = s->meta[t * NMETA + DTYPE] == 1;
     const double *coef = s->coef + t * NCOEF;
+    int64_t b, i0, i1;
+    unit_rows(pl, u, &b, &i0, &i1);
     if (pl->m == 0) {
-        const int64_t a = u * pl->per_unit, b = a + pl->per_unit < pl->n ? a + pl->per_unit : pl->n;
-        dscratch(s, t)[pl->part + u] = bf16 ? p1_vector(s->g[t], s->stat[t], a, b, coef, 1)
-                                   : p1_vector(s->g[t], s->stat[t], a, b, coef, 0);
+        dscratch(s, t)[pl->part + u] = bf16 ? p1_vector(s->g[t], s->stat[t], i0, i1, coef, 1)
+                                            : p1_vector(s->g[t], s->stat[t], i0, i1, coef, 0);
         return;
     }
-    const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
-    const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
-    const int64_t nm = pl->n * pl->m;
-    float *cp = fscratch(s, t) + pl->colpart + u * pl->m;
+    const int64_t off = b * pl->n * pl->m;
+    float *fs = fscratch(s, t), *cp = fs + pl->colpart + u * pl->m, *dp = fs + pl->dpart + u * pl->m;
     if (bf16)
-        p1_matrix((const uint16_t *)s->g[t] + b * nm, s->stat[t] + b * pl->n, cp, pl->m, i0, i1, coef, 1);
+        p1_matrix((const uint16_t *)s->g[t] + off, s->stat[t] + b * pl->n, cp, dp, pl->m, i0, i1, coef, 1);
     else
-        p1_matrix((const float *)s->g[t] + b * nm, s->stat[t] + b * pl->n, cp, pl->m, i0, i1, coef, 0);
+        p1_matrix((const float *)s->g[t] + off, s->stat[t] + b * pl->n, cp, dp, pl->m, i0, i1, coef, 0);
 }
 
 static void run_p2(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
     const int64_t chunks = (pl->m + COL_CHUNK - 1) / COL_CHUNK;
     const int64_t b = u / (chunks + 1), c = u % (chunks + 1);
+    float *fs = fscratch(s, t);
+    double *ds = dscratch(s, t);
     if (c == chunks) {
-        p2_rows(s->stat[t] + b * pl->n, pl->n, fscratch(s, t) + pl->rinv + b * pl->n);
+        ds[pl->mean + b] = p2_rows(s->stat[t] + b * pl->n, pl->n, fs + pl->rinv + b * pl->n);
         return;
     }
     const int64_t j0 = c * COL_CHUNK, j1 = j0 + COL_CHUNK < pl->m ? j0 + COL_CHUNK : pl->m;
-    float *fs = fscratch(s, t);
-    p2_cols(fs + pl->colpart + b * pl->slots * pl->m, pl->slots, pl->m, j0, j1, s->col[t] + b * pl->m,
-            fs + pl->cinv + b * pl->m, s->coef + t * NCOEF);
+    const int64_t first = b * pl->slots * pl->m;
+    ds[pl->part + b * chunks + c] = p2_cols(fs + pl->colpart + first, fs + pl->dpart + first, pl->slots, pl->m, j0, j1,
+                                            s->col[t] + b * pl->m, fs + pl->cinv + b * pl->m, s->coef + t * NCOEF);
 }
 
-static void run_p3(const step_t *s, int64_t t, int64_t u) {
-    const plan_t *pl = &s->plan[t];
-    if (pl->m == 0)
-        return; /* a vector's squares were summed in P1 */
-    const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
-    const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
-    const int64_t nm = pl->n * pl->m;
-    const float *rinv = fscratch(s, t) + pl->rinv + b * pl->n, *cinv = fscratch(s, t) + pl->cinv + b * pl->m;
-    dscratch(s, t)[pl->part + u] = s->meta[t * NMETA + DTYPE] == 1
-                              ? p3_matrix((const uint16_t *)s->g[t] + b * nm, rinv, cinv, pl->m, i0, i1, 1)
-                              : p3_matrix((const float *)s->g[t] + b * nm, rinv, cinv, pl->m, i0, i1, 0);
-}
-
-/* The clip of tensor t from its units' sums of squares, added in order: scale = 1 / max(rms / clip, 1). Each unit
- * of P4 computes it (a few dozen additions), which saves a pass and its wait for every thread. */
+/* The clip of tensor t, scale = 1 / max(rms / clip, 1), from its partial sums added in order; every unit of P3
+ * computes it (a few dozen additions), which saves a pass and a wait. */
 static write_t finish_scale(const step_t *s, int64_t t) {
     const plan_t *pl = &s->plan[t];
-    const double *coef = s->coef + t * NCOEF;
-    const double *part = dscratch(s, t) + pl->part;
+    const double *coef = s->coef + t * NCOEF, *ds = dscratch(s, t);
     double sumsq = 0.0;
-    for (int64_t u = 0; u < pl->units; u++)
-        sumsq += part[u];
+    if (pl->m == 0) {
+        for (int64_t u = 0; u < pl->units; u++)
+            sumsq += ds[pl->part + u];
+    } else {
+        const int64_t chunks = (pl->m + COL_CHUNK - 1) / COL_CHUNK;
+        for (int64_t b = 0; b < pl->batch; b++) {
+            double over_cols = 0.0;
+            for (int64_t c = 0; c < chunks; c++)
+                over_cols += ds[pl->part + b * chunks + c];
+            sumsq += ds[pl->mean + b] * over_cols;
+        }
+        sumsq *= (double)(pl->n > pl->m ? pl->n : pl->m); /* D summed (g / k) * (g / row) */
+    }
     const int64_t numel = pl->m ? pl->batch * pl->n * pl->m : pl->n;
     const double ratio = sqrt(sumsq / (double)(numel > 1 ? numel : 1)) / coef[CLIP];
     const double scale = 1.0 / (1.0 > ratio ? 1.0 : ratio); /* Python's max(ratio, 1.0): a NaN ratio stays NaN */
@@ -347,32 +340,32 @@ static write_t finish_scale(const step_t *s, int64_t t) {
     return w;
 }
 
-static void run_p4(const step_t *s, int64_t t, int64_t u) {
+static void run_p3(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
     const int64_t *meta = s->meta + t * NMETA;
     const int bf16 = meta[DTYPE] == 1, beta1 = meta[FIRST] != 0;
     const int mode = bf16 ? (int)meta[MODE] : 2;
     const write_t c = finish_scale(s, t);
-    const size_t esize = bf16 ? 2 : 4;
+    int64_t b, i0, i1;
+    unit_rows(pl, u, &b, &i0, &i1);
     if (pl->m == 0) {
-        const int64_t a = u * pl->per_unit, b = a + pl->per_unit < pl->n ? a + pl->per_unit : pl->n;
-#define P4V(BF, MODE, B1) p4_vector(s->p[t], s->g[t], s->exp_avg[t], s->comp[t], s->stat[t], a, b, c, BF, MODE, B1)
-        P4_CASES(P4V)
+#define WRITE_VECTOR(BF, MODE, B1)                                                                                 \
+    p3_vector(s->p[t], s->g[t], s->exp_avg[t], s->comp[t], s->stat[t], i0, i1, c, BF, MODE, B1)
+        WRITE_CASES(WRITE_VECTOR)
         return;
     }
-    const int64_t b = u / pl->slots, i0 = (u % pl->slots) * pl->per_unit;
-    const int64_t i1 = i0 + pl->per_unit < pl->n ? i0 + pl->per_unit : pl->n;
     const int64_t off = b * pl->n * pl->m;
+    const size_t esize = bf16 ? 2 : 4;
     void *p = (char *)s->p[t] + off * esize;
     const void *g = (const char *)s->g[t] + off * esize;
     float *m1 = beta1 ? s->exp_avg[t] + off : NULL;
     uint16_t *comp = s->comp[t] ? s->comp[t] + off : NULL;
-    const float *rinv = fscratch(s, t) + pl->rinv + b * pl->n, *cinv = fscratch(s, t) + pl->cinv + b * pl->m;
-#define P4M(BF, MODE, B1) p4_matrix(p, g, m1, comp, rinv, cinv, pl->m, i0, i1, off, c, BF, MODE, B1)
-    P4_CASES(P4M)
+    const float *fs = fscratch(s, t), *rinv = fs + pl->rinv + b * pl->n, *cinv = fs + pl->cinv + b * pl->m;
+#define WRITE_MATRIX(BF, MODE, B1) p3_matrix(p, g, m1, comp, rinv, cinv, pl->m, i0, i1, off, c, BF, MODE, B1)
+    WRITE_CASES(WRITE_MATRIX)
 }
 
-/* The tensor among [t0, t1) whose units (starting at start[t]) hold unit u. */
+/* The tensor among [t0, t1) whose units (P2's if `cols`) hold unit u. */
 static int64_t owner(const plan_t *plan, int64_t t0, int64_t t1, int64_t u, int cols) {
     while (t1 - t0 > 1) {
         int64_t mid = (t0 + t1) / 2;
@@ -404,8 +397,7 @@ static int64_t make_plan(int64_t count, const int64_t *meta, int64_t group_bytes
         pl->group = groups - 1;
         if (pl->m == 0) {
             pl->per_unit = UNIT;
-            pl->slots = (pl->n + UNIT - 1) / UNIT;
-            pl->units = pl->slots;
+            pl->slots = pl->units = (pl->n + UNIT - 1) / UNIT;
             pl->col_units = 0;
         } else {
             int64_t slots = (pl->n * pl->m + UNIT - 1) / UNIT;
@@ -418,12 +410,16 @@ static int64_t make_plan(int64_t count, const int64_t *meta, int64_t group_bytes
         pl->unit0 = units, pl->col_unit0 = col_units;
         units += pl->units, col_units += pl->col_units;
         pl->part = ds;
-        ds += pl->units;
         if (pl->m) {
+            pl->mean = pl->part + pl->batch * ((pl->m + COL_CHUNK - 1) / COL_CHUNK);
+            ds = pl->mean + pl->batch;
             pl->colpart = fs;
-            pl->rinv = fs + pl->units * pl->m;
+            pl->dpart = pl->colpart + pl->units * pl->m;
+            pl->rinv = pl->dpart + pl->units * pl->m;
             pl->cinv = pl->rinv + pl->batch * pl->n;
             fs = pl->cinv + pl->batch * pl->m;
+        } else {
+            ds += pl->units;
         }
         *floats = fs > *floats ? fs : *floats;
         *doubles = ds > *doubles ? ds : *doubles;
@@ -432,7 +428,15 @@ static int64_t make_plan(int64_t count, const int64_t *meta, int64_t group_bytes
     return groups;
 }
 
-/* Unit v of pass `pass` (1 to 4) of group gi. */
+/* Units of a pass of group gi (none outside [0, groups)). */
+static int64_t pass_units(const plan_t *plan, const int64_t *first, int64_t groups, int64_t gi, int pass) {
+    if (gi < 0 || gi >= groups)
+        return 0;
+    const plan_t *last = &plan[first[gi + 1] - 1];
+    return pass == 2 ? last->col_unit0 + last->col_units : last->unit0 + last->units;
+}
+
+/* Unit v of pass `pass` (1 to 3) of group gi. */
 static void run_unit(const step_t *s, const int64_t *first, int pass, int64_t gi, int64_t v) {
     const int64_t t = owner(s->plan, first[gi], first[gi + 1], v, pass == 2);
     const plan_t *pl = &s->plan[t];
@@ -440,18 +444,8 @@ static void run_unit(const step_t *s, const int64_t *first, int pass, int64_t gi
         run_p1(s, t, v - pl->unit0);
     else if (pass == 2)
         run_p2(s, t, v - pl->col_unit0);
-    else if (pass == 3)
-        run_p3(s, t, v - pl->unit0);
     else
-        run_p4(s, t, v - pl->unit0);
-}
-
-/* Units of a pass of group gi (none outside [0, groups)). */
-static int64_t pass_units(const plan_t *plan, const int64_t *first, int64_t groups, int64_t gi, int pass) {
-    if (gi < 0 || gi >= groups)
-        return 0;
-    const plan_t *last = &plan[first[gi + 1] - 1];
-    return pass == 2 ? last->col_unit0 + last->col_units : last->unit0 + last->units;
+        run_p3(s, t, v - pl->unit0);
 }
 
 int64_t adafactor_step(int64_t count, void *const *p, const void *const *g, float *const *stat, float *const *col,
@@ -474,20 +468,20 @@ int64_t adafactor_step(int64_t count, void *const *p, const void *const *g, floa
         return -1;
     }
     const step_t s = {p, g, stat, col, exp_avg, comp, meta, coef, plan, fs, ds, floats, doubles};
-    /* A pipeline: stage k runs P4 of group k-3, P3 of k-2, P2 of k-1 and P1 of k, and its end is the only wait:
-     * groups + 3 waits for the step, where a wait after every pass of every group made 4 per group (a thread the
-     * OS takes away for a while holds the others at each). */
+    /* A pipeline: stage k runs P3 of group k-2, P2 of k-1 and P1 of k, and its end is the only wait: groups + 2 waits
+     * for the step, where a wait after every pass of every group made 3 per group (a thread that the OS takes away
+     * for a while holds the others at each). */
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t k = 0; k < groups + 3; k++) {
-        const int64_t n[4] = {pass_units(plan, first, groups, k - 3, 4), pass_units(plan, first, groups, k - 2, 3),
-                              pass_units(plan, first, groups, k - 1, 2), pass_units(plan, first, groups, k, 1)};
+    for (int64_t k = 0; k < groups + 2; k++) {
+        const int64_t n[3] = {pass_units(plan, first, groups, k - 2, 3), pass_units(plan, first, groups, k - 1, 2),
+                              pass_units(plan, first, groups, k, 1)};
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < n[0] + n[1] + n[2] + n[3]; u++) {
+        for (int64_t u = 0; u < n[0] + n[1] + n[2]; u++) {
             int64_t v = u;
             int i = 0;
             while (v >= n[i])
                 v -= n[i++];
-            run_unit(&s, first, 4 - i, k - 3 + i, v);
+            run_unit(&s, first, 3 - i, k - 2 + i, v);
         }
     }
     free(plan), free(first), free(fs), free(ds);
