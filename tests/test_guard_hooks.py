@@ -78,7 +78,7 @@ def test_a_gradient_scanned_in_backward_is_not_scanned_again(name, scans):
     assert scans == [BIG]
 
 
-def test_nonfinite_ignore_and_cuda_free_paths_add_no_hooks():
+def test_nonfinite_ignore_adds_no_hooks():
     model = _model()
     opt = _named(model, nonfinite="ignore")
     assert opt not in guard._HOOKS and not model.weight._post_accumulate_grad_hooks
