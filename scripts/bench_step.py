@@ -53,8 +53,11 @@ from hf_efficient.registry import FAMILIES, SPECS  # noqa: E402
 LR, WD = 1e-4, 0.01
 BASELINE = "torch AdamW fused"
 TARGETS = {"hf_eff_adamw": 1.2, "hf_eff_adam8bit": 2.0, "hf_eff_adamw_bf16": 1.0}  # step, x fused fp32 AdamW
+BF16_8BIT = "8-bit, bf16 weights"  # issue 14: 8-bit state on bf16 weights, compensated
+BF16_TARGETS = {("hf_eff_adam8bit", "compensation=kahan"): 1.0, ("hf_eff_adam8bit", "compensation=stochastic"): 1.0,
+                ("hf_eff_adafactor", "compensation=kahan"): 1.0}
 FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",
-                "bf16 nearest"]
+                "bf16 nearest", BF16_8BIT, "factored, bf16 weights"]
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -205,6 +208,32 @@ def ours(device: str) -> list[Candidate]:
     return out
 
 
+def bf16_weights(device: str) -> list[Candidate]:
+    """Issue 14's rows: 8-bit state (and Adafactor) on bf16 weights under each compensation, beside bitsandbytes'
+    8-bit AdamW on bf16 weights (rounds to nearest) and torchao's with ``bf16_stochastic_round=True``."""
+    bf16 = torch.bfloat16
+
+    def ours_(name, mode, fmt_):
+        return Candidate(f"hf_eff_{name}", fmt_, bf16, lambda m: hfe.create_optimizer(
+            m, name, lr=LR, weight_decay=WD, compensation=mode), f"hf_eff_{name}", "torch",
+            note=f"compensation={mode}")
+
+    def torchao_sr(m):
+        import torchao.optim
+        return torchao.optim.AdamW8bit(_groups(m), lr=LR, bf16_stochastic_round=True)
+
+    def bnb8(m):
+        import bitsandbytes
+        return bitsandbytes.optim.AdamW8bit(_groups(m), lr=LR)
+
+    return ([ours_("adam8bit", mode, BF16_8BIT) for mode in ("kahan", "stochastic", "none")]
+            + [ours_("lion8bit", mode, BF16_8BIT) for mode in ("kahan", "stochastic")]
+            + [Candidate("torchao AdamW8bit bf16_stochastic_round", BF16_8BIT, bf16, torchao_sr),
+               Candidate("bitsandbytes AdamW8bit on bf16 params", BF16_8BIT, bf16, bnb8,
+                         note="stale weights: rounds to nearest")]
+            + [ours_("adafactor", mode, "factored, bf16 weights") for mode in ("kahan", "stochastic", "none")])
+
+
 def inductor_kernels(device: str) -> list[Candidate]:
     """Our optimizers with ``compile=True``: the torch.compile'd kernel that the C kernels replace on CPU (no inf/NaN
     check in these rows: compare them with the ``nonfinite=ignore`` ones)."""
@@ -236,7 +265,8 @@ def _sync(device: str) -> None:
 
 def run(args) -> dict:
     device = args.device
-    cands = sorted(peers(device) + ours(device) + inductor_kernels(device), key=lambda c: FORMAT_ORDER.index(c.fmt))
+    cands = sorted(peers(device) + ours(device) + bf16_weights(device) + inductor_kernels(device),
+                   key=lambda c: FORMAT_ORDER.index(c.fmt))
     shared = {dt: make_layers(args.hidden, args.layers, dt, device) for dt in (torch.float32, torch.bfloat16)}
     for c in cands:
         if c.error:
@@ -351,6 +381,12 @@ def checks(rows: list[dict]) -> list[str]:
             if r:
                 lines.append(f"- target `{name}` <= {target:g}x fused fp32 AdamW: {r['ratio_to_fused']:.2f}x -> "
                              f"{'met' if r['ratio_to_fused'] <= target else 'NOT met'}")
+        for (name, note), target in BF16_TARGETS.items():
+            r = next((x for x in ok if x["optimizer"] == name and x["note"] == note and x["param_dtype"] == "bfloat16"),
+                     None)
+            if r:
+                lines.append(f"- target `{name}` on bf16 weights, {note}, <= {target:g}x fused fp32 AdamW: "
+                             f"{r['ratio_to_fused']:.2f}x -> {'met' if r['ratio_to_fused'] <= target else 'NOT met'}")
     return lines
 
 
