@@ -49,11 +49,14 @@ CONFIGS = [
     ("bf16 hf_eff_adamw_bf16", "bf16", "hf_eff_adamw_bf16", "compensation=kahan", False),
     ("bf16 hf_eff_adamw_bf16+release", "bf16", "hf_eff_adamw_bf16", "compensation=kahan", True),
     ("bf16 hf_eff_adamw_bf16 stochastic+release", "bf16", "hf_eff_adamw_bf16", "compensation=stochastic", True),
-    ("bf16 hf_eff_adam8bit", "bf16", "hf_eff_adam8bit", "", False),
-    ("bf16 hf_eff_adam8bit+release", "bf16", "hf_eff_adam8bit", "", True),
-    ("bf16 hf_eff_adam8bit 8-bit embeddings+release", "bf16", "hf_eff_adam8bit", "embedding_state=8bit", True),
+    ("bf16 hf_eff_adam8bit kahan", "bf16", "hf_eff_adam8bit", "compensation=kahan", False),
+    ("bf16 hf_eff_adam8bit kahan+release", "bf16", "hf_eff_adam8bit", "compensation=kahan", True),
+    ("bf16 hf_eff_adam8bit stochastic+release", "bf16", "hf_eff_adam8bit", "compensation=stochastic", True),
+    ("bf16 hf_eff_adam8bit stochastic, 8-bit embeddings+release", "bf16", "hf_eff_adam8bit",
+     "compensation=stochastic,embedding_state=8bit", True),
 ]
-QUICK = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adam8bit+release", "bf16 hf_eff_adam8bit 8-bit embeddings+release"}
+LOWEST = "bf16 hf_eff_adam8bit stochastic, 8-bit embeddings+release"
+QUICK = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adam8bit+release", LOWEST}
 SPEED = [("hf_eff_adamw", None), ("hf_eff_adam8bit", None), ("hf_eff_adam8bit", 0)]  # (name, bucket_bytes)
 LR, WD = 5e-5, 0.01
 
