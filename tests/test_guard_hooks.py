@@ -1,5 +1,6 @@
 """The guard's inf/NaN scan moved into backward (hf_efficient.guard, "Where that scan runs"): a gradient a hook found
-clean is not read again at step(), and no way of changing a gradient after its hook lets a bad value through."""
+clean is not read again at step(), and no change to a gradient after its hook (through torch's ops, a GradScaler, DDP)
+lets a bad value through."""
 
 import copy
 import gc
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(guard._scan_kernel() is None, reason="no C compi
 
 @pytest.fixture
 def scans(monkeypatch):
-    """Element counts of every C scan call, in order: ("backward" | "step", numel)."""
+    """The number of elements of every C scan call (a hook's or the step's), in order."""
     calls = []
     real = guard._scan
 
