@@ -9,11 +9,12 @@ C kernel against the eager step (the reference of every other path). Tolerances,
 * vectors: bit for bit (weights, ``exp_avg_sq``, ``exp_avg``, ``kahan_comp``): the same fp32 operations in the same
   order (torch's lerp is a fused multiply-add, so is the kernel's); the update's sum of squares is taken in double
   by both, so the clip factor rounds to the same fp32 number.
-* matrices: the row and column sums of squares add in another order (torch's cascade against the kernel's lanes
-  and row slices), a few fp32 ulps apart (seen: 4e-7 relative). So statistics within 2**-16 relative; the update
-  then differs by as much, so ``exp_avg`` within 2**-16 of its largest element, weights within 2 fp32 ulps (one
-  bf16 ulp: the difference can move a rounding) plus 2**-10 of a step, and a Kahan weight plus its buffer (the
-  value it stands for) within 2**-15 relative plus 2**-10 of a step. A lost row, column or update is far outside.
+* matrices: the row and column sums of squares (and the D sums of the factored sum of squares, see the module)
+  add in another order (torch's cascade against the kernel's lanes and row slices), a few fp32 ulps apart (seen:
+  4e-7 relative). So statistics within 2**-16 relative; the update and its clip factor then differ by as much, so
+  ``exp_avg`` within 2**-16 of its largest element, weights within 2 fp32 ulps (one bf16 ulp: the difference can
+  move a rounding) plus 2**-10 of a step, and a Kahan weight plus its buffer (the value it stands for) within
+  2**-15 relative plus 2**-10 of a step. A lost row, column or update is far outside.
 * the kernel's own results do not depend on the number of threads: bit for bit on 1 and 3.
 """
 
@@ -211,7 +212,8 @@ def _native_or_skip():
 
 @pytest.fixture
 def threads():
-    """3 threads (more than this machine's 2 cores: the kernel must split its units over any team)."""
+    """3 threads (more than this machine's 2 cores: the kernel must split its units over any team); the test may
+    set others; torch's count is put back after it."""
     n = torch.get_num_threads()
     torch.set_num_threads(3)
     yield 3
@@ -273,13 +275,12 @@ def test_native_kernel_equals_eager(dtype, compensation, beta1, group_bytes, thr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_kernel_results_do_not_depend_on_threads(dtype, monkeypatch):
+def test_native_kernel_results_do_not_depend_on_threads(dtype, threads, monkeypatch):
     _native_or_skip()
     runs = []
     for n in (1, 3):
         torch.set_num_threads(n)
         runs.append(_train(dtype, True, monkeypatch, compensation="stochastic", beta1=0.9))
-    torch.set_num_threads(2)
     (p1, o1), (p3, o3) = runs
     for a, b in zip(p1, p3):
         assert torch.equal(a, b)
@@ -311,6 +312,37 @@ def test_native_kernel_keeps_nonfinite_values_where_eager_does(monkeypatch):
             assert torch.equal(sa.isnan(), sb.isnan()) and torch.equal(sa.isinf(), sb.isinf())
             finite = sb.isfinite()
             torch.testing.assert_close(sa[finite].float(), sb[finite].float(), rtol=2.0**-7, atol=1e-6)
+
+
+def test_native_kernel_without_openmp(threads, monkeypatch, rebuild_native):
+    """A compiler without OpenMP (Apple's clang): the kernel is built without it and runs on one thread, with the
+    same results as the OpenMP build on 3 (they do not depend on the thread count)."""
+    _native_or_skip()
+    with_openmp = _train(torch.bfloat16, True, monkeypatch, compensation="stochastic", beta1=0.9)
+    lib = rebuild_native(af._dispatch, _OPENMP="-fno-such-openmp-flag").load("adafactor_cpu.c")
+    assert lib is not None and lib.openmp is False
+    assert af._native_fn() is not None  # built again, without OpenMP, and probed
+    without = _train(torch.bfloat16, True, monkeypatch, compensation="stochastic", beta1=0.9)
+    for a, b in zip(with_openmp[0], without[0]):
+        assert torch.equal(a, b)
+        assert all(torch.equal(with_openmp[1].state[a][k], without[1].state[b][k]) for k in without[1].state[b])
+
+
+def test_eager_clip_on_another_device_keeps_the_factor_on_it(monkeypatch):
+    """Off the CPU the clip factor stays a tensor on the device (no wait for it per tensor): the same step as the
+    CPU's Python-float factor, within an ulp of it (torch's double sqrt is not always correctly rounded)."""
+    clip = af._clip_scale
+
+    def on_device(sumsq, numel, c):  # the non-CPU branch, run on CPU tensors
+        return 1.0 / torch.clamp(torch.sqrt(sumsq / max(numel, 1)) / c, min=1.0)
+
+    cpu = _train(torch.bfloat16, False, monkeypatch, shapes=ODD[:4], beta1=0.9)
+    monkeypatch.setattr(af, "_clip_scale", on_device)
+    device = _train(torch.bfloat16, False, monkeypatch, shapes=ODD[:4], beta1=0.9)
+    monkeypatch.setattr(af, "_clip_scale", clip)
+    for a, b in zip(cpu[0], device[0]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2.0**-7, atol=LR * 2.0**-10)
+        torch.testing.assert_close(cpu[1].state[a]["exp_avg"], device[1].state[b]["exp_avg"], rtol=2.0**-20, atol=0.0)
 
 
 def test_probe_refuses_a_kernel_that_misses_a_unit():
