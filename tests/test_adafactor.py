@@ -364,6 +364,24 @@ def test_probe_refuses_a_kernel_that_misses_a_unit():
     assert not af._probe(lazy)
 
 
+@pytest.mark.parametrize("key, bad", [("exp_avg_sq_row", torch.zeros(3)), ("exp_avg", torch.zeros(30, 40).t()),
+                                      ("kahan_comp", torch.zeros(40, 30))], ids=["shape", "layout", "dtype"])
+def test_state_the_kernel_cannot_take_goes_to_the_eager_step(key, bad):
+    """A state tensor of another shape, layout or dtype (edited, or from a checkpoint that did not fit) never reaches
+    the C kernel, which would write outside it: the eager step takes the tensor, and raises on a wrong shape."""
+    p = nn.Parameter(torch.randn(40, 30).bfloat16())
+    opt = Adafactor([p], lr=LR, beta1=0.9)
+    p.grad = torch.randn(40, 30).bfloat16()
+    opt.step()
+    opt.state[p][key] = bad
+    if bad.shape == p.shape:
+        opt.step()  # a transposed exp_avg, an fp32 kahan_comp: the eager step manages them
+        assert p.isfinite().all()
+    else:
+        with pytest.raises(RuntimeError):
+            opt.step()
+
+
 def test_native_kernel_is_a_torch_op():
     """One call of hf_efficient::adafactor_step per step, whatever the number of tensors."""
     _native_or_skip()

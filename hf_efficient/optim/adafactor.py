@@ -125,7 +125,7 @@ class Adafactor(torch.optim.Optimizer):
         if not todo:
             return loss
         steps = [state["step"] for _, _, state, _ in todo]
-        fn = _native_fn() if any(p.device.type == "cpu" for p, _, _, _ in todo) else None
+        fn = _native_fn() if any(p.is_cpu for p, _, _, _ in todo) else None
         native, eager = [], []
         for (p, group, state, position), step in zip(todo, (s.item() + 1 for s in steps)):
             if not p.numel():
@@ -266,17 +266,25 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # adafactor_cpu.c's dtype numbe
 
 
 def _native_fits(p: Tensor, grad: Tensor, state: dict, coef, mode: str, key: int, beta1: bool) -> bool:
-    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype; contiguous fp32 statistics and bf16 buffer
-    (as this class makes them; a user's own state tensors may differ, and then take the eager step)."""
-    if not (p.device.type == "cpu" and p.dtype in _DTYPES and grad.dtype == p.dtype and p.is_contiguous()
+    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype, and the state this class makes for them:
+    contiguous fp32 statistics of their shapes, a bf16 Kahan buffer. Any other state (a user's, a wrong checkpoint's)
+    takes the eager step, which raises on a wrong shape where the kernel would write outside the tensor."""
+    if not (p.is_cpu and p.dtype in _DTYPES and grad.dtype == p.dtype and p.is_contiguous()
             and grad.is_contiguous() and _native.plain(p, grad)):
         return False
-    for key in _STATS[:3] + (("exp_avg",) if beta1 else ()):
-        t = state.get(key)
-        if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()):
+    shape = p.shape
+    if p.dim() >= 2:
+        need = [("exp_avg_sq_row", shape[:-1]), ("exp_avg_sq_col", shape[:-2] + shape[-1:])]
+    else:
+        need = [("exp_avg_sq", shape)]
+    if beta1:
+        need.append(("exp_avg", shape))
+    if mode == "kahan" and p.dtype == torch.bfloat16:
+        t = state.get("kahan_comp")
+        if not (t is not None and t.dtype == torch.bfloat16 and t.shape == shape and t.is_cpu and t.is_contiguous()):
             return False
-    comp = state.get("kahan_comp") if mode == "kahan" and p.dtype == torch.bfloat16 else None
-    return comp is None or (comp.dtype == torch.bfloat16 and comp.is_contiguous())
+    return all((t := state.get(name)) is not None and t.dtype == torch.float32 and t.shape == want and t.is_cpu
+               and t.is_contiguous() for name, want in need)
 
 
 # per tensor, as adafactor_cpu.c reads them: dtype, batch, rows, cols (0: a vector), mode, key, has exp_avg
