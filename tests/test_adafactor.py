@@ -345,8 +345,9 @@ def test_eager_clip_on_another_device_keeps_the_factor_on_it(monkeypatch):
         torch.testing.assert_close(cpu[1].state[a]["exp_avg"], device[1].state[b]["exp_avg"], rtol=2.0**-20, atol=0.0)
 
 
-def test_probe_refuses_a_kernel_that_misses_a_unit():
-    """The probe compares every tensor it steps: a kernel whose last unit of work is not done is not used."""
+def test_probe_refuses_a_kernel_that_leaves_a_weight_behind():
+    """The probe compares every element it steps: a kernel that leaves one weight as it was (the last of a tensor,
+    the end that a wrong split over threads drops) is not used."""
     _native_or_skip()
     fn = af._native_fn()
     assert af._probe(fn)
