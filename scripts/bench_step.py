@@ -102,7 +102,7 @@ class Candidate:
     hf_eff: str | None = None  # our Trainer name
     backend: str | None = None
     pick: bool = False  # the backend the registry picks on this device
-    private: bool = False  # writes its gradients (zeroes them): gets its own parameters
+    private: bool = False  # writes into its gradients: gets its own parameters (and gradients)
     note: str = ""
     error: str | None = None
     opt: torch.optim.Optimizer | None = None
@@ -164,7 +164,8 @@ def peers(device: str) -> list[Candidate]:
                   note="scale_parameter=False, relative_step=False"),
         Candidate("torch Adafactor", "factored", torch.float32,
                   lambda m: torch.optim.Adafactor(_groups(m), lr=LR)),
-        Candidate("torch-optimi AdamW kahan_sum", "bf16 + Kahan", bf16, optimi_kahan),
+        Candidate("torch-optimi AdamW kahan_sum", "bf16 + Kahan", bf16, optimi_kahan, private=True,
+                  note="writes into its gradients"),
         Candidate("adamw-bf16 AdamWBF16", "bf16 + Kahan", bf16, adamw_bf16_pkg, private=True,
                   note="zeroes the gradients in its step; weight decay applied every ~n steps"),
         Candidate("torchao _AdamW bf16_stochastic_round", "bf16 stochastic", bf16, torchao_bf16_sr),
