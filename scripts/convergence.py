@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -368,11 +369,12 @@ TASK_KEYS = ("steps", "batch_size", "max_length", "lr", "weight_decay", "eval_ev
 def merge(doc: dict, new: dict, drop: list[str] = ()) -> dict:
     """``doc`` (a convergence.json) with the runs of ``new`` (one of a later session, e.g. ``--only``) in place of
     those of the same label and the rest appended, less the rows labelled in ``drop``; ``new``'s session is recorded
-    under ``"merged"``, with what it dropped.
+    under ``"merged"``, with what it dropped. A session that differs only by ``--seed`` (with its own baseline) is
+    kept whole under ``"other_seeds"``: a check of the page's differences against the seed's, not rows of it.
 
     Raises:
         SystemExit: the two sessions ran different tasks (their rows would not be comparable), or a label in
-        ``drop`` is not on the page.
+        ``drop`` is not on the page, or a session of another seed without its baseline.
     """
     missing = [d for d in drop if all(r["run"]["label"] != d for r in doc["results"])]
     if missing:
@@ -380,6 +382,11 @@ def merge(doc: dict, new: dict, drop: list[str] = ()) -> dict:
                          + ", ".join(repr(r["run"]["label"]) for r in doc["results"]))
     diff = {k: (doc["config"].get(k), new["config"].get(k)) for k in TASK_KEYS
             if doc["config"].get(k) != new["config"].get(k)}
+    if set(diff) == {"seed"} and not drop:
+        if all(r["run"]["label"] != BASELINE for r in new["results"]):
+            raise SystemExit(f"--merge: a session of seed {new['config']['seed']} (the page's: {doc['config']['seed']}) "
+                             "is a seed check and needs its own baseline: re-run it without --no-baseline")
+        return {**doc, "other_seeds": [*doc.get("other_seeds", []), new]}
     if diff:
         raise SystemExit("--merge: the sessions ran different tasks, so their losses are not comparable: "
                          + ", ".join(f"{k} {a!r} in the page, {b!r} in the new runs" for k, (a, b) in diff.items())
@@ -484,7 +491,7 @@ def write_results(out: Path, doc: dict) -> None:
                     "Compare RSS among bf16 runs only")
     text += [f"- {n}" for n in doc["notes"]]
     text += ["", md_table(headers, rows), *compensation_summary(results, by_label), *lowest_memory(results, by_label),
-             *lr_summary(results, cfg, base), "\n## Targets\n", *verdicts]
+             *other_seeds(doc, by_label), *lr_summary(results, cfg, base), "\n## Targets\n", *verdicts]
     (out / "convergence.md").write_text("\n".join(text) + "\n")
     plot(out / "convergence.png", results, cfg, info)
 
@@ -508,7 +515,7 @@ def compensation_summary(results: list[dict], by_label: dict) -> list[str]:
     """A table of the bf16-model runs whose only option is ``compensation``: one row per name (and lr), one column
     per mode."""
     from hf_efficient.optim.compensation import COMPENSATIONS
-    from hf_efficient.registry import PREFIX
+    from hf_efficient.registry import PREFIX, SPECS
 
     table: dict[str, dict[str, str]] = {}  # name (and lr) -> column -> cell
     for r in results:
@@ -526,8 +533,9 @@ def compensation_summary(results: list[dict], by_label: dict) -> list[str]:
                                      + f"); state {r['state_bytes'] / 2**20:.1f} MiB")
     if not table:
         return []
+    order = [PREFIX + n for n in SPECS]  # the registry's order, whichever session ran a row first
     rows = [[f"`{name}`", row.get("target", "—"), *(row.get(m, "not run") for m in COMPENSATIONS)]
-            for name, row in table.items()]
+            for name, row in sorted(table.items(), key=lambda kv: order.index(kv[0].split(" ")[0]))]
     return ["\n## bf16 model: each name with each compensation mode\n",
             "Final eval loss on the bf16 model, against fp32 AdamW on the fp32 model (and the name's own fp32 "
             "reference where it has one); the target applies to the compensated modes, `none` is the ablation. "
@@ -553,14 +561,15 @@ def lowest_memory(results: list[dict], by_label: dict) -> list[str]:
         if live:
             line += (f"; live peak {sum(live.values()) / n:.2f} B/param = weights {live['weights'] / n:.2f} + "
                      f"gradients {live['gradients'] / n:.2f} + state {live['state'] / n:.2f}")
-            if r.get("largest_param"):  # one tensor's gradient is whole until its hook: the floor of the release
-                line += (f" (the largest tensor, {100 * r['largest_param'] / n:.0f}% of the parameters (the word "
-                         f"embeddings, tied to the MLM decoder), holds its whole gradient until its hook: "
-                         f"{(2 if r['run']['bf16'] else 4) * r['largest_param'] / n:.2f} B/param)")
             if base and base.get("live_peak"):
                 b = base["live_peak"]
                 line += (f", against {sum(b.values()) / n:.2f} for fp32 AdamW (weights {b['weights'] / n:.2f} + "
                          f"gradients {b['gradients'] / n:.2f} + state {b['state'] / n:.2f})")
+            if r.get("largest_param"):  # one tensor's gradient is whole until its hook: the floor of the release
+                line += (f"; the largest tensor (the word embeddings, tied to the MLM decoder: "
+                         f"{100 * r['largest_param'] / n:.0f}% of the parameters) holds its whole gradient until its "
+                         f"hook: {(2 if r['run']['bf16'] else 4) * r['largest_param'] / n:.2f} B/param of the "
+                         "gradients' share")
         plain = by_label.get(compensation_label(PREFIX + r["run"]["name"], dict(map(tuple, r["run"]["options"]))
                                                 .get("compensation", "")))
         lines.append(line + f"; peak RSS {r['peak'][1] / 2**20:.0f} MiB"
@@ -568,6 +577,29 @@ def lowest_memory(results: list[dict], by_label: dict) -> list[str]:
                         "compensation on the bf16 model without the other options)" if plain else ""))
     return ["\n## Lowest memory: bf16 weights, 8-bit state, stochastic rounding, gradient release\n", *lines] \
         if lines else []
+
+
+def other_seeds(doc: dict, by_label: dict) -> list[str]:
+    """The seed-check sessions merged into the page: each run against its own seed's baseline and reference, beside
+    the page's figure for the same run."""
+    text = []
+    for s in doc.get("other_seeds", []):
+        mine = {r["run"]["label"]: r for r in s["results"]}
+        rows = []
+        for r in s["results"]:
+            j, page = _judge(r, mine), by_label.get(r["run"]["label"])
+            pj = page and _judge(page, by_label)
+            rows.append([r["run"]["label"], fmt(r["final_loss"], 4), _pct(j["rel"]),
+                         "—" if j["ref"] is mine.get(BASELINE) else _pct(j["rel_ref"]), j["met"] or "—",
+                         "not on the page" if page is None else f"{_pct(pj['rel'])}" + (
+                             "" if pj["ref"] is by_label.get(BASELINE) else f" ({_pct(pj['rel_ref'])} vs its ref)")])
+        text += [f"\n## Seed check: seed {s['config']['seed']}\n",
+                 f"The same task with `--seed {s['config']['seed']}` (another train/eval split of the paragraphs, other "
+                 f"masks, data order and dropout), each run against that seed's own fp32 AdamW and reference. Command: `{s['command']}` "
+                 f"({s['wall_s'] / 60:.1f} min, {s['machine']['date']}).\n",
+                 md_table(["run", "final eval loss", "vs fp32 AdamW (this seed)", "vs its fp32 reference (this seed)",
+                           "target met", f"seed {doc['config']['seed']} (this page): vs fp32 AdamW"], rows)]
+    return text
 
 
 def lr_summary(results: list[dict], cfg: dict, base: dict | None) -> list[str]:
@@ -595,9 +627,15 @@ def plot(path: Path, results: list[dict], cfg: dict, info: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hf_efficient.optim.compensation import COMPENSATIONS
+    from hf_efficient.registry import SPECS
+
     base = next((r for r in results if r["run"]["label"] == BASELINE), None)
     fp32 = [r for r in results if not r["run"]["bf16"]]
-    bf16 = [r for r in results if r["run"]["bf16"]]
+    names, modes = list(SPECS), list(COMPENSATIONS)  # bf16 runs grouped by name, whichever session ran them first
+    bf16 = sorted((r for r in results if r["run"]["bf16"]), key=lambda r: (
+        names.index(r["run"]["name"]), len(r["run"]["options"]),
+        modes.index(dict(map(tuple, r["run"]["options"])).get("compensation", "none"))))
     fig, axes = plt.subplots(2 if bf16 else 1, 2, figsize=(13, 9.6 if bf16 else 4.8), squeeze=False)
     (ax1, ax2) = axes[0]
     for ax in (ax1, ax2):  # more runs than the default cycle's 10 colours
@@ -759,7 +797,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     load_after = [round(x, 2) for x in os.getloadavg()]
     if not results:
         raise SystemExit("\n".join(failed))
-    write_results(args.out, {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after,
+    write_results(args.out, {"command": command_line(__file__, list(map(shlex.quote, argv))), "machine": info, "loadavg_after": load_after,
                              "config": cfg, "notes": notes + failed, "wall_s": time.perf_counter() - t0,
                              "results": results})
     print((args.out / "convergence.md").read_text())

@@ -124,6 +124,11 @@ def test_convergence_quick(tmp_path):
     with pytest.raises(SystemExit, match="steps 2 in the page, 3 in the new runs"):
         conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "other.json")])
     assert json.loads((tmp_path / "convergence.json").read_text()) == merged  # untouched
+    other["config"].update(steps=2, seed=5)  # another seed: kept whole as a seed check, not as rows
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    conv.main(["--out", str(tmp_path), "--merge", str(tmp_path / "other.json")])
+    assert json.loads((tmp_path / "convergence.json").read_text())["results"] == merged["results"]
+    assert "## Seed check: seed 5" in (tmp_path / "convergence.md").read_text()
     kahan = by["hf_eff_adamw_bf16 compensation=kahan"]
     assert kahan["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
     assert "## bf16 model: each name with each compensation mode" in md
