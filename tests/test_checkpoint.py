@@ -128,7 +128,7 @@ def test_adamw_bf16_state_into_adamw_carries_the_compensation(caplog):
     _train(src_model, src, 2)
     sd = src.state_dict()
     saved = _by_name(sd)
-    model, opt = _make("adamw", None, torch.bfloat16)
+    model, opt = _make("adamw", None, torch.bfloat16, compensation="kahan")
     opt.load_state_dict(copy.deepcopy(sd))
     for name, st in _by_name(opt.state_dict()).items():
         assert torch.equal(st["kahan_comp"], saved[name]["kahan_comp"])
