@@ -6,8 +6,8 @@
   all parameters and counts it; ``"ignore"`` is torch's behaviour.
 - Where that scan runs: on CPU, each gradient of 65,536+ elements is scanned in backward, by a post-accumulate-grad
   hook, the moment backward completes it, and remembered clean with its version counter. At ``step()`` the scan
-  cost fused fp32 AdamW's step 21-28%; in backward the gradient is still in cache, and one thread reads it there
-  about as fast as two read it at ``step()`` (2.6 vs 2.7 ms per backward for 28M parameters, 2-core Zen 4). ``step()`` scans, in one call,
+  cost fused fp32 AdamW's step 21-28%; in backward the gradient is still in cache (28M parameters on 2-core Zen 4:
+  1.8 ms per backward, where the scan at ``step()`` took 2.1-2.7 ms). ``step()`` scans, in one call,
   what no hook vouches for: small gradients, gradients set by hand or replaced, gradients changed in place since
   (clipping, ``zero_grad(set_to_none=False)``, a later backward: each advances the version). Not trusted, so
   scanned at ``step()`` in full: under a GradScaler (its unscale op does not advance versions), in a process group
@@ -35,6 +35,7 @@ import ctypes
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections import defaultdict
 
@@ -184,6 +185,11 @@ def _find_nonfinite(optimizer, trust_hooks: bool) -> tuple[str | None, int]:
 
 _HOOK_MIN = 1 << 16  # elements: below this a scan call of its own costs more than the tensor's read at step()
 _RETRY_STEPS = 100  # steps with the hooks off, after a step that did not use their scans, before they try again
+# Bytes per second below which a hook's scan of a gradient still in cache stalled (it reads at 50-100 GB/s on 2 threads):
+# the team waited at its barrier for a thread the OS gave to another process. On the shared 2-core machine under load,
+# the scans then took 72-319 ms per backward on 2 threads, 4-5 ms on one; so such an optimizer's hooks scan on one
+# thread from then on (unloaded, one thread costs 2.6 ms per backward of 28M parameters, two 1.8 ms).
+_STALLED = 10e9
 _CLEAN: dict[int, tuple] = {}  # id(grad) -> (weakref to that grad, its _version when a hook found it clean)
 
 
@@ -237,6 +243,7 @@ class _BackwardScan:
         self.ref = weakref.ref(optimizer)
         self.handles: dict[int, tuple] = {}  # id(param) -> (weakref to param, hook handle)
         self.active, self.off_steps = True, 0
+        self.threads: int | None = None  # torch's thread count; 1 once a scan stalled
         self.scanned = 0  # elements the hooks found clean since the last step
         weakref.finalize(optimizer, _remove_hooks, self.handles)
 
@@ -273,9 +280,11 @@ class _BackwardScan:
         fn = _scan_kernel()
         if fn is None or is_attached(optimizer) or not _c_scannable([grad]):
             return
-        # One thread: a hook runs between backward's ops, and a team of 2 waits at its barrier for whichever thread
-        # the OS gave away: on the shared 2-core machine, under load, 319 ms per backward on 2 threads, 4.8 on one.
-        if _scan(fn, [grad], threads=1) < 0:
+        start = time.perf_counter()
+        clean = _scan(fn, [grad], threads=self.threads) < 0
+        if self.threads is None and time.perf_counter() - start > grad.numel() * grad.element_size() / _STALLED:
+            self.threads = 1  # see _STALLED
+        if clean:
             self.scanned += grad.numel()
             _remember_clean(grad)
 
