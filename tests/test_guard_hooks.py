@@ -299,6 +299,21 @@ def test_a_loop_that_uses_the_scans_keeps_the_hooks(scans):
     assert scans == [BIG * BIG, BIG] * 3
 
 
+def test_a_stalled_scan_moves_the_hooks_to_one_thread(monkeypatch, scans):
+    """A hook's scan slower than _STALLED (its thread team waited for a thread the OS gave away) makes that optimizer's
+    hooks scan on one thread from then on; what they find is the same."""
+    model = _model()
+    opt = _named(model)
+    hooks = guard._HOOKS[opt]
+    assert hooks.threads is None
+    monkeypatch.setattr(guard, "_STALLED", float("inf"))  # every scan counts as stalled
+    _backward(model)
+    assert hooks.threads == 1 and guard._scanned_clean(model.weight.grad)
+    opt.zero_grad()
+    _backward(model, poison=NAN)
+    _raises_and_untouched(opt, model)
+
+
 # --- distributed ----------------------------------------------------------------------------------------------------
 
 def test_in_a_process_group_of_several_processes_hooks_are_not_trusted(monkeypatch, scans):
