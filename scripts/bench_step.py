@@ -11,7 +11,7 @@ Method. One parameter set shaped like transformer layers (fused QKV, output proj
 LayerNorms, biases; weight-decay groups from ``hf_efficient.build_param_groups``) with fixed random
 gradients; every optimizer holds the same parameters of its dtype (fp32, or bf16 for the bf16 family) and
 its own state. After ``--warmup`` steps each, ``--reps`` repetitions run one step of every optimizer in turn,
-starting at a different one each repetition, with an in-place update of a ``--probe-mb`` tensor among them
+in a new (seeded) random order each repetition, with an in-place update of a ``--probe-mb`` tensor among them
 that measures the memory bandwidth under the same load. Reported: medians, ratios to torch's fused fp32 AdamW.
 
 Physical limit: a step must read each parameter, gradient and state byte once and write each parameter
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import sys
 import time
 import warnings
@@ -306,7 +307,9 @@ def run(args) -> dict:
     gc.disable()
     try:
         for rep in range(args.reps):
-            order = live[rep % len(live):] + live[:rep % len(live)]
+            # shuffled: in a rotation each row would always follow the same neighbour, whose traffic (a slow peer's,
+            # a large state's) it would inherit every time
+            order = random.Random(rep).sample(live, len(live))
             for i, c in enumerate(order):
                 if i == rep % max(len(order), 1):  # the bandwidth probes sit at a different place each time
                     for probe, times in ((lambda: dst.mul_(-1.0), inplace_times), (lambda: dst.copy_(src), copy_times)):
@@ -545,7 +548,8 @@ class _ScanClock:
 
 def backward_run(args) -> list[dict]:
     """Per arm: forward, backward (and the check's scans within it), step and the whole iteration, median over
-    ``--backward-reps`` interleaved iterations (each arm its own copy of the layers, the same batch)."""
+    ``--backward-reps`` iterations in a new random order each repetition (each arm its own copy of the layers, the
+    same batch)."""
     device = args.device
     arms = []
     for label, dtype, build in backward_arms():
@@ -559,7 +563,7 @@ def backward_run(args) -> list[dict]:
     xs = {dt: x.to(dt) for dt in (torch.float32, torch.bfloat16)}
     with _ScanClock() as clock:
         for rep in range(args.backward_warmup + args.backward_reps):
-            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+            for arm in random.Random(rep).sample(arms, len(arms)):  # shuffled, as the step table's rows
                 opt, model = arm["opt"], arm["model"]
                 opt.zero_grad(set_to_none=True)
                 _sync(device)
