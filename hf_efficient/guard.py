@@ -185,10 +185,10 @@ def _find_nonfinite(optimizer, trust_hooks: bool) -> tuple[str | None, int]:
 
 _HOOK_MIN = 1 << 16  # elements: below this a scan call of its own costs more than the tensor's read at step()
 _RETRY_STEPS = 100  # steps with the hooks off, after a step that did not use their scans, before they try again
-# Bytes per second below which a hook's scan of a gradient still in cache stalled (it reads at 50-100 GB/s on 2 threads):
-# the team waited at its barrier for a thread the OS gave to another process. On the shared 2-core machine under load,
-# the scans then took 72-319 ms per backward on 2 threads, 4-5 ms on one; so such an optimizer's hooks scan on one
-# thread from then on (unloaded, one thread costs 2.6 ms per backward of 28M parameters, two 1.8 ms).
+# Bytes per second below which a hook's scan of a gradient still in cache stalled (it reads at 50-100 GB/s on 2
+# threads): the team waited at its barrier for a thread the OS gave to another process. On the shared 2-core machine
+# under load, the scans then took 72-319 ms per backward on 2 threads, 4-5 ms on one; so such an optimizer's hooks
+# scan on one thread from then on (unloaded, one thread costs 2.6-2.9 ms per backward of 28M parameters, two 1.8).
 _STALLED = 10e9
 _CLEAN: dict[int, tuple] = {}  # id(grad) -> (weakref to that grad, its _version when a hook found it clean)
 
