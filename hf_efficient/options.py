@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["Option", "OPTIONS", "parse_options", "parse_optim_args", "check_hyperparams", "check_group", "check_unique",
-           "check_flags", "check_step", "refuse_sparse"]
+           "check_flags", "check_step", "refuse_sparse", "check_saved"]
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -258,3 +258,21 @@ def start_step(optimizer, closure, owner: str):
     loss = run_closure(closure)
     refuse_sparse(optimizer, owner)
     return loss
+
+
+def check_saved(optimizer, state_dict, family: str, check_family_keys: Callable | None = None) -> None:
+    """Before ``load_state_dict`` changes anything: every saved ``step`` (:func:`check_step`) and, given the family's
+    own group check, every saved group completed with the optimizer's defaults (:func:`check_group`). A ValueError
+    names the parameter or group; nothing was loaded."""
+    where = f"{family}.load_state_dict"
+    if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+        for i, saved in state_dict["state"].items():
+            if isinstance(saved, dict) and "step" in saved:
+                check_step(saved["step"], f"{where}: parameter {i}")
+    if check_family_keys is not None and isinstance(state_dict, dict) and isinstance(
+            state_dict.get("param_groups"), list):
+        for gi, g in enumerate(state_dict["param_groups"]):
+            try:
+                check_group(None, {**optimizer.defaults, **g, "params": ()}, family, check_family_keys)
+            except ValueError as e:
+                raise ValueError(f"{where}: saved param group {gi}: {e}; nothing was loaded") from e

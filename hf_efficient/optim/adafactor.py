@@ -36,7 +36,7 @@ from array import array
 import torch
 from torch import Tensor
 
-from ..options import check_group, check_hyperparams, check_step, start_step
+from ..options import check_group, check_hyperparams, check_saved, start_step
 from . import _dispatch, _native
 from .compensation import C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, weight_key, write
 
@@ -92,17 +92,7 @@ class Adafactor(torch.optim.Optimizer):
         """As torch's, except that statistics stay fp32 (torch casts floating state to the parameter's dtype: a bf16
         weight's row statistics would become bf16) and ``kahan_comp`` bf16; a ``kahan_comp`` no longer used is
         dropped with a warning, a missing one starts at zero. Saved steps and groups are checked first."""
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            for i, saved in state_dict["state"].items():
-                if isinstance(saved, dict) and "step" in saved:
-                    check_step(saved["step"], f"Adafactor.load_state_dict: parameter {i}")
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
-            for gi, g in enumerate(state_dict["param_groups"]):
-                try:
-                    check_group(None, {**self.defaults, **g, "params": ()}, "Adafactor", _check_family_keys)
-                except ValueError as e:
-                    raise ValueError(f"Adafactor.load_state_dict: saved param group {gi}: {e}; nothing was "
-                                     "loaded") from e
+        check_saved(self, state_dict, "Adafactor", _check_family_keys)
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..options import check_step, start_step
+from ..options import check_saved, start_step
 from .compensation import LOW_PRECISION, check_compensation, drop_unused_buffers, weight_key, write_all
 
 __all__ = ["AdamW", "adamw_fp32_state"]
@@ -76,10 +76,7 @@ class AdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, but moments stay fp32 (torch casts them to the parameter's dtype) and Kahan buffers bf16;
         a buffer no tensor uses any more is dropped (:func:`.compensation.drop_unused_buffers`)."""
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            for i, saved in state_dict["state"].items():
-                if isinstance(saved, dict) and "step" in saved:
-                    check_step(saved["step"], f"AdamW.load_state_dict: parameter {i}")
+        check_saved(self, state_dict, "AdamW")
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for i, p in zip(saved_ids, (p for g in self.param_groups for p in g["params"])):

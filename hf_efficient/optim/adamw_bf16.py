@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..options import check_group, check_step, start_step
+from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native
 from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
                            noise_key, round_stochastic, write, drop_unused_buffers)
@@ -525,18 +525,7 @@ class AdamWBF16(Optimizer):
         """As torch's, except that fp16 parameters keep their bf16 state (torch casts state to the param dtype), and
         a saved ``step`` that is a number (torch accepts one) becomes the float32 tensor step() counts in. Saved
         steps and groups are checked first (a ValueError, nothing loaded)."""
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            for i, saved in state_dict["state"].items():
-                if isinstance(saved, dict) and "step" in saved:
-                    check_step(saved["step"], f"AdamWBF16.load_state_dict: parameter {i}")
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
-            for gi, g in enumerate(state_dict["param_groups"]):
-                try:
-                    check_group(None, {**self.defaults, **g, "params": ()}, "AdamWBF16",
-                                  _check_family_keys)
-                except ValueError as e:
-                    raise ValueError(f"AdamWBF16.load_state_dict: saved param group {gi}: {e}; nothing was "
-                                     "loaded") from e
+        check_saved(self, state_dict, "AdamWBF16", _check_family_keys)
         super().load_state_dict(state_dict)
         for st in self.state.values():
             if "step" in st and not torch.is_tensor(st["step"]):
