@@ -38,10 +38,75 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
     *av = store_block(v, &maps[1], wv);
 }
 
+#if defined(QUANT8_VBMI)
+/* step_block on the whole block at element `off` of the tensors (c: the Kahan buffer's start), read and written in
+ * place, 16 elements at a time: both moments decoded into 1 KiB buffers, then one pass updates them (with their
+ * absmax), steps the weight and writes it (bf16: under compensation `mode`), then both are encoded. The same
+ * operations on the same values as step_block in FOR_EACH_BLOCK, so the same results, in 10-20% less time: no block
+ * copies, weight and moments in one pass (the moments interleaved with their decoding were slower still). */
+static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, uint32_t key, int mode, int64_t off,
+                             uint32_t *restrict wm, uint32_t *restrict wv, float *restrict am, float *restrict av,
+                             const map_t *restrict maps, const float *restrict coef) {
+    const __m512 b1 = _mm512_set1_ps(coef[0]), omb1 = _mm512_set1_ps(coef[1]), b2 = _mm512_set1_ps(coef[2]);
+    const __m512 omb2 = _mm512_set1_ps(coef[3]), inv_bc2 = _mm512_set1_ps(coef[4]), eps = _mm512_set1_ps(coef[5]);
+    const __m512 decay = _mm512_set1_ps(coef[6]), step_size = _mm512_set1_ps(coef[7]);
+    const __m512 m_scale = _mm512_set1_ps(*am), v_scale = _mm512_set1_ps(*av), vmax = _mm512_set1_ps(F32_MAX);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    float m[BLOCK], v[BLOCK];
+    __m512i m_max = _mm512_setzero_si512(), v_max = _mm512_setzero_si512();
+    decode_block(wm, &maps[0], m);
+    decode_block(wv, &maps[1], v);
+    for (int e = 0; e < BLOCK; e += 16) {
+        __m512 g32 = is_bf16 ? bf16x16_load((const uint16_t *)g + off + e) : _mm512_loadu_ps((const float *)g + off + e);
+        __m512 mk = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(m + e), m_scale), b1),
+                                  _mm512_mul_ps(g32, omb1));
+        __m512 vk = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(v + e), v_scale), b2),
+                                  _mm512_mul_ps(_mm512_mul_ps(g32, g32), omb2));
+        vk = _mm512_mask_mov_ps(vk, _mm512_cmp_ps_mask(vk, vmax, _CMP_GT_OQ), vmax); /* clamp_max: NaN stays */
+        _mm512_storeu_ps(m + e, mk);
+        _mm512_storeu_ps(v + e, vk);
+        m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(mk), abs_mask));
+        v_max = _mm512_max_epu32(v_max, _mm512_and_si512(_mm512_castps_si512(vk), abs_mask));
+        __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vk), inv_bc2), eps);
+        __m512 update = _mm512_mul_ps(_mm512_div_ps(mk, denom), step_size);
+        if (is_bf16) {
+            uint16_t *pe = (uint16_t *)p + off + e;
+            __m512 old = bf16x16_load(pe);
+            write_bf16x16(pe, _mm512_sub_ps(_mm512_mul_ps(old, decay), update), old, c ? c + off + e : NULL, key,
+                          off + e, mode);
+        } else {
+            float *pe = (float *)p + off + e;
+            _mm512_storeu_ps(pe, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pe), decay), update));
+        }
+    }
+    /* store_block's normalization and encoding, from the buffers */
+    uint32_t bits[2] = {(uint32_t)_mm512_reduce_max_epu32(m_max), (uint32_t)_mm512_reduce_max_epu32(v_max)};
+    float *x[2] = {m, v}, *scale[2] = {am, av};
+    uint32_t *w[2] = {wm, wv};
+    for (int s = 0; s < 2; s++) {
+        float a;
+        memcpy(&a, &bits[s], 4);
+        const __m512 inv = _mm512_set1_ps(1.0f / (a > 0.0f ? a : 1.0f));
+        for (int cw = 0; cw < WORDS / 16; cw++) {
+            __m512i q[4];
+            for (int k = 0; k < 4; k++)
+                q[k] = encode16(_mm512_mul_ps(_mm512_loadu_ps(x[s] + WORDS * k + 16 * cw), inv), &maps[s]);
+            _mm512_storeu_si512(w[s] + 16 * cw, pack16(q));
+        }
+        *scale[s] = a;
+    }
+}
+#endif
+
 /* Blocks [first, last) of one tensor of n elements (see quant8.h's FOR_EACH_BLOCK). */
 static void step_blocks(void *p, const void *g, uint32_t *wm, uint32_t *wv, float *am, float *av, int64_t n,
                         int is_bf16, uint16_t *c, int32_t key, int mode, const map_t *maps, const float *coef,
                         int64_t first, int64_t last) {
+#if defined(QUANT8_VBMI)
+    for (; first < last && (first + 1) * BLOCK <= n; first++) /* whole blocks; a partial last one below */
+        step_block_fused(p, g, is_bf16, c, (uint32_t)key, mode, first * BLOCK,
+                         wm + first * WORDS, wv + first * WORDS, am + first, av + first, maps, coef);
+#endif
     FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last,
                    step_block(pb, gb, wm + i * WORDS, wv + i * WORDS, am + i, av + i, maps, coef));
 }

@@ -52,6 +52,56 @@ static inline uint16_t write_bf16(float p32, float delta, uint16_t *c, uint32_t 
     return f32_to_bf16(p32 + delta);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The vector twins of the conversions, hash and writes above, 16 elements at a time: same integer arithmetic, same
+ * results (the fused kernels' registers never pass through a buffer). */
+static inline __m512 bf16x16_load(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+static inline __m512i f32x16_to_bf16(__m512 f) { /* f32_to_bf16 of each, in the low 16 bits */
+    __m512i b = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+}
+
+static inline __m512 bf16x16_value(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
+
+static inline void bf16x16_store(uint16_t *x, __m512i h) {
+    _mm256_storeu_si256((__m256i *)x, _mm512_cvtepi32_epi16(h));
+}
+
+static inline __m512i hash32x16(uint32_t key, __m512i idx) { /* hash32 of each */
+    __m512i h = _mm512_add_epi32(_mm512_mullo_epi32(idx, _mm512_set1_epi32((int)0x9E3779B1u)), _mm512_set1_epi32((int)key));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xC2B2AE35u));
+    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+}
+
+/* quant8.h's store_bf16 for 16 elements: bf16 weights p (fp32 values `old` before the step) get `fresh` under
+ * compensation `mode` (c: their Kahan buffer under mode 0; key and first: the noise key and the index of p[0] in
+ * its tensor under mode 1). */
+static inline void write_bf16x16(uint16_t *p, __m512 fresh, __m512 old, uint16_t *c, uint32_t key, int64_t first,
+                                 int mode) {
+    if (mode == 0) {
+        __m512 y = _mm512_add_ps(_mm512_sub_ps(fresh, old), bf16x16_load(c));
+        __m512i h = f32x16_to_bf16(_mm512_add_ps(old, y));
+        bf16x16_store(c, f32x16_to_bf16(_mm512_sub_ps(y, _mm512_sub_ps(bf16x16_value(h), old))));
+        bf16x16_store(p, h);
+    } else if (mode == 1) {
+        __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        __m512i b = _mm512_castps_si512(_mm512_add_ps(old, _mm512_sub_ps(fresh, old)));
+        bf16x16_store(p, _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_srli_epi32(hash32x16(key, idx), 16)), 16));
+    } else {
+        bf16x16_store(p, f32x16_to_bf16(fresh));
+    }
+}
+#endif
+
 /* Largest finite values: a second moment at most this large stays finite in its storage (fp32 max rounds to bf16
  * inf). */
 #define F32_MAX 3.40282346638528859811704183484516925e+38f

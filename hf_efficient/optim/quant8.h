@@ -28,6 +28,7 @@ typedef struct {
     int32_t base[32];       /* decade midpoints at or below binade i's bottom */
     float inner[32];        /* the one midpoint inside binade i (there is at most one: they are 10x apart), or inf */
     float n[16], inv_scale[16]; /* quant8.encode's n and inv_scale by count of midpoints passed; 8: the top */
+    float n9[16], nm1[16];      /* n * (1 / 9) and n - 1, as code_of rounds them */
     int is_signed;
     uint8_t lo_index[4][64], hi_index[4][64]; /* decode_block's byte shuffles, per run k */
 } map_t;
@@ -64,6 +65,10 @@ static void build_map(map_t *t, const float *decoded, const float *thresholds, i
     t->inv_scale[8] = 0.0f;
     for (int c = 9; c < 16; c++)
         t->n[c] = t->inv_scale[c] = 0.0f;
+    for (int c = 0; c < 16; c++) {
+        t->n9[c] = t->n[c] * (float)(1.0 / 9.0);
+        t->nm1[c] = t->n[c] - 1.0f;
+    }
     t->is_signed = is_signed;
     for (int k = 0; k < 4; k++) /* byte 4j + b of run k's floats: byte b of element 64k + j's value */
         for (int j = 0; j < 16; j++)
@@ -83,40 +88,47 @@ static inline float code_of(float x, float a, float n, float inv_scale, int is_s
     return is_signed ? (x < 0.0f ? 127.0f - J : 127.0f + J) : J - 1.0f;
 }
 
+#if defined(__AVX512F__)
+/* quant8.encode of 16 values x (normalized): their codes as int32. The decade's binade index is the exponent's low
+ * 5 bits (binades EXP0..EXP0 + 31 = 96..127; |x| <= 1 tops at 127, smaller exponents are raised to 96 first, a NaN's
+ * 255 lands on 31 as the min it replaces did). */
+static inline __m512i encode16(__m512 v, const map_t *restrict t) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+    __m512 a = t->is_signed ? _mm512_castsi512_ps(bits) : v;
+    __m512i idx = _mm512_srli_epi32(_mm512_max_epu32(bits, _mm512_set1_epi32(EXP0 << 23)), 23);
+    __m512i count = _mm512_permutex2var_epi32(_mm512_loadu_si512(t->base), idx, _mm512_loadu_si512(t->base + 16));
+    __mmask16 up = _mm512_cmp_ps_mask(
+        a, _mm512_permutex2var_ps(_mm512_loadu_ps(t->inner), idx, _mm512_loadu_ps(t->inner + 16)), _CMP_GE_OQ);
+    count = _mm512_mask_add_epi32(count, up, count, _mm512_set1_epi32(1));
+    count = _mm512_mask_mov_epi32(count, _mm512_cmp_ps_mask(v, _mm512_set1_ps(t->thresholds[7]), _CMP_GT_OQ),
+                                  _mm512_set1_epi32(8));
+    __m512 n = _mm512_permutexvar_ps(count, _mm512_loadu_ps(t->n));
+    __m512 inv_scale = _mm512_permutexvar_ps(count, _mm512_loadu_ps(t->inv_scale));
+    __m512 k = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(a, inv_scale), one),
+                             _mm512_permutexvar_ps(count, _mm512_loadu_ps(t->n9)));
+    k = _mm512_roundscale_ps(k, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    k = _mm512_max_ps(_mm512_min_ps(k, _mm512_permutexvar_ps(count, _mm512_loadu_ps(t->nm1))), zero);
+    __m512 J = _mm512_add_ps(n, k), code;
+    if (t->is_signed) /* 127 + J, or 127 - J below zero: J (>= 0) takes x's sign bit where x < 0 */
+        code = _mm512_add_ps(_mm512_set1_ps(127.0f), _mm512_castsi512_ps(_mm512_mask_or_epi32(
+                                 _mm512_castps_si512(J), _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ),
+                                 _mm512_castps_si512(J), _mm512_set1_epi32((int)0x80000000u))));
+    else /* a positive value keeps the smallest positive code (see quant8.encode) */
+        code = _mm512_mask_max_ps(_mm512_sub_ps(J, one), _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ),
+                                  _mm512_sub_ps(J, one), one);
+    return _mm512_cvttps_epi32(code);
+}
+#endif
+
 /* quant8.encode of 256 values: the nearest code of each (x in [-1, 1] signed, [0, 1] unsigned), but never
  * the unsigned map's 0 for a positive x. The decade is the count of midpoints at or below |x|, as eager's chain of
  * comparisons finds it. */
 static void encode_block(const float *restrict x, const map_t *restrict t, uint32_t *restrict q) {
 #if defined(__AVX512F__)
-    const __m512i b0 = _mm512_loadu_si512(t->base), b1 = _mm512_loadu_si512(t->base + 16);
-    const __m512 i0 = _mm512_loadu_ps(t->inner), i1 = _mm512_loadu_ps(t->inner + 16);
-    const __m512 nt = _mm512_loadu_ps(t->n), it = _mm512_loadu_ps(t->inv_scale);
-    const __m512 top = _mm512_set1_ps(t->thresholds[7]), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    const __m512 ninth = _mm512_set1_ps((float)(1.0 / 9.0)), c127 = _mm512_set1_ps(127.0f);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    for (int e = 0; e < BLOCK; e += 16) {
-        __m512 v = _mm512_loadu_ps(x + e);
-        __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
-        __m512 a = t->is_signed ? _mm512_castsi512_ps(bits) : v;
-        __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(EXP0));
-        idx = _mm512_min_epi32(_mm512_max_epi32(idx, _mm512_setzero_si512()), _mm512_set1_epi32(31));
-        __m512i count = _mm512_permutex2var_epi32(b0, idx, b1);
-        __mmask16 up = _mm512_cmp_ps_mask(a, _mm512_permutex2var_ps(i0, idx, i1), _CMP_GE_OQ);
-        count = _mm512_mask_add_epi32(count, up, count, _mm512_set1_epi32(1));
-        count = _mm512_mask_mov_epi32(count, _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ), _mm512_set1_epi32(8));
-        __m512 n = _mm512_permutexvar_ps(count, nt), inv_scale = _mm512_permutexvar_ps(count, it);
-        __m512 k = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(a, inv_scale), one), _mm512_mul_ps(n, ninth));
-        k = _mm512_roundscale_ps(k, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        k = _mm512_max_ps(_mm512_min_ps(k, _mm512_sub_ps(n, one)), zero);
-        __m512 J = _mm512_add_ps(n, k), code;
-        if (t->is_signed)
-            code = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), _mm512_add_ps(c127, J),
-                                        _mm512_sub_ps(c127, J));
-        else /* a positive value keeps the smallest positive code (see quant8.encode) */
-            code = _mm512_mask_max_ps(_mm512_sub_ps(J, one), _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ),
-                                      _mm512_sub_ps(J, one), one);
-        _mm512_storeu_si512(q + e, _mm512_cvttps_epi32(code));
-    }
+    for (int e = 0; e < BLOCK; e += 16)
+        _mm512_storeu_si512(q + e, encode16(_mm512_loadu_ps(x + e), t));
 #else
     for (int e = 0; e < BLOCK; e++) {
         float a = t->is_signed ? fabsf(x[e]) : x[e];
@@ -132,27 +144,44 @@ static void encode_block(const float *restrict x, const map_t *restrict t, uint3
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define QUANT8_VBMI 1
+/* The values of 16 in-memory words (64 codes): out[k] holds elements 64k + j of the words' block, j the words'
+ * offsets. The 4 bytes of each value come from 4 byte tables (256 entries: two 128-byte lookups and a blend on the
+ * code's top bit), then the bytes of element 64k + j (byte 4j + k of each plane) are gathered into one float. */
+static inline void decode16(const uint32_t *restrict w, const map_t *restrict t, __m512 out[4]) {
+    __m512i codes = _mm512_loadu_si512(w), bytes[4];
+    __mmask64 high = _mm512_movepi8_mask(codes);
+    for (int b = 0; b < 4; b++) {
+        const uint8_t *plane = t->planes[b];
+        bytes[b] = _mm512_mask_blend_epi8(
+            high, _mm512_permutex2var_epi8(_mm512_loadu_si512(plane), codes, _mm512_loadu_si512(plane + 64)),
+            _mm512_permutex2var_epi8(_mm512_loadu_si512(plane + 128), codes, _mm512_loadu_si512(plane + 192)));
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512i lo = _mm512_permutex2var_epi8(bytes[0], _mm512_loadu_si512(t->lo_index[k]), bytes[1]);
+        __m512i hi = _mm512_permutex2var_epi8(bytes[2], _mm512_loadu_si512(t->hi_index[k]), bytes[3]);
+        out[k] = _mm512_castsi512_ps(_mm512_mask_blend_epi8(0xCCCCCCCCCCCCCCCCull, lo, hi));
+    }
+}
+
+/* The 16 in-memory words of 64 codes (int32 each): q[k] holds elements 64k + j, byte k of word j. */
+static inline __m512i pack16(const __m512i q[4]) {
+    const __m512i low = _mm512_set1_epi32(255);
+    __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(q[0], low), _mm512_slli_epi32(_mm512_and_si512(q[1], low), 8),
+                                          _mm512_slli_epi32(_mm512_and_si512(q[2], low), 16), 0xFE); /* a | b | c */
+    return _mm512_or_si512(w, _mm512_slli_epi32(q[3], 24));
+}
+#endif
+
 /* The 256 decoded values of a block's codes, in element order. */
 static void decode_block(const uint32_t *restrict w, const map_t *restrict t, float *restrict out) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-    /* 64 codes at a time: the 4 bytes of their values from 4 byte tables (256 entries: two 128-byte lookups and a
-     * blend on the code's top bit), then the bytes of element 64k + j (byte 4j + k of each plane) gathered into
-     * one float: dword j of run k. */
-    __m512i planes[4][4];
-    for (int b = 0; b < 4; b++)
-        for (int h = 0; h < 4; h++)
-            planes[b][h] = _mm512_loadu_si512(t->planes[b] + 64 * h);
+#if defined(QUANT8_VBMI)
     for (int c = 0; c < WORDS / 16; c++) {
-        __m512i codes = _mm512_loadu_si512(w + 16 * c), bytes[4];
-        __mmask64 high = _mm512_movepi8_mask(codes);
-        for (int b = 0; b < 4; b++)
-            bytes[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(planes[b][0], codes, planes[b][1]),
-                                              _mm512_permutex2var_epi8(planes[b][2], codes, planes[b][3]));
-        for (int k = 0; k < 4; k++) {
-            __m512i lo = _mm512_permutex2var_epi8(bytes[0], _mm512_loadu_si512(t->lo_index[k]), bytes[1]);
-            __m512i hi = _mm512_permutex2var_epi8(bytes[2], _mm512_loadu_si512(t->hi_index[k]), bytes[3]);
-            _mm512_storeu_si512(out + WORDS * k + 16 * c, _mm512_mask_blend_epi8(0xCCCCCCCCCCCCCCCCull, lo, hi));
-        }
+        __m512 runs[4];
+        decode16(w + 16 * c, t, runs);
+        for (int k = 0; k < 4; k++)
+            _mm512_storeu_ps(out + WORDS * k + 16 * c, runs[k]);
     }
 #else
     for (int k = 0; k < 4; k++)
