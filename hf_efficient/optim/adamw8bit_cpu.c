@@ -71,9 +71,20 @@ static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, u
         __m512 update = _mm512_mul_ps(_mm512_div_ps(mk, denom), step_size);
         if (is_bf16) {
             uint16_t *pe = (uint16_t *)p + off + e;
-            __m512 old = bf16x16_load(pe);
-            write_bf16x16(pe, _mm512_sub_ps(_mm512_mul_ps(old, decay), update), old, c ? c + off + e : NULL, key,
-                          off + e, mode);
+            __m512 old = bf16x16_load(pe), fresh = _mm512_sub_ps(_mm512_mul_ps(old, decay), update);
+            if (mode == 2) { /* store_bf16: round fresh itself, not old + (fresh - old) */
+                bf16x16_store(pe, f32x16_to_bf16(fresh));
+                continue;
+            }
+            __m512i comp = mode == 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(c + off + e)))
+                                     : _mm512_setzero_si512();
+            __m512i noise = mode == 1 ? hash32x16(key, _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(off + e)),
+                                                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                                          10, 11, 12, 13, 14, 15)))
+                                      : _mm512_setzero_si512();
+            bf16x16_store(pe, write_bf16x16(old, _mm512_sub_ps(fresh, old), &comp, noise, mode));
+            if (mode == 0)
+                bf16x16_store(c + off + e, comp);
         } else {
             float *pe = (float *)p + off + e;
             _mm512_storeu_ps(pe, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pe), decay), update));

@@ -81,24 +81,19 @@ static inline __m512i hash32x16(uint32_t key, __m512i idx) { /* hash32 of each *
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
 
-/* quant8.h's store_bf16 for 16 elements: bf16 weights p (fp32 values `old` before the step) get `fresh` under
- * compensation `mode` (c: their Kahan buffer under mode 0; key and first: the noise key and the index of p[0] in
- * its tensor under mode 1). */
-static inline void write_bf16x16(uint16_t *p, __m512 fresh, __m512 old, uint16_t *c, uint32_t key, int64_t first,
-                                 int mode) {
+/* write_bf16 of 16 weights p32 + delta: the new weights' bits (in each lane's low 16), under mode 0 (kahan: *c holds
+ * the buffer's bits, in the low 16, and gets the new ones), 1 (stochastic, with `noise`) or 2 (nearest). */
+static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512i noise, int mode) {
     if (mode == 0) {
-        __m512 y = _mm512_add_ps(_mm512_sub_ps(fresh, old), bf16x16_load(c));
-        __m512i h = f32x16_to_bf16(_mm512_add_ps(old, y));
-        bf16x16_store(c, f32x16_to_bf16(_mm512_sub_ps(y, _mm512_sub_ps(bf16x16_value(h), old))));
-        bf16x16_store(p, h);
-    } else if (mode == 1) {
-        __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first),
-                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        __m512i b = _mm512_castps_si512(_mm512_add_ps(old, _mm512_sub_ps(fresh, old)));
-        bf16x16_store(p, _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_srli_epi32(hash32x16(key, idx), 16)), 16));
-    } else {
-        bf16x16_store(p, f32x16_to_bf16(fresh));
+        __m512 y = _mm512_add_ps(delta, bf16x16_value(*c));
+        __m512i h = f32x16_to_bf16(_mm512_add_ps(p32, y));
+        *c = f32x16_to_bf16(_mm512_sub_ps(y, _mm512_sub_ps(bf16x16_value(h), p32)));
+        return h;
     }
+    __m512 x = _mm512_add_ps(p32, delta);
+    if (mode == 1)
+        return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(noise, 16)), 16);
+    return f32x16_to_bf16(x);
 }
 #endif
 
