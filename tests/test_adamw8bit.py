@@ -36,7 +36,6 @@ import torch
 import hf_efficient as hfe
 from hf_efficient.optim import adamw8bit as mod
 from hf_efficient.optim import _blockwise, _dispatch, quant8
-from hf_efficient.optim._native import c_compiler as _c_compiler
 from hf_efficient.optim.adamw8bit import AdamW8bit, dynamic_map
 
 HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
@@ -325,38 +324,6 @@ def test_native_kernel_every_decade(flags, monkeypatch, rebuild_native):
     codes = native.state[pn[0]]["exp_avg"]
     assert len(codes.unique()) > 200  # most of the signed map in use
     _assert_same(pn, native, pc, compiled)
-
-
-@pytest.mark.skipif(_c_compiler() is None, reason="no C compiler: no C kernel")
-@pytest.mark.parametrize("compensation", ["kahan", "stochastic", "none"])
-def test_native_kernel_same_bits_in_every_build(compensation, monkeypatch, rebuild_native):
-    """The C kernel as built here (on an AVX-512 VBMI CPU: whole blocks in one fused vector pass) and in plain C
-    (buffered blocks) do the same operations: fp32 and bf16 weights (with their Kahan buffers) and the 8-bit state
-    equal bit for bit, over whole and partial blocks and the threads' split."""
-    from hf_efficient.optim import _native
-
-    runs = []
-    for flags in ([], ["-mno-avx512f"]):
-        rebuild_native(_dispatch, _FLAGS=_native._FLAGS + flags)
-        if AdamW8bit.native_fn() is None:  # as built here, a C compiler's kernel must pass its probe
-            assert flags, "the C kernel was refused by its probe"
-            pytest.skip("no plain C build here (not an x86 compiler for -mno-avx512f)")
-        calls = _counting_native(monkeypatch)
-        params = [torch.nn.Parameter(t.detach().to(dtype)) for dtype in (torch.float32, torch.bfloat16)
-                  for t in _with_big()]
-        opt = hfe.create_optimizer(params, "adam8bit", lr=1e-2, weight_decay=0.1, compensation=compensation,
-                                   min_8bit_size=1, nonfinite="ignore")
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            for q in params:
-                q.grad = (torch.randn(q.shape, generator=g) * 0.01).to(q.dtype)
-            opt.step()
-        assert calls
-        runs.append(_snapshot(params, opt))
-    (pa, sa), (pb, sb) = runs
-    for x, y, a, b in zip(pa, pb, sa, sb):
-        assert torch.equal(x, y)
-        assert a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
 
 
 def test_native_kernel_bf16_weights_equal_eager(monkeypatch):

@@ -51,13 +51,12 @@ static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, u
     const __m512 omb2 = _mm512_set1_ps(coef[3]), inv_bc2 = _mm512_set1_ps(coef[4]), eps = _mm512_set1_ps(coef[5]);
     const __m512 decay = _mm512_set1_ps(coef[6]), step_size = _mm512_set1_ps(coef[7]);
     const __m512 m_scale = _mm512_set1_ps(*am), v_scale = _mm512_set1_ps(*av), vmax = _mm512_set1_ps(F32_MAX);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
     float m[BLOCK], v[BLOCK];
     __m512i m_max = _mm512_setzero_si512(), v_max = _mm512_setzero_si512();
     decode_block(wm, &maps[0], m);
     decode_block(wv, &maps[1], v);
     for (int e = 0; e < BLOCK; e += 16) {
-        __m512 g32 = is_bf16 ? bf16x16_load((const uint16_t *)g + off + e) : _mm512_loadu_ps((const float *)g + off + e);
+        __m512 g32 = load16(g, off + e, is_bf16);
         __m512 mk = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(m + e), m_scale), b1),
                                   _mm512_mul_ps(g32, omb1));
         __m512 vk = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(v + e), v_scale), b2),
@@ -65,47 +64,16 @@ static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, u
         vk = _mm512_mask_mov_ps(vk, _mm512_cmp_ps_mask(vk, vmax, _CMP_GT_OQ), vmax); /* clamp_max: NaN stays */
         _mm512_storeu_ps(m + e, mk);
         _mm512_storeu_ps(v + e, vk);
-        m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(mk), abs_mask));
-        v_max = _mm512_max_epu32(v_max, _mm512_and_si512(_mm512_castps_si512(vk), abs_mask));
+        m_max = absmax16(m_max, mk);
+        v_max = absmax16(v_max, vk);
         __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vk), inv_bc2), eps);
-        __m512 update = _mm512_mul_ps(_mm512_div_ps(mk, denom), step_size);
-        if (is_bf16) {
-            uint16_t *pe = (uint16_t *)p + off + e;
-            __m512 old = bf16x16_load(pe), fresh = _mm512_sub_ps(_mm512_mul_ps(old, decay), update);
-            if (mode == 2) { /* store_bf16: round fresh itself, not old + (fresh - old) */
-                bf16x16_store(pe, f32x16_to_bf16(fresh));
-                continue;
-            }
-            __m512i comp = mode == 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(c + off + e)))
-                                     : _mm512_setzero_si512();
-            __m512i noise = mode == 1 ? hash32x16(key, _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(off + e)),
-                                                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                                          10, 11, 12, 13, 14, 15)))
-                                      : _mm512_setzero_si512();
-            bf16x16_store(pe, write_bf16x16(old, _mm512_sub_ps(fresh, old), &comp, noise, mode));
-            if (mode == 0)
-                bf16x16_store(c + off + e, comp);
-        } else {
-            float *pe = (float *)p + off + e;
-            _mm512_storeu_ps(pe, _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(pe), decay), update));
-        }
+        __m512 old = load16(p, off + e, is_bf16);
+        store_weights16(p, off + e, is_bf16, old,
+                        _mm512_sub_ps(_mm512_mul_ps(old, decay), _mm512_mul_ps(_mm512_div_ps(mk, denom), step_size)),
+                        c, key, mode);
     }
-    /* store_block's normalization and encoding, from the buffers */
-    uint32_t bits[2] = {(uint32_t)_mm512_reduce_max_epu32(m_max), (uint32_t)_mm512_reduce_max_epu32(v_max)};
-    float *x[2] = {m, v}, *scale[2] = {am, av};
-    uint32_t *w[2] = {wm, wv};
-    for (int s = 0; s < 2; s++) {
-        float a;
-        memcpy(&a, &bits[s], 4);
-        const __m512 inv = _mm512_set1_ps(1.0f / (a > 0.0f ? a : 1.0f));
-        for (int cw = 0; cw < WORDS / 16; cw++) {
-            __m512i q[4];
-            for (int k = 0; k < 4; k++)
-                q[k] = encode16(_mm512_mul_ps(_mm512_loadu_ps(x[s] + WORDS * k + 16 * cw), inv), &maps[s]);
-            _mm512_storeu_si512(w[s] + 16 * cw, pack16(q));
-        }
-        *scale[s] = a;
-    }
+    *am = store_block_max(m, (uint32_t)_mm512_reduce_max_epu32(m_max), &maps[0], wm);
+    *av = store_block_max(v, (uint32_t)_mm512_reduce_max_epu32(v_max), &maps[1], wv);
 }
 #endif
 

@@ -174,6 +174,59 @@ static inline __m512i pack16(const __m512i q[4]) {
 }
 #endif
 
+#if defined(QUANT8_VBMI)
+/* What the kernels' fused passes over whole blocks share (quant8.h needs native.h first there): 16 weights or
+ * gradients at element i of x (fp32, or bf16 where is_bf16) as fp32, ... */
+static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16x16_load((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
+}
+
+/* ... the new values `fresh` of 16 weights at element i of p (fp32 values `old` before the step) written as
+ * FOR_EACH_BLOCK writes them (store_bf16 under compensation `mode` for bf16: c the tensor's Kahan buffer, key its
+ * noise key), ... */
+static inline void store_weights16(void *p, int64_t i, int is_bf16, __m512 old, __m512 fresh, uint16_t *c,
+                                   uint32_t key, int mode) {
+    if (!is_bf16) {
+        _mm512_storeu_ps((float *)p + i, fresh);
+        return;
+    }
+    uint16_t *pe = (uint16_t *)p + i;
+    if (mode == 2) { /* store_bf16: fresh itself rounded, not old + (fresh - old) */
+        bf16x16_store(pe, f32x16_to_bf16(fresh));
+        return;
+    }
+    __m512i comp = mode == 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(c + i)))
+                             : _mm512_setzero_si512();
+    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i noise = mode == 1 ? hash32x16(key, _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i), lanes))
+                              : _mm512_setzero_si512();
+    bf16x16_store(pe, write_bf16x16(old, _mm512_sub_ps(fresh, old), &comp, noise, mode));
+    if (mode == 0)
+        bf16x16_store(c + i, comp);
+}
+
+/* ... and store_block's second half: a block of values x whose absmax has the bit pattern `bits` (the largest of
+ * their |x| bits: NaN wins) normalized, encoded into its 64 words; returns the absmax. */
+static inline float store_block_max(const float *restrict x, uint32_t bits, const map_t *restrict t,
+                                    uint32_t *restrict w) {
+    float a;
+    memcpy(&a, &bits, 4);
+    const __m512 inv = _mm512_set1_ps(1.0f / (a > 0.0f ? a : 1.0f));
+    for (int cw = 0; cw < WORDS / 16; cw++) {
+        __m512i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = encode16(_mm512_mul_ps(_mm512_loadu_ps(x + WORDS * k + 16 * cw), inv), t);
+        _mm512_storeu_si512(w + 16 * cw, pack16(q));
+    }
+    return a;
+}
+
+/* The running absmax bits of store_block_max, with 16 more values. */
+static inline __m512i absmax16(__m512i bits, __m512 x) {
+    return _mm512_max_epu32(bits, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+#endif
+
 /* The 256 decoded values of a block's codes, in element order. */
 static void decode_block(const uint32_t *restrict w, const map_t *restrict t, float *restrict out) {
 #if defined(QUANT8_VBMI)
