@@ -1,29 +1,39 @@
-"""Training memory with and without gradient release (hf_efficient/release.py), on the examples' MiniLM fine-tune.
+"""Training memory with and without gradient release (hf_efficient/release.py), on two models.
 
-    python scripts/memory_release.py                          # all configurations, ~5 min on 2 cores
+    python scripts/memory_release.py                          # both models, all configurations, ~15 min on 2 cores
     python scripts/memory_release.py --quick --out /tmp/mem   # fewer configurations and repetitions
+    python scripts/memory_release.py --models llama           # one model
 
-Writes ``memory_release.md`` (table, speed, machine), ``memory_release.json`` and ``memory_release.png`` into
-``--out`` (default ``docs/results``).
+Writes ``memory_release.md`` (a table per model, speed, machine), ``memory_release.json`` and ``memory_release.png``
+into ``--out`` (default ``docs/results``).
 
-Memory. Each configuration runs in its own process (peak RSS is per process): the bundled MiniLM (masked LM, 22.7M
-parameters, lm head tied to the word embeddings) trains ``--steps`` steps of ``--batch`` paragraphs of Python's
-documentation (examples/data.py: its model, texts and masking). On the last step (state allocated) the live bytes of weights + gradients + optimizer
-state are summed at every parameter's post-accumulate-grad hook (registered before the release's, so the gradient in
-flight counts), just before ``optimizer.step()`` and just after it; the table gives the peak of that sum, in bytes
-per parameter, split into its three terms at the peak. Not counted: activations, the step's temporaries, the
-allocator's slack: they are in the peak RSS column (the whole process, model loading included), and
-``max_memory_allocated`` on a GPU. Baselines are built by transformers' own Trainer.create_optimizer
-(``adamw_torch``, ``adamw_bnb_8bit``); gradient release applies to hf_eff_* names only.
+Models. ``minilm``: the examples' MiniLM fine-tune (examples/data.py: masked LM, 22.7M parameters, its lm head tied to
+the word embeddings: one tensor of 52% of the parameters, whose gradient lives through the whole backward).
+``llama``: a randomly initialised, untied ``LlamaForCausalLM`` built from a ``LlamaConfig`` (nothing downloaded;
+hidden 1024, 16 layers, MLP 2816, vocabulary 4096: 214M parameters), shaped like a real LLM, whose largest tensors
+(embedding, lm head) are 2.0% of the parameters each (Llama-7B: 2.0%); causal LM on the same documentation text,
+tokenized by :func:`_llama_tokens`. What gradient release leaves of the gradients is about the largest tensor, so the
+second model shows what it leaves on an LLM.
 
-Speed. The same model, two copies with the same name and weights, one released: full training steps (forward,
-backward, step) alternate between them, ``--reps`` times after ``--warmup``; medians.
+Memory. Each configuration runs in its own process (peak RSS is per process) and trains ``--steps`` steps of
+``--batch`` sequences of at most ``--seq`` tokens of Python's documentation. On the last step (state allocated) the
+live bytes of weights + gradients + optimizer state are summed at every parameter's post-accumulate-grad hook
+(registered before the release's, so the gradient in flight counts), just before ``optimizer.step()`` and just after
+it; the table gives the peak of that sum, in bytes per parameter, split into its three terms at the peak. Not
+counted: activations, the step's temporaries, the allocator's slack: they are in the peak RSS column (the whole
+process, model loading included), and ``max_memory_allocated`` on a GPU. Baselines are built by transformers' own
+Trainer.create_optimizer (``adamw_torch``, ``adamw_bnb_8bit``); gradient release applies to hf_eff_* names only.
+
+Speed (MiniLM, the examples' model). Two copies with the same name and weights, one released: full training steps
+(forward, backward, step) alternate between them, ``--reps`` times after ``--warmup``; medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -57,24 +67,59 @@ CONFIGS = [
 ]
 LOWEST = "bf16 hf_eff_adam8bit stochastic, 8-bit embeddings+release"
 QUICK = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adam8bit+release", LOWEST}
+# the Llama runs are ~10x MiniLM's: the baselines, ours with / without release, the lowest and the step to it
+LLAMA_CONFIGS = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adamw+release", "hf_eff_adam8bit", "hf_eff_adam8bit+release",
+                 "bf16 hf_eff_adam8bit stochastic+release", LOWEST}
+# LlamaConfig of the second model: Llama's shapes (untied, SwiGLU MLP ~2.75x hidden) at 214M parameters, largest
+# tensor 2.0% of them as in Llama-7B (embedding 32000 x 4096 of 6.7B); sdpa attention, no score matrices kept
+LLAMA = {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "tie_word_embeddings": False}
 SPEED = [("hf_eff_adamw", None), ("hf_eff_adam8bit", None), ("hf_eff_adam8bit", 0)]  # (name, bucket_bytes)
 LR, WD = 5e-5, 0.01
 
 
-def _setup(weights: str, seq: int, batch: int, n_batches: int, device: str):
+def _setup(model_name: str, weights: str, seq: int, batch: int, n_batches: int, device: str):
+    """Model ``model_name`` (see the module docstring) in ``weights``, and ``n_batches`` training batches."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if weights == "bf16" else None
+    model, batches = (_llama if model_name == "llama" else _minilm)(dtype, seq, batch, n_batches)
+    model.to(device).train()
+    return model, [{k: v.to(device) for k, v in b.items()} for b in batches]
+
+
+def _minilm(dtype, seq: int, batch: int, n_batches: int):
     """The examples' model and masked paragraphs (the first ones long enough: tokenizing all of them costs more than
     the run)."""
     from data import MLMCollator, load_model_and_tokenizer, load_texts
 
-    torch.manual_seed(0)
-    model, tok = load_model_and_tokenizer(dtype=torch.bfloat16 if weights == "bf16" else None)
-    model.to(device).train()
+    model, tok = load_model_and_tokenizer(dtype=dtype)
     encoded = tok(load_texts()[:40 * batch * n_batches], truncation=True, max_length=seq)["input_ids"]
     train = [{"input_ids": ids} for ids in encoded if len(ids) >= seq // 2]
     collate = MLMCollator(tok, generator=torch.Generator().manual_seed(0))
-    batches = [{k: v.to(device) for k, v in collate(train[i * batch:(i + 1) * batch]).items()}
-               for i in range(n_batches)]
-    return model, batches
+    return model, [collate(train[i * batch:(i + 1) * batch]) for i in range(n_batches)]
+
+
+def _llama_tokens(vocab: int) -> list[int]:
+    """Python's documentation as one stream of token ids: each of the ``vocab - 256`` most frequent words (with its
+    leading space) or punctuation runs is one token, anything else its UTF-8 bytes (ids 0-255). Real text and a
+    vocabulary of a few thousand, with no tokenizer to download."""
+    from data import load_texts
+
+    split = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
+    pieces = split.findall("\n\n".join(load_texts()))
+    ids = {w: 256 + i for i, (w, _) in enumerate(collections.Counter(pieces).most_common(vocab - 256))}
+    return [i for w in pieces for i in ((ids[w],) if w in ids else w.encode())]
+
+
+def _llama(dtype, seq: int, batch: int, n_batches: int):
+    """A randomly initialised, untied LlamaForCausalLM of :data:`LLAMA`'s shapes, and full windows of ``seq`` tokens
+    of the documentation (next-token loss)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA, max_position_embeddings=seq),
+                                          dtype=dtype or torch.float32)
+    stream = torch.tensor(_llama_tokens(LLAMA["vocab_size"])[:n_batches * batch * seq]).view(n_batches, batch, seq)
+    return model, [{"input_ids": ids, "labels": ids} for ids in stream]
 
 
 def _optimizer(model, optim: str, optim_args: str, released: bool, out: str, bucket_bytes: int | None = None):
@@ -118,7 +163,7 @@ def worker(cfg: dict) -> dict:
     warnings.filterwarnings("ignore")
     key, weights, optim, optim_args, released = cfg["config"]
     device = cfg["device"]
-    model, batches = _setup(weights, cfg["seq"], cfg["batch"], cfg["steps"], device)
+    model, batches = _setup(cfg["model"], weights, cfg["seq"], cfg["batch"], cfg["steps"], device)
     tracker = Tracker(model, None)  # hooks first, so they run before the release's
     opt = _optimizer(model, optim, optim_args, released, cfg["tmp"])
     tracker.opt = opt
@@ -132,9 +177,11 @@ def worker(cfg: dict) -> dict:
         tracker.event()
         opt.zero_grad(set_to_none=True)
     n = sum(p.numel() for p in tracker.params)
+    largest, big = max(model.named_parameters(), key=lambda np_: np_[1].numel())
     weights_b, grads_b, state_b = tracker.peak
-    return {"config": key, "weights": weights, "optim": optim, "optim_args": optim_args, "released": released,
-            "params": n, "weights_bpp": weights_b / n, "grads_bpp": grads_b / n, "state_bpp": state_b / n,
+    return {"model": cfg["model"], "config": key, "weights": weights, "optim": optim, "optim_args": optim_args,
+            "released": released, "params": n, "largest_tensor": largest, "largest_share": big.numel() / n,
+            "weights_bpp": weights_b / n, "grads_bpp": grads_b / n, "state_bpp": state_b / n,
             "total_bpp": (weights_b + grads_b + state_b) / n, "peak_rss_mib": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss / 1024,
             "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None}
@@ -149,7 +196,7 @@ def speed(args) -> list[dict]:
     for optim, bucket in SPEED:
         arms = {}
         for released in (False, True):
-            model, batches = _setup("fp32", args.seq, args.batch, 4, args.device)
+            model, batches = _setup("minilm", "fp32", args.seq, args.batch, 4, args.device)
             arms[released] = (model, _optimizer(model, optim, "", released, args.tmp, bucket), batches, [])
         for rep in range(args.warmup + args.reps):
             for released in ((False, True) if rep % 2 == 0 else (True, False)):
@@ -173,9 +220,10 @@ def speed(args) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="minilm,llama", help="comma-separated: minilm, llama (module docstring)")
     p.add_argument("--steps", type=int, default=2, help="training steps per memory run (measured: the last)")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128, help="max tokens per paragraph")
+    p.add_argument("--seq", type=int, default=128, help="max tokens per sequence")
     p.add_argument("--reps", type=int, default=12, help="timed steps per arm")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help=f"only {sorted(QUICK)}, 4 timed steps")
@@ -187,52 +235,92 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
+    models = args.models.split(",")
+    unknown = sorted(set(models) - set(TITLES))
+    if unknown:
+        p.error(f"--models {args.models!r}: unknown {unknown}; choose from {sorted(TITLES)}")
     if args.quick:
         args.reps = 4
     info = machine(args.device)
     rows = []
-    for cfg in CONFIGS:
-        if args.quick and cfg[0] not in QUICK:
-            continue
-        job = {"config": cfg, "device": args.device, "seq": args.seq, "batch": args.batch, "steps": args.steps,
-               "tmp": args.tmp}
-        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True)
-        if proc.returncode:
-            rows.append({"config": cfg[0], "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
-        else:
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
+    for model in models:
+        for cfg in CONFIGS:
+            if (args.quick and cfg[0] not in QUICK) or (model == "llama" and cfg[0] not in LLAMA_CONFIGS):
+                continue
+            job = {"model": model, "config": cfg, "device": args.device, "seq": args.seq, "batch": args.batch,
+                   "steps": args.steps, "tmp": args.tmp}
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True,
+                                  text=True)
+            if proc.returncode:
+                rows.append({"model": model, "config": cfg[0],
+                             "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+            else:
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
     speeds = speed(args)
     load_after = [round(x, 2) for x in __import__("os").getloadavg()]
     write(args.out, argv, info, load_after, rows, speeds, args)
 
 
-def write(out: Path, argv, info, load_after, rows, speeds, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+STATE_NOTES = {LOWEST: " (two 8-bit moments, 2 B, the embeddings' too; plus their blockwise scales and the 32-bit "
+                       "state of the tensors too small to quantize: norms, biases)"}
+TITLES = {"minilm": "MiniLM masked-LM fine-tune (examples/data.py)",
+          "llama": "Llama-shaped causal LM (LlamaConfig, random init, untied embedding and lm head)"}
+WHY = {"minilm": "The examples' model. Its lm head is tied to the word embedding: one tensor of half the parameters, "
+                 "whose gradient lives through the whole backward, released or not.",
+       "llama": "Llama's shapes at a size a 2-core CPU steps in seconds: its largest tensors (embedding, lm head) are "
+                "2% of the parameters each, as in real LLMs (Llama-7B's embedding: 2.0%), so what release leaves of "
+                "the gradients here is what it leaves on an LLM."}
+
+
+def _model_section(model: str, rows: list[dict], args) -> list[str]:
+    """One model's table, its lowest configuration, and what each term of it is."""
     ok = [r for r in rows if "error" not in r]
-    base = next((r for r in ok if r["config"] == "adamw_torch"), None)
+    cuda = args.device.startswith("cuda")
+    heads = ["configuration", "weights", "release", "weights B/param", "gradients B/param (at peak)",
+             "state B/param", "total B/param", "peak RSS MiB"] + (["max_memory_allocated MiB"] if cuda else [])
     table = [[r["config"], r["weights"], "yes" if r["released"] else "no", fmt(r["weights_bpp"]), fmt(r["grads_bpp"]),
               fmt(r["state_bpp"]), f"**{fmt(r['total_bpp'])}**", fmt(r["peak_rss_mib"], 0)]
-             + ([fmt(r["max_allocated_mib"], 0)] if args.device.startswith("cuda") else []) for r in ok]
-    heads = ["configuration", "weights", "release", "weights B/param", "gradients B/param (at peak)",
-             "state B/param", "total B/param", "peak RSS MiB"] + (
-        ["max_memory_allocated MiB"] if args.device.startswith("cuda") else [])
+             + ([fmt(r["max_allocated_mib"], 0)] if cuda else []) for r in ok]
+    text = [f"## {TITLES[model]}", ""]
+    if ok:
+        r0 = ok[0]
+        text += [f"{WHY[model]} {r0['params'] / 1e6:.1f}M parameters; largest tensor `{r0['largest_tensor']}`, "
+                 f"{100 * r0['largest_share']:.1f}% of them. Batch {args.batch} x <= {args.seq} tokens.", "",
+                 md_table(heads, table), ""]
+    base = next((r for r in ok if r["config"] == "adamw_torch"), None)
     lowest = min(ok, key=lambda r: r["total_bpp"]) if ok else None
-    text = ["# Gradient release: training memory and step time", "",
-            f"MiniLM masked-LM fine-tune (examples/data.py), {ok[0]['params'] / 1e6:.1f}M parameters, batch "
-            f"{args.batch} x <= {args.seq} tokens, {args.device}. Command: `{command_line(__file__, argv)}`", "",
-            machine_md(info, load_after), "",
-            "Peak of live weights + gradients + optimizer state during the measured step (see the script's docstring "
-            "for the method), bytes per parameter:", "", md_table(heads, table), ""]
     if lowest and base:
-        text.append(f"Lowest: `{lowest['config']}` at {fmt(lowest['total_bpp'])} B/param, against "
-                    f"{fmt(base['total_bpp'])} for fp32 AdamW ({fmt(base['total_bpp'] / lowest['total_bpp'], 1)}x "
-                    "less). With release the gradient term is the largest single gradient in flight (the tied "
-                    "word embedding), not the sum of all of them.")
+        grad_bytes = 2 if lowest["weights"] == "bf16" else 4
+        text.append(
+            f"Lowest: `{lowest['config']}` at {fmt(lowest['total_bpp'])} B/param, against {fmt(base['total_bpp'])} "
+            f"for fp32 AdamW ({fmt(base['total_bpp'] / lowest['total_bpp'], 1)}x less): weights "
+            f"{fmt(lowest['weights_bpp'])} ({lowest['weights']}); optimizer state {fmt(lowest['state_bpp'])}"
+            f"{STATE_NOTES.get(lowest['config'], '')}; "
+            f"gradients {fmt(lowest['grads_bpp'])}: with release only the gradients in flight are alive, at most "
+            f"a bucket of {args.bucket_mib:g} MiB plus the tensor being completed, so this term is set by the largest "
+            f"tensor (`{lowest['largest_tensor']}`: {fmt(grad_bytes * lowest['largest_share'])} B/param alone at "
+            f"{grad_bytes} B per element), not by the sum of all gradients.")
     for r in rows:
         if "error" in r:
             text.append(f"\n- `{r['config']}` did not run here: {r['error']}")
-    text += ["", "## Step time (forward + backward + step), median", "",
+    return text + [""]
+
+
+def write(out: Path, argv, info, load_after, rows, speeds, args) -> None:
+    from hf_efficient.release import BUCKET_BYTES
+
+    out.mkdir(parents=True, exist_ok=True)
+    args.bucket_mib = BUCKET_BYTES / 2**20
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    text = ["# Gradient release: training memory and step time", "",
+            f"Models: {', '.join(models)} (a section each), on {args.device}. Command: "
+            f"`{command_line(__file__, argv)}`", "", machine_md(info, load_after), "",
+            "Peak of live weights + gradients + optimizer state during the measured step (see the script's docstring "
+            "for the method), bytes per parameter.", ""]
+    for model in models:
+        text += _model_section(model, [r for r in rows if r["model"] == model], args)
+    text += ["## Step time (forward + backward + step), median, MiniLM", "",
              md_table(["optimizer", "release bucket_bytes", "ordinary step ms", "with release ms",
                        "release / ordinary"],
                       [[s["optim"], s["bucket_bytes"], fmt(s["step_ms"], 1), fmt(s["release_step_ms"], 1),
@@ -243,7 +331,7 @@ def write(out: Path, argv, info, load_after, rows, speeds, args) -> None:
     (out / "memory_release.json").write_text(json.dumps(
         {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after, "rows": rows,
          "speed": speeds}, indent=1))
-    plot(out / "memory_release.png", ok, info)
+    plot(out / "memory_release.png", [r for r in rows if "error" not in r], info)
 
 
 def plot(path: Path, rows: list[dict], info: dict) -> None:
@@ -251,21 +339,29 @@ def plot(path: Path, rows: list[dict], info: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.6))
-    y = list(range(len(rows)))
-    left = [0.0] * len(rows)
-    for key, label, color in (("weights_bpp", "weights", "tab:blue"), ("grads_bpp", "gradients", "tab:red"),
-                              ("state_bpp", "optimizer state", "tab:green")):
-        vals = [r[key] for r in rows]
-        ax.barh(y, vals, left=left, color=color, label=label)
-        left = [a + b for a, b in zip(left, vals)]
-    for yi, total in zip(y, left):
-        ax.text(total + 0.1, yi, f"{total:.2f}", va="center", fontsize=8)
-    ax.set_yticks(y, [r["config"] for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("peak live bytes per parameter during a training step (weights + gradients + optimizer state)")
-    ax.legend(loc="lower right")
-    ax.set_title(f"Gradient release, MiniLM {rows[0]['params'] / 1e6:.1f}M params on {info['cpu']}", fontsize=10)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    groups = [[r for r in rows if r["model"] == m] for m in models]
+    fig, axes = plt.subplots(len(groups), 1, sharex=True, squeeze=False, figsize=(10, 0.42 * len(rows) + 1.6 * len(
+        groups)), gridspec_kw={"height_ratios": [len(g) for g in groups]})
+    for ax, group in zip(axes[:, 0], groups):
+        y = list(range(len(group)))
+        left = [0.0] * len(group)
+        for key, label, color in (("weights_bpp", "weights", "tab:blue"), ("grads_bpp", "gradients", "tab:red"),
+                                  ("state_bpp", "optimizer state", "tab:green")):
+            vals = [r[key] for r in group]
+            ax.barh(y, vals, left=left, color=color, label=label)
+            left = [a + b for a, b in zip(left, vals)]
+        for yi, total in zip(y, left):
+            ax.text(total + 0.1, yi, f"{total:.2f}", va="center", fontsize=8)
+        ax.set_yticks(y, [r["config"] for r in group], fontsize=8)
+        ax.invert_yaxis()
+        r0 = group[0]
+        ax.set_title(f"{r0['model']}: {r0['params'] / 1e6:.1f}M params, largest tensor "
+                     f"{100 * r0['largest_share']:.1f}% of them", fontsize=9)
+    axes[0, 0].legend(loc="lower right")
+    axes[-1, 0].set_xlabel("peak live bytes per parameter during a training step (weights + gradients + optimizer "
+                           "state)")
+    fig.suptitle(f"Gradient release on {info['cpu']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
