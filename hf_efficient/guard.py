@@ -277,16 +277,21 @@ class _BackwardScan:
             return
         from .release import is_attached  # gradient release checks (and steps) each tensor itself, in its own hook
 
+        if not is_attached(optimizer) and self.scan(grad):
+            self.scanned += grad.numel()
+            _remember_clean(grad)
+
+    def scan(self, grad: torch.Tensor) -> bool | None:
+        """Whether ``grad``, just completed by backward, is clean, by the C scan on torch's threads (on one thread for
+        good once a scan stalled, see _STALLED); None where the C scan does not apply. Gradient release uses it too."""
         fn = _scan_kernel()
-        if fn is None or is_attached(optimizer) or not _c_scannable([grad]):
-            return
+        if fn is None or not _c_scannable([grad]):
+            return None
         start = time.perf_counter()
         clean = _scan(fn, [grad], threads=self.threads) < 0
         if self.threads is None and time.perf_counter() - start > grad.numel() * grad.element_size() / _STALLED:
             self.threads = 1  # see _STALLED
-        if clean:
-            self.scanned += grad.numel()
-            _remember_clean(grad)
+        return clean
 
 
 def _remove_hooks(handles: dict) -> None:

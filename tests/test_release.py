@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
-from hf_efficient import release
+from hf_efficient import guard, release
 from hf_efficient.factory import optimizer_info
 
 from conftest import ClassificationSet, tiny_bert, tiny_gpt2
@@ -172,6 +172,24 @@ def test_resume_is_exact():
 # ------------------------------------------------------------------------------------------------ inf / NaN policy
 
 
+@pytest.fixture(params=["c", "torch"])
+def scan(request, monkeypatch):
+    """Each inf/NaN test runs with the guard's C scan and with torch's check (no C kernel): the same behaviour.
+    Returns the sizes of the gradients the check read, in order."""
+    calls = []
+    if request.param == "torch":
+        monkeypatch.setattr(guard, "_scan_kernel", lambda: None)
+        real = guard._first_bad_torch
+        monkeypatch.setattr(guard, "_first_bad_torch", lambda grads: calls.append(grads[0].numel()) or real(grads))
+    elif guard._scan_kernel() is None:
+        pytest.skip("no C compiler: no C scan")
+    else:
+        real_scan = guard._scan
+        monkeypatch.setattr(guard, "_scan", lambda fn, grads, threads=None: calls.append(grads[0].numel())
+                            or real_scan(fn, grads, threads))
+    return calls
+
+
 def _mlp_with_bad_grad(policy):
     """Three linear layers; the middle weight's gradient is made NaN. Backward completes layer 3, then 2, then 1."""
     torch.manual_seed(0)
@@ -186,7 +204,7 @@ def _changed(model, before):
     return [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
 
 
-def test_nonfinite_raise_steps_earlier_tensors_only():
+def test_nonfinite_raise_steps_earlier_tensors_only(scan):
     model, opt, before = _mlp_with_bad_grad("raise")
     with pytest.raises(FloatingPointError, match=r"'0.weight'|'1.weight'") as e:
         model(torch.randn(2, 4)).sum().backward()
@@ -196,6 +214,7 @@ def test_nonfinite_raise_steps_earlier_tensors_only():
     assert changed == {"2.weight": True, "2.bias": True, "1.bias": True, "1.weight": False, "0.weight": False,
                        "0.bias": False}
     assert model[1].weight.grad is not None  # left for inspection
+    assert scan == [1, 4, 4, 16]  # each tensor checked once, up to the bad one: 2.bias, 2.weight, 1.bias, 1.weight
     with pytest.raises(RuntimeError, match="holds a gradient from before this backward"):
         model(torch.randn(2, 4)).sum().backward()
     opt.zero_grad()
@@ -203,7 +222,7 @@ def test_nonfinite_raise_steps_earlier_tensors_only():
     model(torch.randn(2, 4)).sum().backward()  # clean again
 
 
-def test_nonfinite_skip_skips_that_tensor_and_counts(caplog):
+def test_nonfinite_skip_skips_that_tensor_and_counts(caplog, scan):
     model, opt, before = _mlp_with_bad_grad("skip")
     with caplog.at_level(logging.WARNING, logger="hf_efficient.release"):
         model(torch.randn(2, 4)).sum().backward()
@@ -215,6 +234,18 @@ def test_nonfinite_skip_skips_that_tensor_and_counts(caplog):
     assert "1 tensor(s) with a non-finite gradient skipped ('1.weight')" in caplog.text
     model(torch.randn(2, 4)).sum().backward()
     assert release.release_info(opt).skipped_tensors == 2 and opt.hf_efficient.skipped_steps == 2
+    assert sorted(scan) == sorted([1, 4, 4, 16, 4, 16] * 2)  # every tensor of both backward passes, once
+
+
+@pytest.mark.skipif(guard._scan_kernel() is None, reason="no C compiler: no C scan")
+def test_a_stalled_scan_in_release_moves_the_guards_scan_to_one_thread(monkeypatch):
+    """Release's check is the guard's scan in backward, with its state: a stall (see guard._STALLED) moves that
+    optimizer's scans to one thread, and they still find a bad gradient."""
+    monkeypatch.setattr(guard, "_STALLED", float("inf"))  # every scan counts as stalled
+    model, opt, _ = _mlp_with_bad_grad("skip")
+    assert guard._HOOKS[opt].threads is None
+    model(torch.randn(2, 4)).sum().backward()
+    assert guard._HOOKS[opt].threads == 1 and release.release_info(opt).skipped_tensors == 1
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
