@@ -317,7 +317,9 @@ def write(out: Path, argv, info, load_after, rows, speeds, args) -> None:
             f"Models: {', '.join(models)} (a section each), on {args.device}. Command: "
             f"`{command_line(__file__, argv)}`", "", machine_md(info, load_after), "",
             "Peak of live weights + gradients + optimizer state during the measured step (see the script's docstring "
-            "for the method), bytes per parameter.", ""]
+            "for the method), bytes per parameter. Peak RSS is the whole process's (model creation, the forward's "
+            "activations, the step's temporaries, memory the allocator keeps): it does not follow the live total, "
+            "and on CPU, where the activations of the forward set it, release need not lower it.", ""]
     for model in models:
         text += _model_section(model, [r for r in rows if r["model"] == model], args)
     text += ["## Step time (forward + backward + step), median, MiniLM", "",
@@ -356,12 +358,11 @@ def plot(path: Path, rows: list[dict], info: dict) -> None:
         ax.set_yticks(y, [r["config"] for r in group], fontsize=8)
         ax.invert_yaxis()
         r0 = group[0]
-        ax.set_title(f"{r0['model']}: {r0['params'] / 1e6:.1f}M params, largest tensor "
-                     f"{100 * r0['largest_share']:.1f}% of them", fontsize=9)
+        ax.set_title(f"Gradient release, {r0['model']}: {r0['params'] / 1e6:.1f}M params, largest tensor "
+                     f"{100 * r0['largest_share']:.1f}% of them, on {info['cpu']}", fontsize=9)
     axes[0, 0].legend(loc="lower right")
     axes[-1, 0].set_xlabel("peak live bytes per parameter during a training step (weights + gradients + optimizer "
                            "state)")
-    fig.suptitle(f"Gradient release on {info['cpu']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
