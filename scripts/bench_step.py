@@ -12,7 +12,8 @@ LayerNorms, biases; weight-decay groups from ``hf_efficient.build_param_groups``
 gradients; every optimizer holds the same parameters of its dtype (fp32, or bf16 for the bf16 family) and
 its own state. After ``--warmup`` steps each, ``--reps`` repetitions run one step of every optimizer in turn,
 in a new (seeded) random order each repetition, with an in-place update of a ``--probe-mb`` tensor among them
-that measures the memory bandwidth under the same load. Reported: medians, ratios to torch's fused fp32 AdamW.
+that measures the memory bandwidth under the same load. Reported: medians; ratios to torch's fused fp32 AdamW as the
+median of each repetition's ratio (both steps of the same repetition).
 
 Physical limit: a step must read each parameter, gradient and state byte once and write each parameter
 and state byte once, so ``bytes = 2 * params + grads + 2 * state`` (fp32 AdamW: 28 B/param) and the step
@@ -331,10 +332,16 @@ def run(args) -> dict:
             "probes": len(inplace_times), "vouched": all(guard._scanned_clean(g) for g in large)}
 
 
+def _paired_ratio(times: list[float], base: list[float]) -> float:
+    """Median over repetitions of a step's time over the baseline's in the same repetition: a load or bandwidth shift
+    that lasts a repetition moves both (the baseline's own steps here fell into two groups, ~8 and ~12 ms, so a ratio of
+    medians depended on which group its median landed in)."""
+    return median([t / b for t, b in zip(times, base)])
+
+
 def rows_of(result: dict) -> list[dict]:
     cands, bw = result["cands"], result["bandwidth"]
     base = next((c for c in cands if c.label == BASELINE and c.times), None)
-    base_t = median(base.times) if base else float("nan")
     rows = []
     for c in cands:
         r = {"optimizer": c.label, "backend": c.backend, "pick": c.pick, "note": c.note, "format": c.fmt,
@@ -344,7 +351,8 @@ def rows_of(result: dict) -> list[dict]:
             moved = 2 * c.param_bytes + c.grad_bytes + 2 * c.state_bytes
             r.update(step_ms=t * 1e3, q1_ms=_quantile(c.times, 0.25) * 1e3, q3_ms=_quantile(c.times, 0.75) * 1e3,
                      mparams_per_s=c.params / t / 1e6, state_bytes_per_param=c.state_bytes / c.params,
-                     ratio_to_fused=t / base_t, bytes_moved_per_param=moved / c.params,
+                     ratio_to_fused=_paired_ratio(c.times, base.times) if base else float("nan"),
+                     bytes_moved_per_param=moved / c.params,
                      limit_ms=moved / bw * 1e3, share_of_limit=moved / bw / t, first_step_s=c.first_step_s,
                      params=c.params, samples=len(c.times))
         rows.append(r)
@@ -661,7 +669,8 @@ def write_results(out: Path, rows: list[dict], overhead: list[dict], result: dic
             "output projection, 4x MLP, LayerNorms, biases; no embedding), fixed random gradients, "
             f"lr={LR}, weight_decay={WD} with hf_efficient's decay groups",
             f"- Timing: {args.warmup} warm-up steps each, then {args.reps} interleaved repetitions; median and "
-            f"interquartile range of single steps",
+            f"interquartile range of single steps; *x fused fp32*: the median of each repetition's step time over torch's "
+            f"fused fp32 AdamW's in the same repetition",
             f"- Memory bandwidth: {result['bandwidth'] / 1e9:.1f} GB/s, measured as an optimizer moves memory: an "
             f"in-place update of {args.probe_mb} MiB (`x.mul_(-1)`: each byte read and written), median of "
             f"{result['probes']} probes interleaved with the steps. (A copy `dst.copy_(src)` reaches "
