@@ -166,6 +166,31 @@ def test_c_kernel_equals_eager_under_each_mode(name, mode):
                                    rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "none"])
+def test_write_all_equals_write_per_tensor(mode, dtype):
+    """write_all's one set of operations over a flat buffer gives each tensor exactly what write gives it alone."""
+    from hf_efficient.optim.compensation import fp32_copies, write, write_all
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (300,), (1,), (33, 2, 4)]
+    params = [(1.0 + torch.rand(s, generator=g)).to(dtype) for s in shapes]
+    new32 = [p.float() + torch.randn(p.shape, generator=g) * 1e-3 for p in params]
+    comps = [(torch.randn(p.shape, generator=g) * 1e-4).bfloat16() for p in params]
+    keys = [11, -5, 2**31 - 1, 0]
+    ref_p, ref_c = [p.clone() for p in params], [c.clone() for c in comps]
+    for p, c, n, k in zip(ref_p, ref_c, new32, keys):
+        old = p.float()
+        if mode == "none":
+            p.copy_(n)
+        else:
+            write(p, old, n - old, c, mode, torch.tensor(k, dtype=torch.int32), None)
+    old, _ = fp32_copies(params)
+    write_all(params, old, torch.cat([n.reshape(-1) for n in new32]), comps, mode, keys)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_p))
+    assert all(torch.equal(a, b) for a, b in zip(comps, ref_c))
+
+
 @pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
 @pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
 def test_c_kernel_same_bits_in_every_build(name, rebuild_native):
