@@ -1,6 +1,7 @@
 /* Lion8bit's step on CPU for fp32 or bf16 weights and gradients: lion8bit._kernel's operations in its order, one
- * block of 256 elements at a time in plain C that the compiler vectorizes (-O3 -ffp-contract=off: every fp32
- * operation rounds as torch's eager ops do). The codec (tables, decoding, encoding, layout) is quant8.h's.
+ * block of 256 elements at a time in plain C that the compiler vectorizes, and on AVX-512 VBMI CPUs whole blocks in
+ * one fused vector pass (as adamw8bit_cpu.c; -O3 -ffp-contract=off: every fp32 operation rounds as torch's eager ops
+ * do). The codec (tables, decoding, encoding, layout) is quant8.h's.
  *
  * maps: quant8.c_tables(). Per tensor: coef[6 * t ...] = beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr.
  * bf16 weights are written under compensation `mode`, as adamw8bit_cpu.c's.
