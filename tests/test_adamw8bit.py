@@ -693,3 +693,21 @@ def test_gradients_are_never_written(compile):
     grads = [q.grad.clone() for q in params]
     opt.step()
     assert all(torch.equal(q.grad, gr) for q, gr in zip(params, grads))
+
+
+def test_fresh_state_of_a_group_is_one_buffer_per_moment():
+    """The 8-bit state a group's tensors start at the same step shares one buffer per moment (the C kernel steps
+    such a group ~10% faster), each tensor's codes and absmaxes its own slice; small tensors keep fp32 state."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 80), (300, 23), (5000,), (10,)]]
+    opt = AdamW8bit(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    big = params[:3]
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+        tensors = [opt.state[p][key] for p in big]
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        assert [t.numel() for t in tensors] == [quant8.blocks(p.numel()) * (256 if "absmax" not in key else 1)
+                                                for p in big]
+    assert opt.state[params[3]]["exp_avg"].dtype == torch.float32

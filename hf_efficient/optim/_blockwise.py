@@ -290,6 +290,25 @@ class Blockwise8bit(Optimizer):
         """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
         super().add_param_group(check_group(self, param_group, self.FAMILY, self.check_family_keys))
 
+    def _allocate_together(self, group: dict) -> None:
+        """Fresh 8-bit state for the group's tensors that start one at this step, each moment's codes and absmaxes
+        as views of one buffer per device: the C kernel then steps the group ~10% faster than over separate
+        allocations (16 matrices of 4 BERT layers, bf16 weights: 11.7 -> 10.6 ms; one tensor of their size takes
+        10.7). A state loaded from a checkpoint keeps its own tensors."""
+        fresh = {}
+        for p in group["params"]:
+            if p.grad is not None and not self.state.get(p) and p.numel() >= group["min_8bit_size"] \
+                    and id(p) not in self._fp32_ids:
+                fresh.setdefault(p.device, []).append(p)
+        for device, params in fresh.items():
+            sizes = [quant8.blocks(p.numel()) for p in params]
+            for p in params:
+                self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key, signed in self.MOMENTS:
+                codes, absmax = quant8.zero_codes(sum(sizes) * BLOCK, signed, device)
+                for p, c, a in zip(params, codes.split([n * BLOCK for n in sizes]), absmax.split(sizes)):
+                    self.state[p][key], self.state[p][f"{key}_absmax"] = c, a
+
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
@@ -310,6 +329,7 @@ class Blockwise8bit(Optimizer):
         first = self.MOMENTS[0][0]
         position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
+            self._allocate_together(group)
             mode = group["compensation"]
             fp32 = []  # (p, grad, state, weight noise key) of tensors with fp32 state
             coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
