@@ -697,7 +697,8 @@ def test_gradients_are_never_written(compile):
 
 def test_fresh_state_of_a_group_is_one_buffer_per_moment():
     """The 8-bit state a group's tensors start at the same step shares one buffer per moment (the C kernel steps
-    such a group ~10% faster), each tensor's codes and absmaxes its own slice; small tensors keep fp32 state."""
+    such a group ~10% faster), each tensor's codes and absmaxes its own slice, and so does a loaded one; small
+    tensors keep fp32 state."""
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 80), (300, 23), (5000,), (10,)]]
     opt = AdamW8bit(params, lr=1e-3)
@@ -711,3 +712,9 @@ def test_fresh_state_of_a_group_is_one_buffer_per_moment():
         assert [t.numel() for t in tensors] == [quant8.blocks(p.numel()) * (256 if "absmax" not in key else 1)
                                                 for p in big]
     assert opt.state[params[3]]["exp_avg"].dtype == torch.float32
+    saved = opt.state_dict()
+    resumed = AdamW8bit(params, lr=1e-3)
+    resumed.load_state_dict(saved)  # packed again
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+        assert len({resumed.state[p][key].untyped_storage().data_ptr() for p in big}) == 1
+        assert all(torch.equal(resumed.state[p][key], opt.state[p][key]) for p in big)
