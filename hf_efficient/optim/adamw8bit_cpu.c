@@ -82,13 +82,10 @@ static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, u
 static void step_blocks(void *p, const void *g, uint32_t *wm, uint32_t *wv, float *am, float *av, int64_t n,
                         int is_bf16, uint16_t *c, int32_t key, int mode, const map_t *maps, const float *coef,
                         int64_t first, int64_t last) {
-#if defined(QUANT8_VBMI)
-    for (; first < last && (first + 1) * BLOCK <= n; first++) /* whole blocks; a partial last one below */
-        step_block_fused(p, g, is_bf16, c, (uint32_t)key, mode, first * BLOCK,
-                         wm + first * WORDS, wv + first * WORDS, am + first, av + first, maps, coef);
-#endif
     FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last,
-                   step_block(pb, gb, wm + i * WORDS, wv + i * WORDS, am + i, av + i, maps, coef));
+                   step_block(pb, gb, wm + i * WORDS, wv + i * WORDS, am + i, av + i, maps, coef),
+                   step_block_fused(p, g, is_bf16, c, (uint32_t)key, mode, i * BLOCK, wm + i * WORDS, wv + i * WORDS,
+                                    am + i, av + i, maps, coef));
 }
 
 /* Blocks [start, end) of the concatenation of `count` tensors' blocks (ceil(n / 256) for n elements). */

@@ -56,12 +56,9 @@ static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, u
 
 static void step_blocks(void *p, const void *g, uint32_t *wm, float *am, int64_t n, int is_bf16, uint16_t *c,
                         int32_t key, int mode, const map_t *map, const float *coef, int64_t first, int64_t last) {
-#if defined(QUANT8_VBMI)
-    for (; first < last && (first + 1) * BLOCK <= n; first++) /* whole blocks; a partial last one below */
-        step_block_fused(p, g, is_bf16, c, (uint32_t)key, mode, first * BLOCK, wm + first * WORDS, am + first, map,
-                         coef);
-#endif
-    FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, step_block(pb, gb, wm + i * WORDS, am + i, map, coef));
+    FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, step_block(pb, gb, wm + i * WORDS, am + i, map, coef),
+                   step_block_fused(p, g, is_bf16, c, (uint32_t)key, mode, i * BLOCK, wm + i * WORDS, am + i, map,
+                                    coef));
 }
 
 static void step_range(int64_t count, void *const *p, const void *const *g, uint32_t *const *wm, float *const *am,

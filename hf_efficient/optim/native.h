@@ -81,8 +81,9 @@ static inline __m512i hash32x16(uint32_t key, __m512i idx) { /* hash32 of each *
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
 
-/* write_bf16 of 16 weights p32 + delta: the new weights' bits (in each lane's low 16), under mode 0 (kahan: *c holds
- * the buffer's bits, in the low 16, and gets the new ones), 1 (stochastic, with `noise`) or 2 (nearest). */
+/* write_bf16 of 16 weights p32 + delta under mode 0 (kahan: *c holds the buffer's bits, in the low 16, and gets the
+ * new ones) or 1 (stochastic, with `noise`): the new weights' bits, in each lane's low 16. Round to nearest is
+ * f32x16_to_bf16 of the new value itself. */
 static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512i noise, int mode) {
     if (mode == 0) {
         __m512 y = _mm512_add_ps(delta, bf16x16_value(*c));
@@ -90,10 +91,8 @@ static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512
         *c = f32x16_to_bf16(_mm512_sub_ps(y, _mm512_sub_ps(bf16x16_value(h), p32)));
         return h;
     }
-    __m512 x = _mm512_add_ps(p32, delta);
-    if (mode == 1)
-        return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_srli_epi32(noise, 16)), 16);
-    return f32x16_to_bf16(x);
+    __m512i b = _mm512_castps_si512(_mm512_add_ps(p32, delta));
+    return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_srli_epi32(noise, 16)), 16);
 }
 #endif
 

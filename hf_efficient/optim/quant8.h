@@ -312,13 +312,20 @@ static inline void store_bf16(uint16_t *restrict p, const float *restrict fresh,
 }
 
 /* STEP for blocks [first, last) of a tensor of n elements: weights p and gradients g (fp32, or bf16 where is_bf16)
- * as 256 floats `pb` / `gb` of block `i`. Whole fp32 blocks are stepped in place; others through buffers, the last,
- * partial block zero-padded (a zero weight and gradient keep zero moments there). bf16 weights are written by
- * store_bf16 under compensation `mode` (c: the tensor's Kahan buffer or NULL; key: its weights' noise key).
- * Needs native.h. */
-#define FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, STEP)                                  \
+ * as 256 floats `pb` / `gb` of block `i`. Whole blocks run FUSED instead where the fused vector pass is built
+ * (QUANT8_VBMI: it reads and writes the tensors in place, with the same results); otherwise whole fp32 blocks are
+ * stepped in place, others through buffers, the last, partial block zero-padded (a zero weight and gradient keep
+ * zero moments there). bf16 weights are written by store_bf16 under compensation `mode` (c: the tensor's Kahan
+ * buffer or NULL; key: its weights' noise key). Needs native.h. */
+#if defined(QUANT8_VBMI)
+#define FUSED_WHOLE_BLOCK_(valid, FUSED) if ((valid) == BLOCK) { FUSED; continue; }
+#else
+#define FUSED_WHOLE_BLOCK_(valid, FUSED)
+#endif
+#define FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, STEP, FUSED)                           \
     for (int64_t i = (first); i < (last); i++) {                                                          \
         int64_t valid_ = (n) - i * BLOCK < BLOCK ? (n) - i * BLOCK : BLOCK;                               \
+        FUSED_WHOLE_BLOCK_(valid_, FUSED)                                                                 \
         if (valid_ == BLOCK && !(is_bf16)) {                                                              \
             float *pb = (float *)(p) + i * BLOCK;                                                         \
             const float *gb = (const float *)(g) + i * BLOCK;                                             \
