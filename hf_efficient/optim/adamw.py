@@ -15,8 +15,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_saved, start_step
-from .compensation import (LOW_PRECISION, by_kind, check_compensation, drop_unused_buffers, flat_views, fp32_copies,
-                           weight_key, write_all)
+from .compensation import LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32, weight_key
 
 __all__ = ["AdamW", "adamw_fp32_state"]
 
@@ -25,23 +24,18 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                      weight_decay, amsgrad: bool = False, maximize: bool = False, compensation: str = "none",
                      comps=None, keys=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
-    and written back by :func:`.compensation.write_all` (``comps``: each tensor's Kahan buffer or None; ``keys``:
+    and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
     each tensor's noise key). Increments ``steps``."""
-    for kind, idx in by_kind(params).items():  # fp32 weights stepped in place, the others as fp32 copies
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        if kind is None:
-            ps = [params[i].detach() for i in idx]
-        else:
-            old = fp32_copies(pick(params))[0]
-            new = old.clone()
-            ps = flat_views(new, pick(params))
+
+    def step(idx, ps):
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         gs = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
         fused = all(p.device.type == "cpu" for p in ps)  # CUDA's fused kernel wants its steps on the GPU
         _torch_adamw(ps, gs, pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs) if amsgrad else [],
                      pick(steps), foreach=None if fused else False, fused=fused, amsgrad=amsgrad, beta1=beta1,
                      beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
-        if kind is not None:
-            write_all(pick(params), old, new, pick(comps), compensation, pick(keys))
+
+    step_in_fp32(params, step, compensation, comps, keys)
 
 
 class AdamW(torch.optim.AdamW):

@@ -25,8 +25,8 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 __all__ = ["COMPENSATIONS", "C_MODES", "drop_unused_buffers", "LOW_PRECISION", "check_compensation", "applies", "noise_key", "weight_key", "hash_noise",
-           "round_stochastic", "write", "write_all", "by_kind", "fp32_copies", "flat_views",
-           "element_index"]
+           "round_stochastic", "write", "write_all", "step_in_fp32", "fp32_copies",
+           "flat_views", "element_index"]
 
 COMPENSATIONS = ("kahan", "stochastic", "none")
 C_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernels' mode numbers (native.h's write_bf16)
@@ -136,13 +136,23 @@ def drop_unused_buffers(optimizer, owner: str) -> None:
                        len(dropped), "/".join(sorted(set(dropped))))
 
 
-def by_kind(params) -> dict:
-    """Indices of ``params`` by (device, dtype), fp32 weights under None (stepped in place): the tensors one
-    :func:`write_all` takes."""
+def step_in_fp32(params, step, mode: str, comps=None, keys=None) -> None:
+    """``step(idx, work)`` updates ``work``, fp32 tensors of ``params[i]``'s shapes for i in ``idx``, in place: fp32
+    weights themselves; other dtypes as views of one flat fp32 copy per device and dtype, then written back by
+    :func:`write_all` under ``mode`` (``comps``: each tensor's Kahan buffer or None; ``keys``: its noise key)."""
     kinds = {}
     for i, p in enumerate(params):
         kinds.setdefault(None if p.dtype == torch.float32 else (p.device, p.dtype), []).append(i)
-    return kinds
+    for kind, idx in kinds.items():
+        ps = [params[i].detach() for i in idx]
+        if kind is None:
+            step(idx, ps)
+            continue
+        old = fp32_copies(ps)[0]
+        new = old.clone()
+        step(idx, flat_views(new, ps))
+        write_all(ps, old, new, None if comps is None else [comps[i] for i in idx], mode,
+                  None if keys is None else [keys[i] for i in idx])
 
 
 def fp32_copies(params) -> tuple[Tensor, list[Tensor]]:

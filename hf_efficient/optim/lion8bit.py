@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import quant8
 from ._blockwise import Blockwise8bit
-from .compensation import by_kind, flat_views, fp32_copies, write_all
+from .compensation import step_in_fp32
 
 __all__ = ["Lion8bit", "lion"]
 
@@ -52,22 +52,16 @@ def _coefficients(group: dict, step: int) -> list[float]:
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
          weight_decay: float, compensation: str = "none", comps=None, keys=None) -> None:
     """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
-    low-precision weights written under ``compensation`` (:func:`.compensation.write_all`)."""
-    for kind, idx in by_kind(params).items():  # fp32 weights stepped in place, the others as fp32 copies
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        ps = pick(params)
-        old = None if kind is None else fp32_copies(ps)[0]
-        news = []
-        for p32, g, m in zip([p.detach() for p in ps] if kind is None else flat_views(old, ps), pick(grads),
-                             pick(exp_avgs)):
-            g32 = g.float()
-            update = torch.sign(m * beta1 + g32 * (1.0 - beta1))
-            news.append(p32 * (1.0 - lr * weight_decay) - update * lr)
-            m.mul_(beta2).add_(g32 * (1.0 - beta2))
-        if kind is None:
-            torch._foreach_copy_([p.detach() for p in ps], news)
-        else:
-            write_all(ps, old, torch.cat([x.reshape(-1) for x in news]), pick(comps), compensation, pick(keys))
+    low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`)."""
+
+    def step(idx, ps):
+        for i, p32 in zip(idx, ps):
+            g32 = grads[i].float()
+            update = torch.sign(exp_avgs[i] * beta1 + g32 * (1.0 - beta1))
+            p32.copy_(p32 * (1.0 - lr * weight_decay) - update * lr)
+            exp_avgs[i].mul_(beta2).add_(g32 * (1.0 - beta2))
+
+    step_in_fp32(params, step, compensation, comps, keys)
 
 
 class Lion8bit(Blockwise8bit):
