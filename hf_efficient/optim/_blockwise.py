@@ -290,30 +290,30 @@ class Blockwise8bit(Optimizer):
         """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
         super().add_param_group(check_group(self, param_group, self.FAMILY, self.check_family_keys))
 
+    def _has_8bit_state(self, p: Tensor, group: dict) -> bool:
+        """Whether ``p`` keeps 8-bit state (else fp32: small tensors, and those named at construction)."""
+        return p.numel() >= group["min_8bit_size"] and id(p) not in self._fp32_ids
+
     def _allocate_together(self, group: dict) -> None:
-        """Fresh 8-bit state for the group's tensors that start one at this step, each moment's codes and absmaxes
-        as views of one buffer per device: the C kernel then steps the group ~10% faster than over separate
-        allocations (16 matrices of 4 BERT layers, bf16 weights: 11.7 -> 10.6 ms; one tensor of their size takes
-        10.7). A loaded state is packed the same way (:meth:`_pack`)."""
-        fresh = {}
-        for p in group["params"]:
-            if p.grad is not None and not self.state.get(p) and p.numel() >= group["min_8bit_size"] \
-                    and id(p) not in self._fp32_ids:
-                fresh.setdefault(p.device, []).append(p)
-        for device, params in fresh.items():
-            sizes = [quant8.blocks(p.numel()) for p in params]
-            for p in params:
-                self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for key, signed in self.MOMENTS:
-                codes, absmax = quant8.zero_codes(sum(sizes) * BLOCK, signed, device)
-                for p, c, a in zip(params, codes.split([n * BLOCK for n in sizes]), absmax.split(sizes)):
-                    self.state[p][key], self.state[p][f"{key}_absmax"] = c, a
+        """Fresh 8-bit state for the group's CPU tensors that start one at this step, each moment's codes and absmaxes
+        as views of one buffer: the C kernel then steps the group ~10% faster than over separate allocations (16
+        matrices of 4 BERT layers, bf16 weights: 11.7 -> 10.6 ms; one tensor of their size takes 10.7). A loaded state
+        is packed the same way (:meth:`_pack`). Other devices keep a buffer per tensor (nothing measured there)."""
+        params = [p for p in group["params"] if p.grad is not None and p.is_cpu and not self.state.get(p)
+                  and self._has_8bit_state(p, group)]
+        sizes = [quant8.blocks(p.numel()) for p in params]
+        for p in params:
+            self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key, signed in self.MOMENTS if params else ():
+            codes, absmax = quant8.zero_codes(sum(sizes) * BLOCK, signed, "cpu")
+            for p, c, a in zip(params, codes.split([n * BLOCK for n in sizes]), absmax.split(sizes)):
+                self.state[p][key], self.state[p][f"{key}_absmax"] = c, a
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if p.numel() < group["min_8bit_size"] or id(p) in self._fp32_ids:
+            if not self._has_8bit_state(p, group):
                 for key, _ in self.MOMENTS:
                     state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             else:
@@ -396,22 +396,18 @@ class Blockwise8bit(Optimizer):
         self._pack()
 
     def _pack(self) -> None:
-        """Each group's loaded 8-bit state moved into one buffer per moment and device, as a fresh one is allocated
+        """Each group's loaded 8-bit state on CPU moved into one buffer per moment, as a fresh one is allocated
         (:meth:`_allocate_together`), so that a resumed run steps as fast as the original (one moment's size in
         flight at a time)."""
         first = self.MOMENTS[0][0]
         for group in self.param_groups:
-            by_device = {}
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state and first in state and state[first].dtype == torch.uint8:
-                    by_device.setdefault(p.device, []).append(p)
-            for params in by_device.values():
-                for key in (k for m, _ in self.MOMENTS for k in (m, f"{m}_absmax")):
-                    parts = [self.state[p][key] for p in params]
-                    flat = torch.cat([t.reshape(-1) for t in parts])
-                    for p, t, v in zip(params, parts, flat.split([t.numel() for t in parts])):
-                        self.state[p][key] = v.view(t.shape)
+            params = [p for p in group["params"] if p.is_cpu and first in self.state.get(p, {})
+                      and self.state[p][first].dtype == torch.uint8]
+            for key in (k for m, _ in self.MOMENTS for k in (m, f"{m}_absmax")) if params else ():
+                parts = [self.state[p][key] for p in params]
+                flat = torch.cat([t.reshape(-1) for t in parts])
+                for p, t, v in zip(params, parts, flat.split([t.numel() for t in parts])):
+                    self.state[p][key] = v.view(t.shape)
 
     def _checked_groups(self, state_dict: dict, where: str) -> list[dict]:
         """The saved groups, each completed with this optimizer's defaults and checked as add_param_group checks."""
