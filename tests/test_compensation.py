@@ -192,6 +192,46 @@ def test_write_all_equals_write_per_tensor(mode, dtype):
 
 
 @pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "none"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, beta1, monkeypatch):
+    """adamw_cpu.c (bf16 weights with fp32 moments: hf_eff_adamw, and 8-bit AdamW's biases and norms) against the
+    torch path it replaces on CPU (torch's fused AdamW on fp32 copies, then write_all): weights, moments, Kahan
+    buffers and steps equal bit for bit, on tensors whose sizes leave every length of torch's scalar tail (numel % 8),
+    its elements split over 3 threads, both sides of torch's lerp (1 - beta1 below and above 0.5). x86 torch 2.13:
+    another build may round its multiply-adds otherwise (the kernel's probe then allows 1e-6)."""
+    from hf_efficient.optim import adamw
+
+    assert adamw._native_fn() is not None, "the C kernel was refused by its probe"
+    shapes = [(7, 5), (300,), (1,), (33, 2, 4), (70_001,), (3072,), (2 * 64 * 1024 + 3,)]
+    runs = []
+    for c_kernel in (True, False):
+        g = torch.Generator().manual_seed(1)
+        ps = [(torch.randn(s, generator=g) * 0.1).bfloat16() for s in shapes]
+        ms = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+        vs = [torch.rand(s, generator=g) * 1e-5 for s in shapes]
+        cs = [(torch.randn(s, generator=g) * 1e-4).bfloat16() for s in shapes] if mode == "kahan" else None
+        steps = [torch.tensor(float(i % 3)) for i in range(len(shapes))]  # unequal steps: scalars per tensor
+        kw = dict(lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=0.1, compensation=mode, comps=cs,
+                  keys=[3, -4, 5, 2**31 - 1, 7, 8, 9])
+        torch_path = adamw._torch_path
+        if c_kernel:  # the torch path must not run: every tensor here is the C kernel's, over 3 threads
+            monkeypatch.setattr(adamw, "_torch_path", lambda *a, **k: pytest.fail("torch path used"))
+            monkeypatch.setattr(_native.torch, "get_num_threads", lambda: 3)
+        for _ in range(3):
+            gs = [(torch.randn(s, generator=g) * 0.01).to(grad_dtype) for s in shapes]
+            if c_kernel:
+                adamw.adamw_fp32_state(ps, gs, ms, vs, None, steps, **kw)
+            else:
+                torch_path(ps, gs, ms, vs, [], steps, amsgrad=False, maximize=False, **kw)
+        monkeypatch.undo()
+        runs.append([ps, ms, vs, cs or [], steps])
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
 @pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
 def test_c_kernel_same_bits_in_every_build(name, rebuild_native):
     """The C kernel as built here (on an AVX-512 VBMI CPU whole blocks run in one fused vector pass) and in plain C

@@ -96,6 +96,36 @@ static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512
 }
 #endif
 
+/* The loops of a step over elements [start, end) of one bf16 weight tensor p with fp32 state: per element, BODY
+ * computes the new weight `fresh` (fp32) from `p32` (the weight) and `g32` (the gradient: bf16 where g_bf16, else
+ * fp32), updating the state of element i, and the weight is written under compensation `mode` (write_bf16; c: the
+ * Kahan buffer under mode 0; key: the weight noise key under 1; mode 2 rounds `fresh` itself, as torch's copy_).
+ * One loop per gradient dtype and mode, each a constant in its loop: a branch inside would stop the vectorizer. */
+#define BF16_WEIGHT_LOOP_(p, G32, c, key, MODE, start, end, BODY)                                           \
+    for (int64_t i = (start); i < (end); i++) {                                                           \
+        float p32 = bf16_to_f32((p)[i]), g32 = (G32), fresh;                                              \
+        BODY;                                                                                             \
+        (p)[i] = MODE == 2 ? f32_to_bf16(fresh)                                                           \
+                           : write_bf16(p32, fresh - p32, MODE == 0 ? &(c)[i] : NULL,                      \
+                                        hash32((uint32_t)(key), (uint32_t)i), MODE);                       \
+    }
+#define BF16_WEIGHT_MODES_(p, G32, c, key, mode, start, end, BODY)                                          \
+    if ((mode) == 0) {                                                                                    \
+        BF16_WEIGHT_LOOP_(p, G32, c, key, 0, start, end, BODY)                                            \
+    } else if ((mode) == 1) {                                                                             \
+        BF16_WEIGHT_LOOP_(p, G32, c, key, 1, start, end, BODY)                                            \
+    } else {                                                                                              \
+        BF16_WEIGHT_LOOP_(p, G32, c, key, 2, start, end, BODY)                                            \
+    }
+#define BF16_WEIGHT_LOOPS(p, g, g_bf16, c, key, mode, start, end, BODY)                                     \
+    if (g_bf16) {                                                                                         \
+        const uint16_t *restrict gb_ = (const uint16_t *)(g);                                             \
+        BF16_WEIGHT_MODES_(p, bf16_to_f32(gb_[i]), c, key, mode, start, end, BODY)                        \
+    } else {                                                                                              \
+        const float *restrict gf_ = (const float *)(g);                                                   \
+        BF16_WEIGHT_MODES_(p, gf_[i], c, key, mode, start, end, BODY)                                     \
+    }
+
 /* Largest finite values: a second moment at most this large stays finite in its storage (fp32 max rounds to bf16
  * inf). */
 #define F32_MAX 3.40282346638528859811704183484516925e+38f
