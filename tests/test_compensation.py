@@ -203,7 +203,7 @@ def test_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, beta1,
     another build may round its multiply-adds otherwise (the kernel's probe then allows 1e-6)."""
     from hf_efficient.optim import adamw
 
-    assert adamw._native_fn() is not None, "the C kernel was refused by its probe"
+    assert adamw._KERNEL.fn() is not None, "the C kernel was refused by its probe"
     shapes = [(7, 5), (300,), (1,), (33, 2, 4), (70_001,), (3072,), (2 * 64 * 1024 + 3,)]
     runs = []
     for c_kernel in (True, False):
@@ -227,6 +227,38 @@ def test_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, beta1,
                 torch_path(ps, gs, ms, vs, [], steps, amsgrad=False, maximize=False, **kw)
         monkeypatch.undo()
         runs.append([ps, ms, vs, cs or [], steps])
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "none"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_lion_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, monkeypatch):
+    """lion8bit_cpu.c's lion_step (bf16 weights with an fp32 momentum: Lion8bit's small tensors) against the torch
+    path it replaces on CPU: weights, momenta and Kahan buffers equal bit for bit, zero gradients and momenta
+    included (sign(0) = 0), split over 3 threads."""
+    from hf_efficient.optim import lion8bit
+
+    assert lion8bit._KERNEL.fn() is not None, "the C kernel was refused by its probe"
+    shapes = [(7, 5), (300,), (1,), (2 * 64 * 1024 + 3,)]
+    runs = []
+    for c_kernel in (True, False):
+        g = torch.Generator().manual_seed(2)
+        ps = [(torch.randn(s, generator=g) * 0.1).bfloat16() for s in shapes]
+        ms = [torch.randn(s, generator=g) * 1e-3 * (torch.rand(s, generator=g) > 0.1) for s in shapes]
+        cs = [(torch.randn(s, generator=g) * 1e-4).bfloat16() for s in shapes] if mode == "kahan" else None
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, compensation=mode, comps=cs, keys=[3, -4, 5, 6])
+        torch_path = lion8bit._torch_path
+        if c_kernel:
+            monkeypatch.setattr(lion8bit, "_torch_path", lambda *a, **k: pytest.fail("torch path used"))
+            monkeypatch.setattr(_native.torch, "get_num_threads", lambda: 3)
+        for _ in range(3):
+            gs = [(torch.randn(s, generator=g) * 0.01 * (torch.rand(s, generator=g) > 0.1)).to(grad_dtype)
+                  for s in shapes]
+            (lion8bit.lion if c_kernel else torch_path)(ps, gs, ms, **kw)
+        monkeypatch.undo()
+        runs.append([ps, ms, cs or []])
     for a, b in zip(*runs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 

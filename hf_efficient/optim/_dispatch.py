@@ -24,7 +24,8 @@ import torch
 
 from . import _native
 
-__all__ = ["cached", "compiled", "native", "custom_op", "call", "compile_errors", "log_once", "c_array"]
+__all__ = ["cached", "compiled", "native", "custom_op", "call", "compile_errors", "log_once", "c_array",
+           "Bf16WeightKernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +140,96 @@ def c_array(ctype, values) -> ctypes.Array:
     if ctype is ctypes.c_void_p:
         values = [v.data_ptr() for v in values]
     return (ctype * len(values))(*values)
+
+
+class Bf16WeightKernel:
+    """A family's C kernel for bf16 weights with fp32 state on CPU, where the torch path steps fp32 copies and
+    writes them back (:func:`.compensation.step_in_fp32`): ``adamw_cpu.c``'s ``adamw_step``, ``lion8bit_cpu.c``'s
+    ``lion_step``. Their C signature: ``(count, params, grads, states, comps, numel, grad_is_bf16, keys, coef, mode,
+    start, end, threads)``, ``states[k * count + t]`` the k-th fp32 state tensor of tensor t, ``coef`` the family's
+    scalars per tensor. Exposed as the op ``torch.ops.hf_efficient.{name}``.
+
+    Used only once its probe passed: on fresh tensors (``probe_states``: each state's initial value; ``probe_coef``:
+    the scalars of the step ``reference(params, grads, states, comps, keys, mode)``, the torch path, takes), every
+    mode, elements split over 3 threads, it must agree with the torch path: state within 1e-6 relative, weights
+    within one bf16 spacing, Kahan buffers within 1% (weights 1.0, updates of about a quarter of a bf16 spacing: a
+    lost compensation fails). Tests check the bits (another torch build may round its multiply-adds otherwise)."""
+
+    def __init__(self, name: str, source: str, symbol: str, reference: Callable, probe_states: tuple[float, ...],
+                 probe_coef: Callable[[], list[float]]):
+        self.source, self.symbol, self.reference = source, symbol, reference
+        self.probe_states, self.probe_coef = probe_states, probe_coef
+
+        def step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
+                 comps: list[torch.Tensor], keys: list[int], coef: list[float], compensation: str,
+                 threads: int) -> None:  # not ``mode``: torch's dispatch passes a keyword of that name to ops
+            self._run(self.fn(), params, grads, states, comps, keys, coef, compensation, threads)
+
+        self.op = custom_op(name, step, ("params", "states", "comps"))
+
+    def fn(self):
+        """The C function, once its probe passed; else None (see :func:`native`)."""
+        return native(self.source, self.symbol, [ctypes.c_int64] + [ctypes.c_void_p] * 8
+                      + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], self._probe)
+
+    @staticmethod
+    def eligible(p: torch.Tensor, g: torch.Tensor, states, comp, compensation: str) -> bool:
+        """Whether the kernel can step ``p``: a plain contiguous bf16 CPU weight, an fp32 or bf16 gradient, fp32
+        ``states``, and its bf16 Kahan buffer ``comp`` under kahan."""
+        if p.dtype != torch.bfloat16 or not p.is_cpu or g.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        kahan = compensation == "kahan"
+        tensors = (p, g, *states, comp) if kahan else (p, g, *states)
+        return (all(s.dtype == torch.float32 for s in states) and (not kahan or (
+            comp is not None and comp.dtype == torch.bfloat16))
+                and all(t.is_cpu and t.is_contiguous() for t in tensors) and _native.plain(*tensors))
+
+    def __call__(self, params, grads, states, comps, keys, coef, compensation: str) -> None:
+        """The step of ``params`` (``states``: each tensor's fp32 tensors; ``comps``: Kahan buffers, under kahan)."""
+        self.op([p.detach() for p in params], grads, _state_major(states),
+                [c for c in comps if c is not None] if compensation == "kahan" else [], keys, coef, compensation, -1)
+
+    def _run(self, fn, params, grads, states, comps, keys, coef, mode: str, threads: int | None) -> None:
+        """``fn`` over all the tensors in one call (``states`` flat, state-major), split over torch's threads
+        (``threads`` < 0 or None) or ``threads``."""
+        from .compensation import C_MODES
+
+        count, ptrs = len(params), lambda ts: c_array(ctypes.c_void_p, ts)  # noqa: E731
+        args = (count, ptrs(params), ptrs(grads), ptrs(states), ptrs(comps) if comps else None,
+                c_array(ctypes.c_int64, [p.numel() for p in params]),
+                c_array(ctypes.c_int32, [g.dtype == torch.bfloat16 for g in grads]), c_array(ctypes.c_int32, keys),
+                c_array(ctypes.c_float, coef), C_MODES[mode])
+        _native.run_split(fn, args, sum(p.numel() for p in params),
+                          threads=None if threads is None or threads < 0 else threads)
+
+    def _probe(self, fn) -> bool:
+        from .compensation import COMPENSATIONS
+
+        n = 2 * _native._MIN_PER_THREAD + 37
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 1e-3).bfloat16()]
+        for mode in COMPENSATIONS:
+            runs = []
+            for c_kernel in (True, False):
+                ps = [torch.ones(n, dtype=torch.bfloat16) for _ in grads]
+                states = [tuple(torch.full((n,), v) for v in self.probe_states) for _ in grads]
+                cs = [torch.zeros(n, dtype=torch.bfloat16) if mode == "kahan" else None for _ in grads]
+                if c_kernel:
+                    self._run(fn, ps, grads, _state_major(states), [c for c in cs if c is not None], [7, -9],
+                              self.probe_coef() * len(ps), mode, 3)
+                else:
+                    self.reference(ps, grads, states, cs, [7, -9], mode)
+                runs.append((ps, [s for st in states for s in st], cs))
+            (pc, sc, cc), (pt, st, ct) = runs
+            close = all(torch.allclose(a, b, rtol=1e-6, atol=0.0) for a, b in zip(sc, st))
+            close &= all(((a.float() - b.float()).abs() <= 2.0**-7).all() for a, b in zip(pc, pt))
+            if mode == "kahan":
+                close &= all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=0.0) for a, b in zip(cc, ct))
+            if not close:
+                return False
+        return True
+
+
+def _state_major(states) -> list:
+    """Each tensor's state tuples, as the C kernels take them: every tensor's first state, then every second..."""
+    return [s[k] for k in range(len(states[0]) if states else 0) for s in states]

@@ -15,7 +15,6 @@ it is used. 8-bit AdamW's fp32-state tensors (biases, norms) take this path too.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from array import array
 
@@ -24,9 +23,8 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_saved, start_step
-from . import _dispatch, _native
-from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers,
-                           step_in_fp32, weight_key)
+from . import _dispatch
+from .compensation import LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32, weight_key
 
 __all__ = ["AdamW", "adamw_fp32_state"]
 
@@ -36,14 +34,14 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                      comps=None, keys=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
-    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (:func:`_native_eligible`).
+    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (``_KERNEL.eligible``).
     Increments ``steps``."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
     native = [] if amsgrad or maximize or torch.is_tensor(lr) else [
         i for i in range(len(params))
-        if _native_eligible(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i], compensation)]
-    if native and _native_fn() is not None:
+        if _KERNEL.eligible(params[i], grads[i], (exp_avgs[i], exp_avg_sqs[i]), comps[i], compensation)]
+    if native and _KERNEL.fn() is not None:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
         torch._foreach_add_(pick(steps, native), 1)
         coef, by_step = [], {}  # the tensors of a group mostly share their step: its scalars computed once
@@ -53,9 +51,8 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                 by_step[step] = _c_coefficients(step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                                 weight_decay=weight_decay)
             coef += by_step[step]
-        _op([params[i].detach() for i in native], pick(grads, native), pick(exp_avgs, native),
-            pick(exp_avg_sqs, native), [comps[i] for i in native if comps[i] is not None], pick(keys, native), coef,
-            compensation, -1)
+        _KERNEL(pick(params, native), pick(grads, native), [(exp_avgs[i], exp_avg_sqs[i]) for i in native],
+                pick(comps, native), pick(keys, native), coef, compensation)
         rest = [i for i in range(len(params)) if i not in set(native)]
         if not rest:
             return
@@ -85,20 +82,6 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
 # The C kernel (bf16 weights on CPU), cached, probed and published by :mod:`._dispatch`
 # ----------------------------------------------------------------------------------------------------
 
-_NATIVE_SOURCE, _NATIVE_SYMBOL = "adamw_cpu.c", "adamw_step"
-
-
-def _native_eligible(p: Tensor, g: Tensor, m: Tensor, v: Tensor, comp: Tensor | None, compensation: str) -> bool:
-    """Whether the C kernel can step ``p``: a plain contiguous bf16 CPU weight, fp32 or bf16 gradient, fp32 moments,
-    and its bf16 Kahan buffer under kahan."""
-    if p.dtype != torch.bfloat16 or not p.is_cpu or g.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    tensors = (p, g, m, v, comp) if compensation == "kahan" else (p, g, m, v)
-    return (m.dtype == v.dtype == torch.float32 and (compensation != "kahan" or (
-        comp is not None and comp.dtype == torch.bfloat16))
-            and all(t.is_cpu and t.is_contiguous() for t in tensors) and _native.plain(*tensors))
-
-
 def _c_coefficients(step: int, *, lr, beta1, beta2, eps, weight_decay) -> list[float]:
     """The C kernel's scalars for ``step`` (see ``adamw_cpu.c``): computed in double, as torch's fused CPU kernel
     computes them, then rounded to fp32 once."""
@@ -109,67 +92,17 @@ def _c_coefficients(step: int, *, lr, beta1, beta2, eps, weight_decay) -> list[f
     return array("f", raw).tolist()  # each rounded to fp32 once
 
 
-def _native_probe(fn) -> bool:
-    """The C function agrees with the torch path in every mode, over 3 threads (every element must be done, whatever
-    team OpenMP gives): moments within 1e-6 relative, weights within one bf16 spacing, Kahan buffers within 1%
-    (a lost compensation fails: weights 1.0, updates ~a quarter of a bf16 spacing). Fresh tensors, none of the
-    user's. (On torch 2.13 for x86 the bits are equal; another build may round its multiply-adds otherwise.)"""
-    n = 2 * _native._MIN_PER_THREAD + 37
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 1e-3).bfloat16()]
-    for mode in COMPENSATIONS:
-        runs = []
-        for c_kernel in (True, False):
-            ps = [torch.ones(n, dtype=torch.bfloat16) for _ in grads]
-            ms, vs = [torch.full((n,), 1e-3) for _ in grads], [torch.full((n,), 1e-4) for _ in grads]
-            cs = [torch.zeros(n, dtype=torch.bfloat16) for _ in grads] if mode == "kahan" else [None, None]
-            steps, kw = [torch.tensor(2.0) for _ in grads], dict(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                                                  weight_decay=0.01)
-            if c_kernel:
-                torch._foreach_add_(steps, 1)
-                coef = [c for s in steps for c in _c_coefficients(int(s.item()), **kw)]
-                _native.run_split(fn, _native_args(ps, grads, ms, vs, [c for c in cs if c is not None], [7, -9],
-                                                   coef, mode), 2 * n, threads=3)
-            else:
-                _torch_path(ps, grads, ms, vs, [], steps, amsgrad=False, maximize=False, compensation=mode,
-                            comps=cs, keys=[7, -9], **kw)
-            runs.append((ps, ms, vs, cs))
-        (pc, mc, vc, cc), (pt, mt, vt, ct) = runs
-        close = all(torch.allclose(a, b, rtol=1e-6, atol=0.0) for a, b in zip(mc + vc, mt + vt))
-        close &= all(((a.float() - b.float()).abs() <= 2.0**-7).all() for a, b in zip(pc, pt))
-        if mode == "kahan":
-            close &= all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=0.0) for a, b in zip(cc, ct))
-        if not close:
-            return False
-    return True
+_PROBE = dict(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)  # the probe's step 3
 
 
-def _native_fn():
-    """The C function of ``adamw_cpu.c``, once its probe passed; else None (see :func:`._dispatch.native`)."""
-    return _dispatch.native(_NATIVE_SOURCE, _NATIVE_SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 9
-                            + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _native_probe)
+def _probe_reference(params, grads, states, comps, keys, mode: str) -> None:
+    _torch_path(params, grads, [m for m, _ in states], [v for _, v in states], [],
+                [torch.tensor(2.0) for _ in params], amsgrad=False, maximize=False, compensation=mode, comps=comps,
+                keys=keys, **_PROBE)
 
 
-
-def _native_args(params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef, mode: str) -> tuple:
-    """The C function's arguments before its range and thread count (``comps``: empty unless kahan)."""
-    c = _dispatch.c_array
-    return (len(params), *(c(ctypes.c_void_p, ts) for ts in (params, grads, exp_avgs, exp_avg_sqs)),
-            c(ctypes.c_void_p, comps) if comps else None, c(ctypes.c_int64, [p.numel() for p in params]),
-            c(ctypes.c_int32, [g.dtype == torch.bfloat16 for g in grads]), c(ctypes.c_int32, keys),
-            c(ctypes.c_float, coef), C_MODES[mode])
-
-
-def _step_op(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-             comps: list[Tensor], keys: list[int], coef: list[float], compensation: str, threads: int) -> None:
-    """The C kernel's step over lists, in place (``comps``: empty unless kahan; ``threads`` < 0: torch's count).
-    Not ``mode``: torch's dispatch passes a keyword of that name to ops."""
-    _native.run_split(_native_fn(), _native_args(params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef,
-                                                 compensation), sum(p.numel() for p in params),
-                      threads=None if threads < 0 else threads)
-
-
-_op = _dispatch.custom_op("adamw_step", _step_op, ("params", "exp_avgs", "exp_avg_sqs", "comps"))
+_KERNEL = _dispatch.Bf16WeightKernel("adamw_step", "adamw_cpu.c", "adamw_step", _probe_reference, (1e-3, 1e-4),
+                                     lambda: _c_coefficients(3, **_PROBE))
 
 
 class AdamW(torch.optim.AdamW):

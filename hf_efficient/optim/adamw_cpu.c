@@ -35,18 +35,19 @@ static void step_one(uint16_t *restrict p, const void *g, int g_bf16, float *res
 }
 
 /* Elements [start, end) of the concatenation of `count` tensors (c: Kahan buffers, NULL unless mode is 0). */
-static void step_range(int64_t count, uint16_t *const *p, const void *const *g, float *const *m, float *const *v,
+static void step_range(int64_t count, uint16_t *const *p, const void *const *g, float *const *states,
                        uint16_t *const *c, const int64_t *numel, const int32_t *g_bf16, const int32_t *keys,
                        const float *coef, int mode, int64_t start, int64_t end) {
     FOR_EACH_PIECE(count, numel[t], start, end,
-                   step_one(p[t], g[t], g_bf16[t], m[t], v[t], c ? c[t] : NULL, keys[t], coef + 8 * t, mode,
-                            numel[t] - numel[t] % 8, piece_start, piece_end));
+                   step_one(p[t], g[t], g_bf16[t], states[t], states[count + t], c ? c[t] : NULL, keys[t],
+                            coef + 8 * t, mode, numel[t] - numel[t] % 8, piece_start, piece_end));
 }
 
-/* The step of all the tensors in one call: [start, end) split over `threads` (see native.h). */
-void adamw_step(int64_t count, uint16_t *const *p, const void *const *g, float *const *m, float *const *v,
-                uint16_t *const *c, const int64_t *numel, const int32_t *g_bf16, const int32_t *keys,
-                const float *coef, int mode, int64_t start, int64_t end, int threads) {
+/* The step of all the tensors in one call (states: every exp_avg, then every exp_avg_sq): [start, end) split over
+ * `threads` (see native.h). */
+void adamw_step(int64_t count, uint16_t *const *p, const void *const *g, float *const *states, uint16_t *const *c,
+                const int64_t *numel, const int32_t *g_bf16, const int32_t *keys, const float *coef, int mode,
+                int64_t start, int64_t end, int threads) {
     PARALLEL_RANGES(start, end, threads,
-                    step_range(count, p, g, m, v, c, numel, g_bf16, keys, coef, mode, range_start, range_end));
+                    step_range(count, p, g, states, c, numel, g_bf16, keys, coef, mode, range_start, range_end));
 }

@@ -20,10 +20,12 @@ op ``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, els
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 from torch import Tensor
 
-from . import quant8
+from . import _dispatch, quant8
 from ._blockwise import Blockwise8bit
 from .compensation import step_in_fp32
 
@@ -46,14 +48,32 @@ def _kernel(p: Tensor, g: Tensor, wm: Tensor, m_absmax: Tensor, coef: Tensor):
 
 def _coefficients(group: dict, step: int) -> list[float]:
     beta1, beta2 = group["betas"]
-    return [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - group["lr"] * group["weight_decay"], group["lr"]]
+    return _c_coefficients(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
 
 
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
          weight_decay: float, compensation: str = "none", comps=None, keys=None) -> None:
     """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
-    low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`)."""
+    low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`), bf16 weights on CPU
+    by the C kernel ``lion_step`` where it applies (the same bits)."""
+    comps = [None] * len(params) if comps is None else comps
+    keys = [0] * len(params) if keys is None else keys
+    native = [] if torch.is_tensor(lr) else [
+        i for i in range(len(params)) if _KERNEL.eligible(params[i], grads[i], (exp_avgs[i],), comps[i], compensation)]
+    if native and _KERNEL.fn() is not None:
+        pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
+        coef = _c_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        _KERNEL(pick(params, native), pick(grads, native), [(exp_avgs[i],) for i in native], pick(comps, native),
+                pick(keys, native), coef * len(native), compensation)
+        rest = [i for i in range(len(params)) if i not in set(native)]
+        params, grads, exp_avgs, comps, keys = (pick(xs, rest) for xs in (params, grads, exp_avgs, comps, keys))
+    if params:
+        _torch_path(params, grads, exp_avgs, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                    compensation=compensation, comps=comps, keys=keys)
 
+
+def _torch_path(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, compensation, comps, keys) -> None:
+    """:func:`lion` with torch's operations, on fp32 copies of low-precision weights."""
     def step(idx, ps):
         for i, p32 in zip(idx, ps):
             g32 = grads[i].float()
@@ -62,6 +82,19 @@ def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, l
             exp_avgs[i].mul_(beta2).add_(g32 * (1.0 - beta2))
 
     step_in_fp32(params, step, compensation, comps, keys)
+
+
+def _c_coefficients(*, lr, beta1, beta2, weight_decay) -> list[float]:
+    """The C kernels' scalars (``lion8bit_cpu.c``), each rounded to fp32 once as torch rounds a Python scalar."""
+    return array("f", [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay, lr]).tolist()
+
+
+_PROBE = dict(lr=2e-3, beta1=0.9, beta2=0.99, weight_decay=0.01)
+_KERNEL = _dispatch.Bf16WeightKernel(
+    "lion_step", "lion8bit_cpu.c", "lion_step",
+    lambda ps, gs, states, cs, keys, mode: _torch_path(ps, gs, [m for m, in states], compensation=mode, comps=cs,
+                                                       keys=keys, **_PROBE),
+    (1e-3,), lambda: _c_coefficients(**_PROBE))
 
 
 class Lion8bit(Blockwise8bit):

@@ -5,6 +5,9 @@
  *
  * maps: quant8.c_tables(). Per tensor: coef[6 * t ...] = beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr.
  * bf16 weights are written under compensation `mode`, as adamw8bit_cpu.c's.
+ *
+ * lion_step: Lion on fp32 momenta for bf16 weights (small tensors, and those named to keep fp32 state), what
+ * lion8bit.lion does on CPU (its torch operations in their order, then compensation.write_all's write) in one pass.
  */
 #include "native.h"
 #include "quant8.h"
@@ -78,4 +81,26 @@ void lion8bit_step(int64_t count, void *const *p, const void *const *g, uint32_t
     PARALLEL_RANGES(start, end, threads,
                     step_range(count, p, g, wm, am, numel, bf16, c, keys, mode, &tables[0], coef, range_start,
                                range_end));
+}
+
+/* lion8bit.lion on elements [start, end) of one bf16 weight tensor with its fp32 momentum m (coef: as above). */
+static void fp32_one(uint16_t *restrict p, const void *g, int g_bf16, float *restrict m, uint16_t *restrict c,
+                     int32_t key, const float *coef, int mode, int64_t start, int64_t end) {
+    const float b1 = coef[0], omb1 = coef[1], b2 = coef[2], omb2 = coef[3], decay = coef[4], lr = coef[5];
+    BF16_WEIGHT_LOOPS(p, g, g_bf16, c, key, mode, start, end, {
+        float mm = m[i];
+        float u = mm * b1 + g32 * omb1;
+        fresh = p32 * decay - ((float)(u > 0.0f) - (float)(u < 0.0f)) * lr; /* torch.sign: 0 for 0 and NaN */
+        m[i] = mm * b2 + g32 * omb2;
+    })
+}
+
+/* Elements [start, end) of the concatenation of `count` tensors (states: their momenta), split over `threads`. */
+void lion_step(int64_t count, uint16_t *const *p, const void *const *g, float *const *states, uint16_t *const *c,
+               const int64_t *numel, const int32_t *g_bf16, const int32_t *keys, const float *coef, int mode,
+               int64_t start, int64_t end, int threads) {
+    PARALLEL_RANGES(start, end, threads,
+                    FOR_EACH_PIECE(count, numel[t], range_start, range_end,
+                                   fp32_one(p[t], g[t], g_bf16[t], states[t], c ? c[t] : NULL, keys[t], coef + 6 * t,
+                                            mode, piece_start, piece_end)));
 }
