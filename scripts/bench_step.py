@@ -58,8 +58,9 @@ TARGETS = {"hf_eff_adamw": 1.2, "hf_eff_adam8bit": 2.0, "hf_eff_adamw_bf16": 1.0
 BF16_8BIT = "8-bit, bf16 weights"  # issue 14: 8-bit state on bf16 weights, compensated
 BF16_TARGETS = {("hf_eff_adam8bit", "compensation=kahan"): 1.0, ("hf_eff_adam8bit", "compensation=stochastic"): 1.0,
                 ("hf_eff_adafactor", "compensation=kahan"): 1.0}
+FP32_BF16 = "fp32, bf16 weights"  # hf_eff_adamw's fp32 moments on bf16 weights, compensated
 FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",
-                "bf16 nearest", BF16_8BIT, "factored, bf16 weights"]
+                "bf16 nearest", FP32_BF16, BF16_8BIT, "factored, bf16 weights"]
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -212,8 +213,8 @@ def ours(device: str) -> list[Candidate]:
 
 
 def bf16_weights(device: str) -> list[Candidate]:
-    """Issue 14's rows: 8-bit state (and Adafactor) on bf16 weights under each compensation, beside bitsandbytes'
-    8-bit AdamW on bf16 weights (rounds to nearest) and torchao's with ``bf16_stochastic_round=True``."""
+    """Issue 14's rows: fp32 and 8-bit state (and Adafactor) on bf16 weights under each compensation, beside
+    bitsandbytes' 8-bit AdamW on bf16 weights (rounds to nearest) and torchao's with ``bf16_stochastic_round=True``."""
     bf16 = torch.bfloat16
 
     def ours_(name, mode, fmt_):
@@ -229,7 +230,8 @@ def bf16_weights(device: str) -> list[Candidate]:
         import bitsandbytes
         return bitsandbytes.optim.AdamW8bit(_groups(m), lr=LR)
 
-    return ([ours_("adam8bit", mode, BF16_8BIT) for mode in ("kahan", "stochastic", "none")]
+    return ([ours_("adamw", mode, FP32_BF16) for mode in ("kahan", "stochastic")]
+            + [ours_("adam8bit", mode, BF16_8BIT) for mode in ("kahan", "stochastic", "none")]
             + [ours_("lion8bit", mode, BF16_8BIT) for mode in ("kahan", "stochastic")]
             + [Candidate("torchao AdamW8bit bf16_stochastic_round", BF16_8BIT, bf16, torchao_sr),
                Candidate("bitsandbytes AdamW8bit on bf16 params", BF16_8BIT, bf16, bnb8,

@@ -8,7 +8,8 @@ State per 8-bit parameter: ``step``, ``exp_avg`` / ``exp_avg_sq`` (uint8, one by
 ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, one per block): 2 bytes per element + 8 per 256 = 2.03.
 The two maps are module constants (:func:`dynamic_map`), not state: they never change, so storing them
 per tensor would only cost bytes. Tensors under ``min_8bit_size`` elements and ``fp32_state_params`` (the
-registry passes the embeddings) keep fp32 moments and get ``torch.optim.AdamW``'s own kernel.
+registry passes the embeddings) keep fp32 moments and get ``torch.optim.AdamW``'s own kernel
+(:func:`.adamw.adamw_fp32_state`: bf16 weights on CPU through ``adamw_cpu.c``, the same bits).
 
 Layout. ``state_dict()`` writes :mod:`.quant8`'s canonical layout (codes of the parameter's shape, in element
 order, as bitsandbytes), so a checkpoint moves to and from bnb and torchao; in memory the codes are in the
@@ -20,8 +21,8 @@ same operations per block, all 8-bit tensors of a group in one call on torch's t
 kernel's codes and absmaxes exactly and weights within an ulp of the update (sqrt: see the tests' docstring),
 and must give the eager kernel's codes on a probe before it is used. It decodes by table lookup (AVX-512 VBMI
 byte tables where the CPU has them) and finds the decade from the float's exponent, which inductor cannot
-express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.45x torch's fused fp32 AdamW
-step, against 5.6x for the compiled kernel and 19x for bitsandbytes' CPU kernel.
+express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.3-1.4x torch's fused fp32 AdamW
+step, against ~6x for the compiled kernel and ~30x for bitsandbytes' CPU kernel (docs/results/bench_step.md).
 Everything else (fp16 weights, other layouts, ``compile=True``, CUDA) gets one ``torch.compile``'d kernel
 per tensor and step. What bounds that one: decoding and encoding make the generated loop ~200 vector
 operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks at a time,
