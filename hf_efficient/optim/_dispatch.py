@@ -184,6 +184,15 @@ class Bf16WeightKernel:
             comp is not None and comp.dtype == torch.bfloat16))
                 and all(t.is_cpu and t.is_contiguous() for t in tensors) and _native.plain(*tensors))
 
+    def split(self, params, grads, states, comps, compensation: str) -> tuple[list[int], list[int]]:
+        """The indices of the tensors this kernel steps (:meth:`eligible` ones, once it passed its probe), and the
+        others' (``states``: each tensor's fp32 state tensors; ``comps``: its Kahan buffer or None)."""
+        mine = [i for i in range(len(params)) if self.eligible(params[i], grads[i], states[i], comps[i], compensation)]
+        if mine and self.fn() is None:
+            mine = []
+        taken = set(mine)
+        return mine, [i for i in range(len(params)) if i not in taken]
+
     def __call__(self, params, grads, states, comps, keys, coef, compensation: str) -> None:
         """The step of ``params`` (``states``: each tensor's fp32 tensors; ``comps``: Kahan buffers, under kahan)."""
         self.op([p.detach() for p in params], grads, _state_major(states),

@@ -34,14 +34,13 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                      comps=None, keys=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
-    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (``_KERNEL.eligible``).
+    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (``_KERNEL.split``).
     Increments ``steps``."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
-    native = [] if amsgrad or maximize or torch.is_tensor(lr) else [
-        i for i in range(len(params))
-        if _KERNEL.eligible(params[i], grads[i], (exp_avgs[i], exp_avg_sqs[i]), comps[i], compensation)]
-    if native and _KERNEL.fn() is not None:
+    native, rest = ([], None) if amsgrad or maximize or torch.is_tensor(lr) else _KERNEL.split(
+        params, grads, list(zip(exp_avgs, exp_avg_sqs)), comps, compensation)
+    if native:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
         torch._foreach_add_(pick(steps, native), 1)
         coef, by_step = [], {}  # the tensors of a group mostly share their step: its scalars computed once
@@ -53,12 +52,10 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
             coef += by_step[step]
         _KERNEL(pick(params, native), pick(grads, native), [(exp_avgs[i], exp_avg_sqs[i]) for i in native],
                 pick(comps, native), pick(keys, native), coef, compensation)
-        rest = [i for i in range(len(params)) if i not in set(native)]
         if not rest:
             return
         params, grads, exp_avgs, exp_avg_sqs, steps, comps, keys = (
             pick(xs, rest) for xs in (params, grads, exp_avgs, exp_avg_sqs, steps, comps, keys))
-        max_exp_avg_sqs = pick(max_exp_avg_sqs, rest) if amsgrad else max_exp_avg_sqs
     _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, compensation=compensation,
                 comps=comps, keys=keys)

@@ -58,14 +58,13 @@ def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, l
     by the C kernel ``lion_step`` where it applies (the same bits)."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
-    native = [] if torch.is_tensor(lr) else [
-        i for i in range(len(params)) if _KERNEL.eligible(params[i], grads[i], (exp_avgs[i],), comps[i], compensation)]
-    if native and _KERNEL.fn() is not None:
+    native, rest = ([], None) if torch.is_tensor(lr) else _KERNEL.split(
+        params, grads, [(m,) for m in exp_avgs], comps, compensation)
+    if native:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
         coef = _c_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
         _KERNEL(pick(params, native), pick(grads, native), [(exp_avgs[i],) for i in native], pick(comps, native),
                 pick(keys, native), coef * len(native), compensation)
-        rest = [i for i in range(len(params)) if i not in set(native)]
         params, grads, exp_avgs, comps, keys = (pick(xs, rest) for xs in (params, grads, exp_avgs, comps, keys))
     if params:
         _torch_path(params, grads, exp_avgs, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
