@@ -550,6 +550,29 @@ def test_gradients_whose_square_overflows_keep_state_finite(compile, dtype):
     assert moved[300] > 0  # finite, but not AdamW's lr: v is held at fp32's max, far below 3e38**2
 
 
+def test_tiny_moments_keep_a_finite_normalizer_in_every_kernel():
+    """Gradients of ~1e-21 give second moments of ~1e-44, below fp32's smallest normal number: the reciprocal of such
+    an absmax overflows to inf and every value of its block encoded as inf (the C kernel and eager then stored
+    different, meaningless codes). The stored scale is raised to 2**-126 instead: the C kernel, the compiled and the
+    eager kernel store the same state, and the codes decode to the moments within the map's resolution."""
+    states = []
+    for compile in [k.values[0] for k in _KERNELS if not k.marks or HAS_COMPILER]:
+        g = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4 * 256, generator=g))
+        opt = AdamW8bit([p], lr=1e-3, weight_decay=0.0, min_8bit_size=0, compile=compile)
+        for _ in range(3):
+            p.grad = torch.randn(p.shape, generator=g) * 1e-21
+            opt.step()
+        states.append({k: v.clone() for k, v in opt.state[p].items()})
+    tiny = torch.finfo(torch.float32).tiny
+    assert (states[0]["exp_avg_sq_absmax"] == tiny).all()  # ~1e-44 each
+    assert all(torch.equal(v, other[k]) for other in states[1:] for k, v in states[0].items())
+    x = torch.rand(2, 256, generator=torch.Generator().manual_seed(1)) * 1e-40  # subnormal values
+    codes, absmax = quant8.quantize_blockwise(x, False)
+    back = quant8.dequantize_blockwise(codes, absmax, False).view(x.shape)
+    assert back.isfinite().all() and (back - x).abs().max() < 0.02 * tiny  # the top decade's spacing, 0.007 of it
+
+
 def test_quantize_moments_equals_a_step_and_round_trips():
     """quantize_moments (for checkpoint conversion) gives the canonical codes and absmaxes a step stores for the same
     fp32 moments, floor included, and loads through load_state_dict as that step's state."""

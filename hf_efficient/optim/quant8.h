@@ -78,6 +78,10 @@ static void build_map(map_t *t, const float *decoded, const float *thresholds, i
             }
 }
 
+/* quant8.block_scale: a block's absmax a, raised to fp32's smallest normal number where it is below it and positive
+ * (1 / a would overflow to inf, and every value of the block encode as inf). A NaN stays NaN. */
+static inline float block_scale(float a) { return a > 0.0f && a < 0x1p-126f ? 0x1p-126f : a; }
+
 /* quant8.encode's last steps, given n and inv_scale: the code of x (a = |x| signed, x unsigned) */
 static inline float code_of(float x, float a, float n, float inv_scale, int is_signed) {
     float k = floorf((a * inv_scale - 1.0f) * (n * (float)(1.0 / 9.0)));
@@ -211,6 +215,7 @@ static inline float store_block_max(const float *restrict x, uint32_t bits, cons
                                     uint32_t *restrict w) {
     float a;
     memcpy(&a, &bits, 4);
+    a = block_scale(a);
     const __m512 inv = _mm512_set1_ps(1.0f / (a > 0.0f ? a : 1.0f));
     for (int cw = 0; cw < WORDS / 16; cw++) {
         __m512i q[4];
@@ -267,7 +272,7 @@ static inline float block_absmax(const float *restrict x) {
 /* x (a block of values, overwritten) normalized by its absmax (quant8.pack's reciprocal) and encoded into the
  * block's 64 in-memory words; returns the absmax. */
 static inline float store_block(float *restrict x, const map_t *restrict t, uint32_t *restrict w) {
-    const float a = block_absmax(x);
+    const float a = block_scale(block_absmax(x));
     const float inv = 1.0f / (a > 0.0f ? a : 1.0f);
     for (int e = 0; e < BLOCK; e++)
         x[e] = x[e] * inv;

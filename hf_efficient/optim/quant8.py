@@ -30,9 +30,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["BLOCK", "dynamic_map", "decode", "encode", "quantize_blockwise", "dequantize_blockwise",
-           "quantize_moments", "to_canonical", "from_canonical", "zero_codes", "unpack", "pack", "c_tables"]
+           "quantize_moments", "to_canonical", "from_canonical", "zero_codes", "unpack", "pack", "block_scale",
+           "c_tables"]
 
 BLOCK = 256  # elements per absmax block (bitsandbytes' and torchao's); the one definition in this package
+_F32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, fp32's smallest normal number
 WORDS = BLOCK // 4  # int32 words per block in memory
 ZERO_CODE = {True: 127, False: 0}  # code of 0.0 in the signed / unsigned map
 _CHUNK = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
@@ -131,13 +133,26 @@ def unpack(words: Tensor, absmax: Tensor, signed: bool) -> Tensor:
     return decode(codes, signed) * absmax[:, None]
 
 
+def block_scale(xb: Tensor) -> Tensor:
+    """The stored scale ("absmax") of each row of blocks ``xb``: its largest |x|, raised to fp32's smallest normal
+    number where it is below it and positive. A smaller one's reciprocal (the normalizer) overflows to inf and every
+    value of its block would encode as inf (seen: second moments of ~1e-44 from gradients of ~1e-21). The C kernels
+    do the same (``quant8.h``'s ``block_scale``)."""
+    a = xb.abs().amax(1, keepdim=True)
+    return torch.where((a > 0) & (a < _F32_TINY), _F32_TINY, a)
+
+
+def _normalized(x: Tensor, a: Tensor) -> Tensor:
+    return x * (1.0 / torch.where(a > 0, a, 1.0))
+
+
 def pack(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """In-memory codes ``(nb, 64)`` (int32 words viewed as float32) and absmaxes ``(nb,)`` of values ``(nb, 256)``.
 
     Normalized by the reciprocal of the absmax, as bitsandbytes' kernels do: one division per block.
     """
-    a = x.abs().amax(1, keepdim=True)
-    q = encode(x * (1.0 / torch.where(a > 0, a, 1.0)), signed)
+    a = block_scale(x)
+    q = encode(_normalized(x, a), signed)
     w = [q[:, k * WORDS:(k + 1) * WORDS].to(torch.int32) for k in range(4)]
     return (w[0] | (w[1] << 8) | (w[2] << 16) | (w[3] << 24)).view(torch.float32), a.flatten()
 
@@ -196,8 +211,8 @@ def quantize_blockwise(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """Canonical uint8 codes (``x``'s shape, element order) and fp32 absmaxes (one per block) of ``x``, exactly as
     a kernel stores a state of these values (same normalization, same encoder, same floor)."""
     xb = blocks_of(x.detach().float())
-    absmax = xb.abs().amax(1, keepdim=True)
-    codes = [encode(c * (1.0 / torch.where(a > 0, a, 1.0)), signed).to(torch.uint8)  # bounded temporaries
+    absmax = block_scale(xb)
+    codes = [encode(_normalized(c, a), signed).to(torch.uint8)  # bounded temporaries
              for c, a in zip(xb.split(_CHUNK), absmax.split(_CHUNK))]
     return torch.cat(codes).reshape(-1)[: x.numel()].view(x.shape), absmax.flatten()
 
