@@ -1,5 +1,6 @@
-/* Shared by this package's C kernels: bf16 conversions as torch's, the tensors a range of their concatenation
- * covers, the split of a range over threads, and the clamps that keep moments finite. */
+/* Shared by this package's C kernels: bf16 conversions as torch's, the compensated write of a bf16 weight (and the
+ * loops of a step with fp32 state around it), the tensors a range of their concatenation covers, the split of a
+ * range over threads, and the clamps that keep moments finite. */
 #ifndef HF_EFF_NATIVE_H
 #define HF_EFF_NATIVE_H
 #include <stdint.h>
