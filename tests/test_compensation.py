@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 
 import pytest
 import torch
@@ -204,7 +205,8 @@ def test_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, beta1,
     from hf_efficient.optim import adamw
 
     assert adamw._KERNEL.fn() is not None, "the C kernel was refused by its probe"
-    shapes = [(7, 5), (300,), (1,), (33, 2, 4), (70_001,), (3072,), (2 * 64 * 1024 + 3,)]
+    shapes = [(7, 5), (300,), (1,), (33, 2, 4), (70_001,), (3072,), (10,), (13,), (22,), (15,), (2 * 64 * 1024 + 3,)]
+    assert {math.prod(s) % 8 for s in shapes} == set(range(8))  # every length of torch's scalar tail
     runs = []
     for c_kernel in (True, False):
         g = torch.Generator().manual_seed(1)
@@ -214,7 +216,7 @@ def test_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, beta1,
         cs = [(torch.randn(s, generator=g) * 1e-4).bfloat16() for s in shapes] if mode == "kahan" else None
         steps = [torch.tensor(float(i % 3)) for i in range(len(shapes))]  # unequal steps: scalars per tensor
         kw = dict(lr=1e-2, beta1=beta1, beta2=0.99, eps=1e-8, weight_decay=0.1, compensation=mode, comps=cs,
-                  keys=[3, -4, 5, 2**31 - 1, 7, 8, 9])
+                  keys=[3, -4, 5, 2**31 - 1, 7, 8, 10, 11, 12, 13, 9])
         torch_path = adamw._torch_path
         if c_kernel:  # the torch path must not run: every tensor here is the C kernel's, over 3 threads
             monkeypatch.setattr(adamw, "_torch_path", lambda *a, **k: pytest.fail("torch path used"))
