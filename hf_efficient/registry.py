@@ -324,7 +324,7 @@ SPECS: dict[str, OptimizerSpec] = {
     for s in [
         OptimizerSpec("adamw", ADAMW, 8.0, "8", "AdamW, fp32 moments; torch's fused kernel where the device has one, "
                       "else foreach; bf16/fp16 weights are stepped as fp32 copies and written compensated (+2 B/param "
-                      "for Kahan's buffer)",
+                      "for Kahan's buffer; bf16 on CPU: one C kernel pass, no copy)",
                       {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON,
                       dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
                       estimate_rows=(EstimateRow(), *_BF16_ROWS)),
