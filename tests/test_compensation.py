@@ -267,6 +267,27 @@ def test_lion_fp32_state_c_kernel_gives_the_torch_paths_bits(mode, grad_dtype, m
 
 @pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
 @pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+def test_fp32_state_tensors_follow_the_groups_compile_option(name, monkeypatch):
+    """An 8-bit family's fp32-state tensors (here all: below min_8bit_size) on bf16 weights take the C kernel under
+    compile=None only: compile=False means eager, and compile=True inductor's kernel for the 8-bit tensors, torch's
+    operations for these."""
+    from hf_efficient.optim import _dispatch
+
+    calls = []
+    real = _dispatch.Bf16WeightKernel.__call__
+    monkeypatch.setattr(_dispatch.Bf16WeightKernel, "__call__", lambda self, *a: (calls.append(1), real(self, *a)))
+    for compile, expected in ((None, True), (False, False), (True, False)):
+        calls.clear()
+        p = _weights(torch.bfloat16)
+        opt = hfe.create_optimizer([p], name, lr=LR, weight_decay=0.0, compensation="stochastic",
+                                   min_8bit_size=p.numel() + 1)
+        opt.param_groups[0]["compile"] = compile
+        _drive(opt, p, 2)
+        assert bool(calls) == expected, compile
+
+
+@pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
+@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
 def test_c_kernel_same_bits_in_every_build(name, rebuild_native):
     """The C kernel as built here (on an AVX-512 VBMI CPU whole blocks run in one fused vector pass) and in plain C
     (every block through buffers) do the same operations: fp32 and bf16 weights, Kahan buffers and 8-bit state

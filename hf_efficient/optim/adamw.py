@@ -31,14 +31,14 @@ __all__ = ["AdamW", "adamw_fp32_state"]
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                      weight_decay, amsgrad: bool = False, maximize: bool = False, compensation: str = "none",
-                     comps=None, keys=None) -> None:
+                     comps=None, keys=None, c_kernel: bool = True) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
-    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (``_KERNEL.split``).
-    Increments ``steps``."""
+    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (``_KERNEL.split``; ``c_kernel``
+    False: never). Increments ``steps``."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
-    native, rest = ([], None) if amsgrad or maximize or torch.is_tensor(lr) else _KERNEL.split(
+    native, rest = ([], None) if not c_kernel or amsgrad or maximize or torch.is_tensor(lr) else _KERNEL.split(
         params, grads, list(zip(exp_avgs, exp_avg_sqs)), comps, compensation)
     if native:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731

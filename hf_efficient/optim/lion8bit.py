@@ -52,13 +52,13 @@ def _coefficients(group: dict, step: int) -> list[float]:
 
 
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
-         weight_decay: float, compensation: str = "none", comps=None, keys=None) -> None:
+         weight_decay: float, compensation: str = "none", comps=None, keys=None, c_kernel: bool = True) -> None:
     """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
     low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`), bf16 weights on CPU
-    by the C kernel ``lion_step`` where it applies (the same bits)."""
+    by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never)."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
-    native, rest = ([], None) if torch.is_tensor(lr) else _KERNEL.split(
+    native, rest = ([], None) if not c_kernel or torch.is_tensor(lr) else _KERNEL.split(
         params, grads, [(m,) for m in exp_avgs], comps, compensation)
     if native:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
@@ -139,4 +139,4 @@ class Lion8bit(Blockwise8bit):
         lion([p for p, *_ in items], [g for _, g, *_ in items], [it[2]["exp_avg"] for it in items],
              lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
              compensation=group["compensation"], comps=[it[2].get("kahan_comp") for it in items],
-             keys=[it[3] for it in items])
+             keys=[it[3] for it in items], c_kernel=group["compile"] is None)
