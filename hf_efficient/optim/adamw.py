@@ -38,8 +38,9 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     False: never). Increments ``steps``."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
+    states = list(zip(exp_avgs, exp_avg_sqs))
     native, rest = ([], None) if not c_kernel or amsgrad or maximize or torch.is_tensor(lr) else _KERNEL.split(
-        params, grads, list(zip(exp_avgs, exp_avg_sqs)), comps, compensation)
+        params, grads, states, comps, compensation)
     if native:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
         torch._foreach_add_(pick(steps, native), 1)
@@ -50,8 +51,8 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                 by_step[step] = _c_coefficients(step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                                 weight_decay=weight_decay)
             coef += by_step[step]
-        _KERNEL(pick(params, native), pick(grads, native), [(exp_avgs[i], exp_avg_sqs[i]) for i in native],
-                pick(comps, native), pick(keys, native), coef, compensation)
+        _KERNEL(pick(params, native), pick(grads, native), pick(states, native), pick(comps, native),
+                pick(keys, native), coef, compensation)
         if not rest:
             return
         params, grads, exp_avgs, exp_avg_sqs, steps, comps, keys = (

@@ -58,12 +58,13 @@ def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, l
     by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never)."""
     comps = [None] * len(params) if comps is None else comps
     keys = [0] * len(params) if keys is None else keys
+    states = [(m,) for m in exp_avgs]
     native, rest = ([], None) if not c_kernel or torch.is_tensor(lr) else _KERNEL.split(
-        params, grads, [(m,) for m in exp_avgs], comps, compensation)
+        params, grads, states, comps, compensation)
     if native:
         pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
         coef = _c_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-        _KERNEL(pick(params, native), pick(grads, native), [(exp_avgs[i],) for i in native], pick(comps, native),
+        _KERNEL(pick(params, native), pick(grads, native), pick(states, native), pick(comps, native),
                 pick(keys, native), coef * len(native), compensation)
         params, grads, exp_avgs, comps, keys = (pick(xs, rest) for xs in (params, grads, exp_avgs, comps, keys))
     if params:

@@ -143,6 +143,7 @@ def block_scale(xb: Tensor) -> Tensor:
 
 
 def _normalized(x: Tensor, a: Tensor) -> Tensor:
+    """Blocks ``x`` times the reciprocal of their scales ``a`` (a zero block's scale, 0, counts as 1)."""
     return x * (1.0 / torch.where(a > 0, a, 1.0))
 
 
