@@ -13,6 +13,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+# CI has no GPU: the Triton kernels run under Triton's interpreter (read when a kernel is defined, so set first)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hf_efficient  # noqa: E402,F401  (registers the hf_eff_* names)
 

@@ -1,0 +1,140 @@
+"""What every Triton kernel of this package shares: where they run, the conventions, the common device functions.
+
+Where. On CUDA tensors, when Triton imports (it ships with CUDA builds of torch). In tests, on CPU tensors too,
+under Triton's interpreter: with ``TRITON_INTERPRET=1`` set before Triton is imported, :func:`interpret_on_cpu`
+turns the CPU path on, and the very same kernel code runs in numpy, so CI (which has no GPU) executes it.
+
+Conventions, shared by every Triton kernel (the C kernels use the same names and numbers):
+
+- ``MODE`` (``tl.constexpr``): the compensation of a bf16/fp16 weight's write, :data:`KAHAN`, :data:`STOCHASTIC`
+  or :data:`NONE` (``compensation.C_MODES``); fp32 weights are written as computed whatever the mode.
+- ``flag_ptr``: a float32 scalar on the device, non-zero when this step is void (a non-finite gradient under the
+  guard, as torch's ``found_inf``). Every kernel reads it first and returns at once when it is set: the guard then
+  needs no host synchronisation (:func:`flag`).
+- ``step_ptr``: each tensor's step count, a float32 scalar on the device, already counting this step; a kernel
+  computes what depends on it (bias corrections, the rounding noise key) itself, so the host never reads it.
+  Steps are advanced by :func:`advance_steps` before the launch and taken back when the flag is set.
+- Noise for stochastic rounding: :func:`hash_noise` of (the tensor's key, the element index), the key being
+  :func:`weight_key` of (the parameter's position, its step), bit for bit as :mod:`.compensation`'s torch code, so
+  a resumed run, the CPU kernels and these round alike.
+- Batching: large tensors get a launch each (a grid over their blocks); the many small ones one launch over a
+  :class:`PointerTable` (device arrays of their addresses and sizes, rebuilt only when an address changes).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from .compensation import C_MODES, WEIGHT_STREAM
+
+__all__ = ["available", "applies", "interpret_on_cpu", "KAHAN", "STOCHASTIC", "NONE", "flag", "zero_flag",
+           "advance_steps", "PointerTable", "jit_helpers", "split64"]
+
+KAHAN, STOCHASTIC, NONE = C_MODES["kahan"], C_MODES["stochastic"], C_MODES["none"]
+_ON_CPU = False
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Triton imports (a CUDA build of torch ships it; on CPU only the interpreter can run its kernels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpret_on_cpu(on: bool = True) -> None:
+    """Run the Triton kernels on CPU tensors, under Triton's interpreter (tests: CI has no GPU).
+
+    Raises:
+        RuntimeError: ``TRITON_INTERPRET=1`` was not set before Triton was imported (compiled kernels cannot take
+            CPU tensors).
+    """
+    global _ON_CPU
+    if on and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("interpret_on_cpu needs TRITON_INTERPRET=1 in the environment before triton is imported")
+    _ON_CPU = bool(on)
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels take these tensors: all on one CUDA device (or on CPU under
+    :func:`interpret_on_cpu`), plain (not DTensor or another subclass), and Triton importable."""
+    if not tensors:
+        return False
+    device = tensors[0].device
+    if device.type != "cuda" and not (_ON_CPU and device.type == "cpu"):
+        return False
+    return all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors) and all(
+        t.device == device for t in tensors) and available()
+
+
+def split64(x: float) -> tuple[float, float]:
+    """A float64 as two fp32 halves whose sum is within ~2**-48 of it (Triton passes Python floats as fp32): what
+    ``pow_int`` and any other float64 constant of a kernel takes."""
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
+_ZERO: dict = {}
+
+
+def zero_flag(device: torch.device) -> torch.Tensor:
+    """A float32 zero on ``device``: the flag of a step that nothing voids (one per device, never written)."""
+    key = torch.device(device)
+    with _LOCK:
+        if key not in _ZERO:
+            _ZERO[key] = torch.zeros(1, dtype=torch.float32, device=key)
+        return _ZERO[key]
+
+
+def flag(optimizer, device: torch.device) -> torch.Tensor:
+    """The step's void flag for ``device``: ``optimizer.found_inf`` where the guard (or a GradScaler) set one on that
+    device, else :func:`zero_flag`."""
+    found = getattr(optimizer, "found_inf", None)
+    if isinstance(found, torch.Tensor) and found.device == torch.device(device):
+        return found
+    return zero_flag(device)
+
+
+def advance_steps(steps: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Count this step in ``steps`` (float32 scalars on the device) unless ``found_inf`` is set: two small launches,
+    no host synchronisation. Call it before the kernels, which read the new counts."""
+    if steps:
+        torch._foreach_add_(steps, found_inf.reshape(()).eq(0).float())
+
+
+class PointerTable:
+    """Device arrays of the addresses (int64) of lists of tensors, and of their sizes, for one launch over many small
+    tensors. Rebuilt (one host-to-device copy) only when an address or size changes: parameters and state do not
+    move, and the caching allocator mostly gives a step's gradients the same addresses as the last one's."""
+
+    def __init__(self):
+        self._key = None
+        self.tables: tuple[torch.Tensor, ...] = ()
+
+    def get(self, lists: list[list[torch.Tensor]], sizes: list[int], device: torch.device):
+        """``(addresses, sizes)``: ``addresses`` of shape ``(len(lists), count)``, ``sizes`` int64 of ``count``."""
+        key = (tuple(tuple(t.data_ptr() for t in ts) for ts in lists), tuple(sizes), device)
+        if key != self._key:
+            ptrs = torch.tensor([[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64)
+            self.tables = (ptrs.to(device), torch.tensor(sizes, dtype=torch.int64).to(device))
+            self._key = key
+        return self.tables
+
+
+_HELPERS = None
+
+
+def jit_helpers():
+    """The shared ``@triton.jit`` device functions (imported lazily: Triton is optional), as a namespace:
+    ``mix32``, ``hash_noise``, ``weight_key``, ``pow_int``, ``to_bf16``, ``to_dtype``, ``round_stochastic``,
+    ``compensated``."""
+    global _HELPERS
+    if _HELPERS is None:
+        from . import _triton_lib
+        _HELPERS = _triton_lib
+    return _HELPERS

@@ -1,0 +1,105 @@
+"""The ``@triton.jit`` device functions every family's Triton kernel calls (see :mod:`._triton` for conventions).
+
+Each mirrors a torch function of :mod:`.compensation` operation for operation, in int32 / fp32 arithmetic, so
+that a Triton kernel rounds bit for bit as the torch code and the C kernels do (tests compare them under Triton's
+interpreter). Imported only where Triton is installed.
+"""
+
+import triton
+import triton.language as tl
+
+# murmur3 fmix32 constants and the golden-ratio increments, as int32 (compensation.py's _GOLDEN, _MIX1, _MIX2)
+_GOLDEN = tl.constexpr(-1640531535)  # 0x9E3779B1
+_KEY_GOLDEN = tl.constexpr(-1640531527)  # 0x9E3779B9
+_MIX1 = tl.constexpr(-2048144789)  # 0x85EBCA6B
+_MIX2 = tl.constexpr(-1028477387)  # 0xC2B2AE35
+_WEIGHT_STREAM = tl.constexpr(0x2545F491)  # compensation.WEIGHT_STREAM
+
+
+@triton.jit
+def mix32(h):
+    """murmur3's fmix32 on int32 (wrapping multiplies; arithmetic shifts masked to act as logical ones)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _MIX1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _MIX2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+@triton.jit
+def hash_noise(key, idx):
+    """int32 noise of element indices ``idx`` (int32) under ``key``: ``compensation.hash_noise``."""
+    return mix32(idx * _GOLDEN + key)
+
+
+@triton.jit
+def weight_key(position, step):
+    """The noise key of a weight's write: ``compensation.weight_key(position, step)`` (both int32 scalars)."""
+    return mix32(mix32(position + _KEY_GOLDEN) ^ step) ^ _WEIGHT_STREAM
+
+
+@triton.jit
+def pow_int(base_hi, base_lo, n):
+    """``base ** n`` in float64 for an int32 ``n`` >= 0, by squaring; ``base`` comes as two fp32 halves (Triton passes
+    Python floats as fp32): ``hi = fp32(base)``, ``lo = fp32(base - hi)`` (:func:`._triton.split64`). Within a few
+    float64 ulp of Python's ``base ** n``, so its fp32 rounding is the host's value."""
+    result = tl.full((), 1.0, tl.float64)
+    b = tl.cast(base_hi, tl.float64) + tl.cast(base_lo, tl.float64)
+    for i in tl.static_range(31):
+        result = tl.where(((n >> i) & 1) != 0, result * b, result)
+        b = b * b
+    return result
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 ``x`` rounded to nearest-even bf16 in integer arithmetic (NaN stays NaN), as torch rounds: Triton's
+    interpreter truncates in its own conversion, so every bf16 store of these kernels goes through here and the
+    interpreter (tests) and the GPU give the same bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536
+    rounded = tl.where(x != x, 0x7FC00000, rounded)
+    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def to_dtype(x, OUT: tl.constexpr):
+    """fp32 ``x`` rounded to nearest into ``OUT`` (bf16 through :func:`to_bf16`)."""
+    if OUT == tl.bfloat16:
+        return to_bf16(x)
+    else:
+        return x.to(OUT)
+
+
+@triton.jit
+def round_stochastic(x, noise, OUT: tl.constexpr):
+    """fp32 ``x`` rounded to one of its two ``OUT`` (bf16 / fp16) neighbours, the far one with probability
+    |x - near one| / spacing: ``compensation.round_stochastic``."""
+    if OUT == tl.bfloat16:
+        kept = (x.to(tl.int32, bitcast=True) + ((noise >> 16) & 0xFFFF)) & -65536
+        out = tl.where(x != x, x, kept.to(tl.float32, bitcast=True))
+    else:
+        uniform = ((noise >> 8) & 0xFFFFFF).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        near = x.to(tl.float16).to(tl.float32)
+        err = x - near
+        far = (near * tl.where(err * near >= 0, 1.0 + 0.0006103515625, 1.0 - 0.0006103515625))  # 0.625 ulp
+        far = far.to(tl.float16).to(tl.float32)
+        out = tl.where(uniform * tl.abs(far - near) < tl.abs(err), far, near)
+    return out.to(OUT)
+
+
+@triton.jit
+def compensated(old, new, comp, key, idx, MODE: tl.constexpr, OUT: tl.constexpr):
+    """The stored weight (``OUT``) and the new Kahan buffer (fp32) of a weight stepped from ``old`` to ``new``
+    (fp32), as ``compensation.write``: ``MODE`` 0 Kahan (``comp``: the buffer's values), 1 stochastic (noise of
+    ``key`` and the element indices ``idx``), 2 round to nearest. An fp32 ``OUT`` takes ``new`` as is."""
+    if OUT == tl.float32:
+        return new, comp
+    elif MODE == 0:
+        y = (new - old) + comp  # this step's update plus what earlier steps could not apply
+        fresh = to_dtype(old + y, OUT)
+        return fresh, y - (fresh.to(tl.float32) - old)  # the part the rounded weight did not absorb
+    elif MODE == 1:
+        return round_stochastic(old + (new - old), hash_noise(key, idx), OUT), comp
+    else:
+        return to_dtype(new, OUT), comp

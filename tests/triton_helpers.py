@@ -1,0 +1,61 @@
+"""Helpers of the Triton kernels' tests: run them on CPU under the interpreter, compile them for a GPU.
+
+Two checks no GPU is needed for: the kernel code itself runs on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, set by conftest), and it compiles, ahead of time, to Hopper machine code (``sm_90``: the
+interpreter accepts things the compiler refuses, such as a global that is not a ``tl.constexpr``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="the Triton kernels' tests need triton (pip install triton numpy)")
+
+from hf_efficient.optim import _triton  # noqa: E402
+
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="runs the kernels on CPU under TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def on_cpu():
+    """The Triton kernels take CPU tensors (interpreter) for the test, and only for it."""
+    _triton.interpret_on_cpu(True)
+    yield
+    _triton.interpret_on_cpu(False)
+
+
+_AOT = r"""
+import json, sys, importlib
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constexprs = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(module), name)
+constexprs = {k: eval(v, {"tl": tl}) if isinstance(v, str) else v for k, v in constexprs.items()}
+compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+print(json.dumps({"shared": compiled.metadata.shared, "ptx": len(compiled.asm["ptx"]), "cubin": len(compiled.asm["cubin"])}))
+"""
+
+
+def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: dict) -> dict:
+    """Compile ``module.kernel`` ahead of time for sm_90 (no GPU needed: Triton's wheel carries ptxas), in a
+    subprocess without the interpreter; returns its sizes (shared memory bytes, PTX and cubin lengths). ``signature``: argument -> Triton type
+    ("*bf16", "i32", "fp32", "constexpr"); ``constexprs``: values, dtypes written as strings ("tl.bfloat16").
+
+    Raises:
+        AssertionError: the compiler's error, whole.
+    """
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, "-c", _AOT, json.dumps([module, kernel, signature, constexprs])],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
