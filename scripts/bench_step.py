@@ -3,6 +3,7 @@ for every hf_eff name and backend, beside the optimizers a user would pick inste
 
     python scripts/bench_step.py                          # 4 layers of hidden 768 (28M parameters)
     python scripts/bench_step.py --quick --out /tmp/bench # smoke-test sizes
+    python scripts/bench_step.py --device cuda            # on a GPU: scripts/bench_cuda.py (1.23B parameters)
 
 Writes ``bench_step.md`` (tables, targets, machine and load), ``bench_step.json`` and ``bench_step.png``
 (step time and state bytes bars) into ``--out`` (default ``docs/results``).
@@ -758,6 +759,12 @@ def plot(path: Path, rows: list[dict], info: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    known, rest = device.parse_known_args(argv)
+    if torch.device(known.device).type == "cuda":  # a GPU: its own shapes, peers and end-to-end rows
+        import bench_cuda
+        return bench_cuda.main(rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=4)
