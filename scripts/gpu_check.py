@@ -102,14 +102,14 @@ def skip_case(name) -> dict:
         p.grad = torch.full_like(p, 0.1)
     opt.step()
     before = [p.detach().clone() for p in m.parameters()]
-    state = {k: v.clone() for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v)}
+    state = {(i, k): v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items() if torch.is_tensor(v)}
     for p in m.parameters():
         p.grad = torch.full_like(p, 0.1)
     next(m.parameters()).grad[0, 0] = float("nan")
     opt.step()
     torch.cuda.synchronize()
     same_w = all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
-    after = {k: v for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v)}
+    after = {(i, k): v for i, st in enumerate(opt.state.values()) for k, v in st.items() if torch.is_tensor(v)}
     same_s = all(torch.equal(state[k], after[k]) for k in state if k in after)
     return {"name": name, "dtype": str(dtype).removeprefix("torch."), "compensation": "skip-check", "ok": same_w and same_s,
             "weights_unchanged": same_w, "state_unchanged": same_s}
