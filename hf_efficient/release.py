@@ -23,14 +23,21 @@ torch's check. On MiniLM (106 tensors, 2 cores) the C scans take ~5 ms per backw
 ``optimizer.step()`` and ``zero_grad()`` keep working: no parameter holds a gradient when they run, so the step finds
 nothing to update and the guard still counts one step per ``step()`` call (``optimizer.hf_efficient.steps``); the
 Trainer's loop, an Accelerate loop and a user's loop run unchanged. Torch's step hooks run once per ``step()`` call,
-not per tensor. ``detach(optimizer)`` removes the hooks. A copy of the optimizer (``copy.deepcopy``, ``pickle``) is
-not attached; ``state_dict()`` / ``load_state_dict`` are the optimizer's own, so a resume is exact.
+not per tensor. ``optimizer.zero_grad(set_to_none=False)`` keeps zero gradients in the ordinary loop, and its step
+moves the parameters no backward reached since (momentum, weight decay, step count): release steps those with zeros
+at ``step()``, so it equals the ordinary step there too (``model.zero_grad(set_to_none=False)`` cannot be seen: with
+it, a parameter is stepped only by a backward that reaches it). ``add_param_group`` hooks the new parameters.
+``detach(optimizer)`` removes the hooks. While attached, the optimizer's class is a subclass of its own (same name) that
+sees ``zero_grad`` and ``add_param_group``; a copy (``copy.deepcopy``, ``pickle``) is not attached; ``state_dict()`` /
+``load_state_dict`` are the optimizer's own, so a resume is exact.
 
 Decided, and refused or checked where it cannot hold (never silent):
 
 - Gradient accumulation (the Trainer's or Accelerate's ``gradient_accumulation_steps > 1``) would need every gradient
   kept across micro-batches: refused by :func:`check_trainer_args` / :func:`check_accelerate`. A larger per-device
-  batch is the same math. In a hand-written loop, every ``backward()`` is an optimizer step.
+  batch is the same math. In a hand-written loop, every ``backward()`` is an optimizer step: a second backward before
+  ``step()`` (``retain_graph=True``, summed micro-batches) is refused at its first hook, before it steps anything, so
+  each ``step()`` stays one step of the optimizer and of its state.
 - Clipping by the global norm needs every gradient before the first step: refused (``max_grad_norm`` must be 0). The
   Trainer would otherwise "clip" gradients that are already None, i.e. not clip at all. In a hand-written loop,
   ``clip_grad_norm_`` after ``backward()`` finds no gradients and returns 0: do not call it.
@@ -41,13 +48,17 @@ Decided, and refused or checked where it cannot hold (never silent):
   gradient is dropped, its state untouched), the others are; ``info.skipped_steps`` counts the backward passes in
   which some tensor was skipped, :func:`release_info` the tensors, and one warning per backward names them.
 - fp16 with a GradScaler: the scaler unscales and skips at ``step()``, after the release already stepped scaled
-  gradients: refused. bf16 autocast and bf16 weights need no scaler and are fine.
+  gradients: refused by the checks, and in a hand-written loop at the first hook of a backward whose loss is a product
+  while an enabled GradScaler is alive (before anything is stepped). bf16 autocast and bf16 weights need no scaler.
 - Distributed (DDP, FSDP, DeepSpeed): the hooks would see local gradients before their reduction: refused by the
   checks, and by :func:`attach` when a process group of more than one process is up or a parameter is a DTensor.
-- Reentrant activation checkpointing (``use_reentrant=True``) runs nested backward passes, in which a weight used in
-  two checkpointed segments would be stepped once per segment: refused in the Trainer check (transformers' default is
-  ``use_reentrant=False``, which is fine). A hook cannot tell a nested backward from the next one, so a hand-written
-  loop must not combine it with shared weights.
+- Reentrant activation checkpointing (``use_reentrant=True``) runs one nested backward per segment, each adding to a
+  weight's gradient once per segment that uses it: no hook can tell when a gradient is complete. Refused by the
+  Trainer check, on each transformers version's default (4.x: reentrant; 5.x: not), and in any loop at the first hook
+  of a nested backward (a Python autograd Function's backward on the stack): the segments' tensors are not stepped,
+  those completed outside them may have been (a full bucket). ``use_reentrant=False`` is one backward, and fine.
+- A backward refused at its first hook drops the gradients it produced, so neither ``step()`` nor the next backward
+  applies them.
 - A parameter that did not require a gradient when ``attach`` ran has no hook: if it gets one later, the next backward
   refuses to start (call ``attach`` again after unfreezing it). Gradients present at ``attach`` are refused.
 """
