@@ -5,7 +5,8 @@
   whole block's scale of quantized state forever, so the default is ``"raise"``; ``"skip"`` skips the step for
   all parameters and counts it; ``"ignore"`` is torch's behaviour.
 - On CUDA, with no host synchronisation, where the backend honours torch's ``optimizer.found_inf`` (the one table
-  :data:`_FLAG_TABLE`: torch's fused AdamW, and this package's families whose step runs their Triton kernels): the
+  :data:`_FLAG_TABLE`: torch's fused AdamW, and this package's families whose step runs their Triton kernels, which
+  they declare by a ``takes_found_inf()`` method, True for the step about to run): the
   step's gradients are checked on the device, by one multi-tensor inf-norm and a compare, into a float32 flag set as
   ``optimizer.found_inf`` for the backend's step (unset after), which then updates nothing, step counts included.
   Nothing is read in ``step()``. ``"skip"``: the step is voided; ``steps`` / ``skipped_steps`` of
