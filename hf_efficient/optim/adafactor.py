@@ -105,6 +105,13 @@ class Adafactor(torch.optim.Optimizer):
                     state[key] = saved[key].to(device=p.device, dtype=want, copy=True).contiguous()
         drop_unused_buffers(self, "Adafactor")
 
+    def takes_found_inf(self) -> bool:
+        """Whether the coming step runs the Triton kernels for every tensor with a gradient: they read the guard's
+        device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
+        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(todo) and all(_triton_fits(p, p.grad, self.state.get(p, {}), group)
+                                  and _triton_module(p.device) is not None for p, group in todo)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, "Adafactor")  # closure, then sparse gradients refused: nothing half-done
@@ -445,10 +452,7 @@ def _step_triton(optimizer, todo: list) -> list:
     rest = []
     for entry in todo:
         p, group, state, _ = entry
-        grad = p.grad
-        if ((_triton.applies(p, grad) or (p.is_cuda and not _triton.available())) and p.is_contiguous()
-                and p.dtype in _TRITON_DTYPES and grad.dtype in _TRITON_DTYPES
-                and _state_fits(p, state, group["compensation"], group["beta1"] is not None)):
+        if _triton_fits(p, p.grad, state, group):
             mine.setdefault(p.device, []).append(entry)
         else:
             rest.append(entry)
@@ -466,6 +470,13 @@ def _step_triton(optimizer, todo: list) -> list:
         _triton.advance_steps([state["step"] for _, _, state, _, _ in items], found_inf)
         module.step(items, found_inf, optimizer.__dict__.setdefault("_triton_tables", {}))
     return rest
+
+
+def _triton_fits(p: Tensor, grad: Tensor, state: dict, group: dict) -> bool:
+    """The Triton kernels can step ``p`` (a fresh, empty ``state`` always fits: :func:`_fill_state` makes it so)."""
+    return ((_triton.applies(p, grad) or (p.is_cuda and not _triton.available())) and p.is_contiguous()
+            and p.dtype in _TRITON_DTYPES and grad.dtype in _TRITON_DTYPES
+            and (not state or _state_fits(p, state, group["compensation"], group["beta1"] is not None)))
 
 
 def _triton_module(device: torch.device):
