@@ -5,8 +5,8 @@ instead, in one run; ratios to torch's fused fp32 AdamW measured in the same pro
     python scripts/bench_cuda.py --layers 4 --e2e-layers 2   # smaller, for a quick look
     python scripts/bench_cuda.py --render-only           # markdown again from the JSON
 
-Writes ``bench_cuda.json`` (measurements) and ``bench_cuda.md`` (tables, machine, command) into ``--out``
-(default ``docs/results``).
+Writes ``bench_cuda.json`` (measurements) and ``bench_cuda.md`` (tables, machine, command; rendered from the JSON
+by ``render_results.bench_cuda_md``) into ``--out`` (default ``docs/results``).
 
 Step rows. The parameters of ``--layers`` Llama layers of 1B shapes (q, k, v, o 2048x2048; gate, up 5632x2048; down
 2048x5632; two norms of 2048): 1.23B parameters at 24 layers, fp32 (and a bf16 copy for the bf16-weight rows), with
@@ -34,7 +34,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import RESULTS, command_line, fmt, machine, md_table, median  # noqa: E402
+import render_results  # noqa: E402
+from _bench_common import RESULTS, command_line, machine, median  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -288,43 +289,6 @@ def e2e_rows(args) -> list[dict]:
     return rows
 
 
-def render(result: dict) -> str:
-    base = result["baseline_ms"]
-    steps = result["steps"]
-    bmin = 3 * 4 + 2 * 8  # fused fp32 AdamW: 28 bytes per parameter
-    b_back = median([r["backward_ms"] for r in steps if "backward_ms" in r and r["label"] == BASELINE] or [0])
-    rows = []
-    for r in steps:
-        if "error" in r:
-            rows.append([r["label"], "—", "—", "—", "—", "—", "—", "—", r["error"][:80]])
-            continue
-        rows.append([r["label"], fmt(r["step_ms"]), fmt(r["step_ms"] / base) + "x",
-                     fmt(r["min_bytes_per_param"] / bmin) + "x", fmt(r["state_bytes_per_param"]),
-                     r["kernels"], r["syncs"], fmt(r["temporaries_mb"], 1),
-                     fmt(r["backward_ms"] - b_back) if r["label"] != BASELINE else "0.00"])
-    m = result["machine"]
-    out = [f"# Optimizer step on a GPU ({m['gpu']})", "",
-           f"- Command: `{result['command']}`", f"- Date: {m['date']}; torch {m['torch']}; triton "
-           f"{result.get('triton')}; bitsandbytes {result.get('bitsandbytes')}; transformers {result.get('transformers')}",
-           f"- {result['params'] / 1e9:.2f}B parameters ({result['layers']} Llama-1B layers); median of "
-           f"{result['reps']} steps; unit: {BASELINE} at {fmt(base)} ms (first and last of the run: "
-           f"{fmt(result['baseline_first_ms'])} / {fmt(result['baseline_last_ms'])} ms)", "",
-           md_table(["step", "ms", "x fused fp32 AdamW", "bandwidth limit (x)", "state B/param", "kernels", "host syncs",
-                     "temporaries MiB", "backward +ms"], rows), "",
-           "bandwidth limit: the bytes a step must move (parameters read and written, gradients read, state read and "
-           "written) over fused fp32 AdamW's 28 per parameter. backward +ms: the time of the backward pass that sets "
-           "the gradients, over the baseline's (what a check in backward hooks costs).", ""]
-    if result.get("e2e"):
-        ref = next((r.get("tokens_per_s") for r in result["e2e"] if r["label"].startswith("bf16 weights + torch")),
-                   None)
-        e2e = [[r["label"], fmt(r.get("tokens_per_s"), 0), fmt(r["tokens_per_s"] / ref) + "x" if ref and
-                "tokens_per_s" in r else "—", fmt(r.get("peak_gb")), r.get("error", "")[:80]] for r in result["e2e"]]
-        out += [f"## End to end: config-built Llama, {result['e2e_params'] / 1e6:.0f}M parameters, 4 x 1024 tokens, "
-                "gradient checkpointing", "",
-                md_table(["configuration", "tokens/s", "x bf16 + torch fused AdamW", "peak GB", "error"], e2e), ""]
-    return "\n".join(out)
-
-
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -383,9 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["e2e_params"] = result["e2e"][0].get("params", 0)
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
-    text = render(result)
-    (args.out / "bench_cuda.md").write_text(text + "\n")
-    print(text)
+    print(render_results.render(path))
     return result
 
 
