@@ -45,13 +45,19 @@ def test_missing_backend_names_the_pip_extra(monkeypatch):
 
 def test_no_backend_for_device_says_what_would_work(monkeypatch):
     spec = registry.get_spec("adam8bit")
-    monkeypatch.delitem(spec.backends, "torch")  # leave only the packaged backends
-    monkeypatch.setitem(spec.prefer, "default", ("bnb", "torchao"))
-    monkeypatch.setattr(registry, "version_of", lambda pkg: None)  # neither bnb nor torchao installed
-    with pytest.raises(RuntimeError, match=r"No backend of hf_eff_adam8bit.*hf_efficient\[bnb\].*What would work"):
-        hfe.resolve("adam8bit", "cpu")
-    with pytest.raises(RuntimeError, match="runs on: cpu, cuda"):
-        hfe.resolve("adam8bit", "mps")
+    saved = dict(spec.backends)  # restored in its order: the docs' tables list backends in it
+    try:
+        del spec.backends["torch"]  # leave only the packaged backends
+        monkeypatch.setitem(spec.prefer, "default", ("bnb", "torchao"))
+        monkeypatch.setattr(registry, "version_of", lambda pkg: None)  # neither bnb nor torchao installed
+        with pytest.raises(RuntimeError, match=r"No backend of hf_eff_adam8bit.*hf_efficient\[bnb\].*What would "
+                           "work"):
+            hfe.resolve("adam8bit", "cpu")
+        with pytest.raises(RuntimeError, match="runs on: cpu, cuda"):
+            hfe.resolve("adam8bit", "mps")
+    finally:
+        spec.backends.clear()
+        spec.backends.update(saved)
 
 
 def test_8bit_kernel_needs_a_compiler_else_bnb_is_chosen(monkeypatch):
