@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from .optim.compensation import drop_unused_buffers
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
 from .options import OPTIONS, check_hyperparams, check_step
 from .param_groups import group_names
@@ -51,6 +52,9 @@ _TAG = "hf_efficient"
 _IMPL_KEYS = {"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "min_8bit_size", "compile",
               "compensation", "optim_bits", "percentile_clipping", "block_wise", "max_unorm", "skip_zeros", "is_paged",
               "alpha", "t_alpha", "t_beta3", "block_size", "bf16_stochastic_round", "is_adamw"}
+# group keys that an option of create_optimizer sets (optim_args): on resume the value asked for now wins over the
+# saved one, as optimizer_info reports it, and the state's buffers follow it (compensation.drop_unused_buffers)
+_SETTING_KEYS = {"compensation"}
 
 
 def tag_of(state_dict: dict) -> dict | None:
@@ -96,11 +100,13 @@ def groups_to_canonical(groups: list[dict]) -> list[dict]:
 
 
 def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) -> list[dict]:
-    """Saved groups in the form ``backend`` keeps: its own extra keys, a tensor ``lr`` where it has one."""
+    """Saved groups in the form ``backend`` keeps: its own extra keys, a tensor ``lr`` where it has one, and the
+    settings this optimizer was built with (``_SETTING_KEYS``)."""
     out = []
     for g, live in zip(saved, current):
-        # keys only this backend keeps (our kernel's `compile`, ...) come from the live group
-        g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")}, **g}
+        # keys only this backend keeps (our kernel's `compile`, ...) and the settings come from the live group
+        g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")},
+             **{k: v for k, v in g.items() if k not in _SETTING_KEYS}}
         if torch.is_tensor(live.get("lr")) and not torch.is_tensor(g.get("lr")):
             g["lr"] = torch.tensor(g["lr"], dtype=live["lr"].dtype, device=live["lr"].device)
         out.append(g)
@@ -452,6 +458,8 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
                            spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
                                f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
                                f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
+    drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
+                                                        if pid in state})
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))

@@ -1,0 +1,81 @@
+"""Resuming under other settings than the checkpoint's, and state that only some loaders meet (issue 22).
+
+Every name that compensates (the registry's torch backends with ``compensates``) crossed with every ordered pair of
+compensation modes: the setting asked for now wins, buffers follow it, and the log says what changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+
+import pytest
+import torch
+
+import hf_efficient as hfe
+from hf_efficient.optim.compensation import COMPENSATIONS
+from hf_efficient.registry import SPECS
+
+COMPENSATING = sorted(n for n, s in SPECS.items() if "torch" in s.backends and s.backends["torch"].compensates)
+PAIRS = [(a, b) for a, b in itertools.permutations(COMPENSATIONS, 2)]
+
+
+def _grad(p, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.1 * torch.randn(p.shape, generator=g)).to(p.dtype)
+
+
+def _built(name, p, mode):
+    return hfe.create_optimizer([p], name, lr=1e-3, weight_decay=0.0, compensation=mode)
+
+
+def _as_if_saved_under(sd, mode, p):
+    """``sd`` as a run under ``mode`` would have saved it: its groups' compensation and its Kahan buffers."""
+    sd = copy.deepcopy(sd)
+    for g in sd["param_groups"]:
+        g["compensation"] = mode
+    for st in sd["state"].values():
+        st.pop("kahan_comp", None)
+        if mode == "kahan":
+            st["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16)
+    return sd
+
+
+def test_every_compensating_name_is_covered():
+    assert {"adamw", "adam8bit", "lion8bit", "adafactor", "adamw_bf16"} <= set(COMPENSATING)
+
+
+@pytest.mark.parametrize("name", COMPENSATING)
+@pytest.mark.parametrize("saved, built", PAIRS)
+def test_resume_under_another_compensation_follows_the_new_setting(name, saved, built, caplog):
+    start = torch.rand(64, 128).add(1.0).to(torch.bfloat16)  # 8192 elements: 8-bit state where the name has one
+    p = torch.nn.Parameter(start.clone())
+    opt = _built(name, p, saved)
+    for seed in (1, 2):
+        p.grad = _grad(p, seed)
+        opt.step()
+    sd = opt.state_dict()
+
+    q = torch.nn.Parameter(p.detach().clone())
+    resumed = _built(name, q, built)
+    with caplog.at_level(logging.INFO, logger="hf_efficient"):
+        resumed.load_state_dict(sd)
+    assert resumed.param_groups[0]["compensation"] == built == hfe.optimizer_info(resumed).options["compensation"]
+    comp = resumed.state[q].get("kahan_comp")
+    assert (comp is not None) == (built == "kahan")
+    if comp is not None:
+        assert comp.dtype == torch.bfloat16 and not comp.any()  # nothing owed yet
+    assert ("dropped the saved kahan_comp" in caplog.text) == (saved == "kahan")
+    assert ("starts at zero" in caplog.text) == (built == "kahan")
+
+    # it steps as a run saved under the new setting would (the same moments, its buffer)
+    r = torch.nn.Parameter(p.detach().clone())
+    reference = _built(name, r, built)
+    reference.load_state_dict(_as_if_saved_under(sd, built, p))
+    for seed in (3, 4):
+        q.grad, r.grad = _grad(q, seed), _grad(r, seed)
+        resumed.step()
+        reference.step()
+    assert torch.equal(q, r)
+    assert resumed.state_dict()["param_groups"][0]["compensation"] == built
