@@ -266,7 +266,14 @@ def check_saved(optimizer, state_dict, family: str, check_family_keys: Callable 
     names the parameter or group; nothing was loaded."""
     where = f"{family}.load_state_dict"
     if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+        groups = state_dict.get("param_groups")
+        listed = {i for g in groups if isinstance(g, dict) for i in g.get("params", ())} if isinstance(
+            groups, list) else set()
         for i, saved in state_dict["state"].items():
+            # a parameter's state is a dict; other keys (a hook's flag) are torch's to carry as they are
+            if i in listed and not isinstance(saved, dict):
+                raise ValueError(f"{where}: the state of parameter {i} is a {type(saved).__name__}, not a dict of "
+                                 "state tensors: the checkpoint is corrupt; nothing was loaded")
             if isinstance(saved, dict) and "step" in saved:
                 check_step(saved["step"], f"{where}: parameter {i}")
     if check_family_keys is not None and isinstance(state_dict, dict) and isinstance(

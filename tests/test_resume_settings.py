@@ -79,3 +79,40 @@ def test_resume_under_another_compensation_follows_the_new_setting(name, saved, 
         reference.step()
     assert torch.equal(q, r)
     assert resumed.state_dict()["param_groups"][0]["compensation"] == built
+
+
+def _flag_hook(optimizer):
+    """torch's own test of load_state_dict post-hooks (test_optim.py) stores a bool in ``optimizer.state``."""
+    optimizer.state["ran_load_state_dict_post_hook"] = True
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SPECS if n != "auto"))
+@pytest.mark.parametrize("how", ["create_optimizer", "class"])
+def test_a_load_hook_may_store_a_non_dict_in_the_state(name, how, recwarn):
+    p = torch.nn.Parameter(torch.ones(16, 32, dtype=torch.bfloat16))
+    if how == "class":
+        opt = hfe.resolve(name, device="cpu").optimizer_cls([p], lr=1e-3)
+    else:
+        opt = hfe.create_optimizer([p], name, lr=1e-3)
+    opt.register_load_state_dict_post_hook(_flag_hook)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert opt.state["ran_load_state_dict_post_hook"] is True
+    p.grad = torch.ones_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "adamw_bf16"])  # the classes loading through torch's loader
+def test_a_parameters_state_that_is_not_a_dict_is_refused(name):
+    p = torch.nn.Parameter(torch.ones(16, 32, dtype=torch.bfloat16))
+    opt = hfe.create_optimizer([p], name, lr=1e-3)
+    opt = opt._hf_eff_base([p], lr=1e-3)  # the family's class, without create_optimizer's protection
+    p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    before = copy.deepcopy(opt.state[p])
+    sd["state"][0] = True
+    with pytest.raises(ValueError, match="state of parameter 0 is a bool"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())  # nothing loaded

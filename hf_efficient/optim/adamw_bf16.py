@@ -527,15 +527,15 @@ class AdamWBF16(Optimizer):
         steps and groups are checked first (a ValueError, nothing loaded)."""
         check_saved(self, state_dict, "AdamWBF16", _check_family_keys)
         super().load_state_dict(state_dict)
-        for st in self.state.values():
-            if "step" in st and not torch.is_tensor(st["step"]):
+        for st in self.state.values():  # not all dicts: a load hook may store a flag here (torch's tests do)
+            if isinstance(st, dict) and "step" in st and not torch.is_tensor(st["step"]):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
         drop_unused_buffers(self, "AdamWBF16")
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         placed = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, placed):  # torch cast them to the parameter's dtype
             saved, state = state_dict["state"].get(i, {}), self.state[p]
-            for key in ("exp_avg", "exp_avg_sq", "kahan_comp"):
+            for key in ("exp_avg", "exp_avg_sq", "kahan_comp") if isinstance(saved, dict) else ():
                 if key in saved and key in state and state[key].dtype != _state_dtype(p):
                     state[key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
 
