@@ -37,7 +37,7 @@ import torch
 
 from .optim.compensation import drop_unused_buffers
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
-from .options import OPTIONS, check_hyperparams, check_step
+from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
@@ -153,6 +153,12 @@ def _dtype_error(family: Family, st: dict, key: str, value: torch.Tensor) -> str
     return "uint8 codes (with absmaxes) or a floating-point dtype" if fmt == "codes" else "a floating-point dtype"
 
 
+def _is_first_moment(family: Family, key: str) -> bool:
+    """Whether ``key`` is a first moment (signed, not the Kahan buffer) or the per-block absmax of one."""
+    base = key.removesuffix("_absmax")
+    return base != "kahan_comp" and base in family.state and family.state[base].signed
+
+
 def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: str, group: dict) -> None:
     """Raise ValueError unless ``st`` is a complete state of ``family`` (canonical layout) for ``p``."""
     where = f"the state of parameter {pname!r}"
@@ -186,12 +192,9 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
         if wanted is not None:
             raise ValueError(f"{where} has {key} of dtype {value.dtype}, but {family.name} state keeps it in {wanted}: "
                              "the checkpoint is corrupt or was written by another optimizer")
-        signed = family.state[key].signed  # the others are second moments or their scales: >= 0
-        if value.dtype.is_floating_point and not (bool(value.isfinite().all()) and (
-                signed or bool((value >= 0).all()))):
-            raise ValueError(f"{where} has {key} holding non-finite values{'' if signed else ' or negative ones'}: "
-                             "training from it would turn the weights non-finite; the checkpoint is corrupt. Resume "
-                             "from an earlier checkpoint, or start the optimizer afresh")
+        if value.dtype.is_floating_point:  # the unsigned ones are second moments or scales: >= 0
+            check_saved_tensor(value, key, where, signed=family.state[key].signed,
+                               first_moment=_is_first_moment(family, key))
         if tuple(value.shape) not in _allowed_shapes(family, key, p):
             expected = " or ".join(str(s) for s in _allowed_shapes(family, key, p))
             raise ValueError(f"{where} has {key} of shape {tuple(value.shape)}, but {key} of a parameter of shape "

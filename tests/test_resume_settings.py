@@ -116,3 +116,28 @@ def test_a_parameters_state_that_is_not_a_dict_is_refused(name):
     with pytest.raises(ValueError, match="state of parameter 0 is a bool"):
         opt.load_state_dict(sd)
     assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())  # nothing loaded
+
+
+EIGHT_BIT = sorted(n for n, s in SPECS.items() if s.facts.quantized and "torch" in s.backends)
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+@pytest.mark.parametrize("how", ["create_optimizer", "class"])
+def test_absurd_finite_state_is_refused(name, how):
+    """An edited checkpoint: a fractional step, or a first moment's absmax beyond any gradient's (x 1e30)."""
+    p = torch.nn.Parameter(torch.rand(64, 128))
+    opt = hfe.create_optimizer([p], name, lr=1e-3, backend="torch")
+    if how == "class":
+        opt = opt._hf_eff_base([p], lr=1e-3)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    good = opt.state_dict()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    for key, edit, match in [("step", lambda t: t.add_(0.5), r"has step 1\.5: .*whole number"),
+                             ("exp_avg_absmax", lambda t: t.mul_(1e30), "exp_avg_absmax holding values of magnitude")]:
+        sd = copy.deepcopy(good)
+        edit(sd["state"][0][key])
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())  # nothing loaded
+    opt.load_state_dict(good)
