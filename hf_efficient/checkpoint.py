@@ -384,6 +384,26 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
     return done
 
 
+def _say_dequantized(state: dict, optimizer, spec, backend: str, saved_ids: list) -> None:
+    """One warning naming the tensors whose saved 8-bit state this backend keeps in full precision (torchao: tensors
+    not made of whole blocks), so that the layout's conversion hands it the values the codes stand for."""
+    impl = spec.backends[backend]
+    if not spec.facts.quantized or impl.keeps_8bit is None:
+        return
+    keeps, ids, names = impl.keeps_8bit(optimizer), iter(saved_ids), []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, (p, pname) in enumerate(zip(group["params"], group_names(group, gi))):
+            st = state.get(next(ids))
+            if isinstance(st, dict) and any(_is_codes(v) for v in st.values()) and not keeps(gi, pi, p):
+                names.append(pname)
+    if names:
+        logger.warning("%s (backend %s): the checkpoint holds 8-bit state for %d tensor(s) that this backend keeps "
+                       "in full precision (%s); they resume with the fp32 moments their codes stand for, and take 4x "
+                       "the state memory: %s%s", spec.trainer_name, backend, len(names),
+                       f"torchao quantizes only tensors made of whole {BLOCK}-element blocks" if backend == "torchao"
+                       else "its 8-bit threshold", ", ".join(names[:8]), ", ..." if len(names) > 8 else "")
+
+
 def _describe(tag, libraries: set, src: Family) -> str:
     if tag is not None:
         return f"hf_eff_{tag.get('name')} ({src.name} state, backend {tag.get('backend')})"
@@ -463,6 +483,8 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
                                f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
     drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
                                                         if pid in state})
+    if src is spec.facts:  # another family's state was converted above, and said so
+        _say_dequantized(state, optimizer, spec, backend, saved_ids)
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))

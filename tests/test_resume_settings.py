@@ -141,3 +141,34 @@ def test_absurd_finite_state_is_refused(name, how):
             opt.load_state_dict(sd)
         assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())  # nothing loaded
     opt.load_state_dict(good)
+
+
+def test_torchao_full_precision_tensors_are_counted_logged_and_said_on_load(caplog):
+    """torchao keeps fp32 state for tensors not made of whole 256-element blocks: the estimate counts it, the build
+    names them, and a torch 8-bit checkpoint loaded into torchao says which tensors came back as fp32 moments."""
+    pytest.importorskip("torchao")
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(300, 32), torch.nn.Linear(32, 256))  # 9600: not whole blocks
+
+    src = model()
+    opt = hfe.create_optimizer(src, "adam8bit", backend="torch", embedding_state="8bit")
+    src(torch.arange(10)).sum().backward()
+    opt.step()
+    dst = model()
+    with caplog.at_level(logging.INFO, logger="hf_efficient"):
+        ao = hfe.create_optimizer(dst, "adam8bit", backend="torchao", embedding_state="8bit")
+        assert "1 tensor(s) keep full-precision state" in caplog.text and "0.weight" in caplog.text
+        caplog.clear()
+        ao.load_state_dict(opt.state_dict())
+    assert "8-bit state for 1 tensor(s) that this backend keeps in full precision" in caplog.text
+    assert "0.weight" in caplog.text and "1.weight" not in caplog.text
+    dst(torch.arange(10)).sum().backward()
+    ao.step()
+    fresh_model = model()
+    fresh = hfe.create_optimizer(fresh_model, "adam8bit", backend="torchao", embedding_state="8bit")
+    fresh_model(torch.arange(10)).sum().backward()
+    fresh.step()
+    estimate = hfe.estimate_memory(fresh_model, "adam8bit", backend="torchao", embedding_state="8bit").state_bytes
+    assert estimate == hfe.optimizer_state_bytes(fresh)
