@@ -219,9 +219,14 @@ def test_auto_reads_free_memory_and_refuses_foreign_options():
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="optim/adamw_bf16.py not there yet")
-def test_auto_prefers_adamw_bf16_for_bf16_models():
+def test_auto_on_bf16_models_prefers_adamw_then_adamw_bf16():
+    """adamw (fp32 moments, compensated bf16 writes) when it fits, else adamw_bf16 (bf16 moments), as documented."""
     model = tiny_bert().to(torch.bfloat16)
-    assert choose_auto(model, {"budget_gb": 100}).name == "adamw_bf16"
+    assert choose_auto(model, {"budget_gb": 100}).name == "adamw"
+    need = {c.name: c.total_bytes for c in choose_auto(model, {"budget_gb": 100}).candidates}
+    assert need["hf_eff_adamw_bf16"] < need["hf_eff_adamw"]
+    between = (need["hf_eff_adamw_bf16"] + need["hf_eff_adamw"]) / 2 / (1 - AUTO_MARGIN) / 2**30
+    assert choose_auto(model, {"budget_gb": between}).name == "adamw_bf16"
 
 
 # ---------------------------------------------------------------------------------------- Trainer callback

@@ -85,8 +85,8 @@ class Adafactor(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:  # saved before the option existed: the optimizer's own (a Kahan buffer from 0)
             group.setdefault("compensation", self.defaults.setdefault("compensation", "kahan"))
-        for per_param in self.state.values():
-            if "step" in per_param and not torch.is_tensor(per_param["step"]):
+        for per_param in self.state.values():  # not all dicts: a load hook may store a flag here (torch's tests do)
+            if isinstance(per_param, dict) and "step" in per_param and not torch.is_tensor(per_param["step"]):
                 per_param["step"] = torch.tensor(float(per_param["step"]), dtype=torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -99,7 +99,7 @@ class Adafactor(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, params):
             saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
-            for key in (*_STATS, "kahan_comp"):
+            for key in (*_STATS, "kahan_comp") if isinstance(state, dict) else ():
                 want = torch.bfloat16 if key == "kahan_comp" else torch.float32
                 if key in state and state[key].dtype != want:  # from the saved tensor: no round trip through bf16
                     state[key] = saved[key].to(device=p.device, dtype=want, copy=True).contiguous()
