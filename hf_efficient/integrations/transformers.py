@@ -80,11 +80,24 @@ def _get_optimizer_cls_and_kwargs(args, model=None):
     }
 
 
+def optimizer_name(value: str):
+    """The ``OptimizerNames`` member ``value``: what a pickled ``hf_eff_*`` member (``training_args.bin``) is
+    rebuilt by. Part of the pickle format: this module path and name stay. Unpickling imports hf_efficient, which
+    registers the names even where the start-up hook is off; where hf_efficient is missing, it fails with "No
+    module named 'hf_efficient'" rather than transformers' "is not a valid OptimizerNames"."""
+    from transformers.training_args import OptimizerNames
+
+    patch_training_args(importlib.import_module("transformers.training_args"))
+    return OptimizerNames(value)
+
+
 def _add_enum_member(enum_cls, value: str) -> None:
     if value in enum_cls._value2member_map_:
         return
     member = str.__new__(enum_cls, value)
     member._name_, member._value_, member.__objclass__ = value.upper(), value, enum_cls
+    # pickled through optimizer_name, not as OptimizerNames(value): see there why
+    member.__reduce_ex__ = functools.partial(_reduce_name, value)
     member._sort_order_ = len(enum_cls._member_names_)
     if hasattr(enum_cls, "_add_member_"):  # Python >= 3.13
         enum_cls._add_member_(member._name_, member)
@@ -93,6 +106,10 @@ def _add_enum_member(enum_cls, value: str) -> None:
         enum_cls._member_names_.append(member._name_)
         type.__setattr__(enum_cls, member._name_, member)
     enum_cls._value2member_map_[value] = member
+
+
+def _reduce_name(value: str, protocol: int):
+    return optimizer_name, (value,)
 
 
 def register() -> None:
