@@ -32,7 +32,7 @@ def test_unknown_name_lists_names_and_suggests():
 
 
 def test_forced_backend():
-    if importlib.util.find_spec("torchao") is not None:  # its own extra (without it: test_missing_backend_names_extra)
+    if importlib.util.find_spec("torchao") is not None:  # its own extra (without it: test_missing_backend_names_the_pip_extra)
         assert hfe.resolve("adam8bit", "cpu", backend="torchao").backend == "torchao"
     with pytest.raises(ValueError, match="not a backend of hf_eff_adamw; it has: torch"):
         hfe.resolve("adamw", "cpu", backend="bnb")
