@@ -54,7 +54,7 @@ class AutoChoice:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / MB:.2f} MB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MB:.2f} MiB"  # binary, as in every message
 
 
 def free_memory_bytes(device: torch.device | str) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -431,9 +430,9 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
     if spec.fallback and dev != spec.fallback[0]:
         msg = (f"{spec.trainer_name} pages optimizer state through {spec.fallback[0]} unified memory; "
                f"on {dev} it runs as {PREFIX}{spec.fallback[1]} instead")
-        if (spec.name, dev) not in _logged:
+        if log and (spec.name, dev) not in _logged:  # an estimate (log=False) says "runs as" in its own result
             _logged.add((spec.name, dev))
-            warnings.warn(msg, stacklevel=2)
+            logger.warning("hf_efficient: %s", msg)
         res = resolve(spec.fallback[1], dev, backend, log=log, compensated=compensated)
         return Resolution(res.name, res.backend, res.optimizer_cls, f"{msg}; {res.reason}", res.spec, dev)
     if backend is not None:

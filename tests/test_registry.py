@@ -1,5 +1,6 @@
 """Names, backend resolution, the options parser and create_optimizer's checks (no Trainer here)."""
 
+import importlib.util
 import logging
 
 import pytest
@@ -31,7 +32,8 @@ def test_unknown_name_lists_names_and_suggests():
 
 
 def test_forced_backend():
-    assert hfe.resolve("adam8bit", "cpu", backend="torchao").backend == "torchao"
+    if importlib.util.find_spec("torchao") is not None:  # its own extra (without it: test_missing_backend_names_the_pip_extra)
+        assert hfe.resolve("adam8bit", "cpu", backend="torchao").backend == "torchao"
     with pytest.raises(ValueError, match="not a backend of hf_eff_adamw; it has: torch"):
         hfe.resolve("adamw", "cpu", backend="bnb")
 
@@ -82,16 +84,21 @@ def test_old_bitsandbytes_serves_nothing(monkeypatch):
     assert hfe.resolve("adam8bit", "cuda").backend == "bnb"
 
 
-def test_paged_falls_back_off_cuda_with_one_warning():
-    registry._logged.discard(("paged_adam8bit", "cpu"))
-    with pytest.warns(UserWarning, match="runs as hf_eff_adam8bit"):
-        res = hfe.resolve("paged_adam8bit", "cpu")
-    assert res.name == "adam8bit"
+def test_paged_falls_back_off_cuda_with_one_warning(caplog):
+    """Logged once at WARNING (not a raw warnings.warn with its source line); an estimate (log=False) is a question
+    whose result already says "runs as", so it logs nothing."""
     import warnings
 
-    with warnings.catch_warnings():
+    registry._logged.discard(("paged_adam8bit", "cpu"))
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="hf_efficient.registry"):
         warnings.simplefilter("error")
+        assert "runs as hf_eff_adam8bit" in hfe.resolve("paged_adam8bit", "cpu", log=False).reason
+        assert hfe.estimate_memory(1000, "paged_adam8bit", device="cpu").name == "hf_eff_adam8bit"
+        assert not caplog.records
+        res = hfe.resolve("paged_adam8bit", "cpu")
         hfe.resolve("paged_adam8bit", "cpu")  # second time: silent
+    assert res.name == "adam8bit"
+    assert [r.levelno for r in caplog.records if "runs as hf_eff_adam8bit" in r.getMessage()] == [logging.WARNING]
 
 
 def test_choice_is_logged_once(caplog):

@@ -3,6 +3,7 @@ each gradient at once, keeps step()/zero_grad()/schedulers/checkpoints working, 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import types
 import weakref
@@ -23,7 +24,8 @@ CASES = [
     ("adam8bit", torch.float32, {}),
     ("adam8bit", torch.bfloat16, {}),
     ("adam8bit", torch.float32, {"backend": "bnb", "embedding_state": "8bit"}),
-    ("adam8bit", torch.float32, {"backend": "torchao"}),
+    pytest.param("adam8bit", torch.float32, {"backend": "torchao"}, marks=pytest.mark.skipif(
+        importlib.util.find_spec("torchao") is None, reason="torchao is its own extra: pip install -e \".[torchao]\"")),
     ("adafactor", torch.float32, {}),
     ("adamw_bf16", torch.bfloat16, {}),
     ("adamw_bf16", torch.bfloat16, {"compensation": "stochastic"}),
