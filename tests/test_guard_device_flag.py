@@ -140,6 +140,20 @@ def test_raise_at_state_dict_or_when_a_loop_logs(read):
     assert sd["hf_efficient"]["steps"] == 0 and sd["hf_efficient"]["skipped_steps"] == 0
 
 
+def test_the_trainer_raises_when_it_logs_after_a_voided_step():
+    """The Trainer's callback reads the flag where a value is logged (the step that follows need not come)."""
+    from types import SimpleNamespace
+
+    from hf_efficient.integrations.transformers import _MemoryCallback
+
+    model, opt = _setup("raise")
+    _grads(model, bad=NAN)
+    opt.step()
+    state = SimpleNamespace(log_history=[], global_step=1)
+    with pytest.raises(FloatingPointError, match=r"'1\.weight' at step 1.*raise_if_voided"):
+        _MemoryCallback().on_log(None, state, None, logs={}, optimizer=opt)
+
+
 def test_a_loaded_state_drops_the_void_before_it():
     model, opt = _setup("raise")
     _grads(model)

@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from .. import guard
 from ..factory import build_optimizer, optimizer_info
 from ..memory import MB, estimate_memory, format_bytes, peak_memory, state_metrics
 from ..options import OPTIONS, parse_optim_args, parse_options
@@ -257,7 +258,9 @@ class _MemoryCallback:
         if getattr(args.logging_strategy, "value", args.logging_strategy) != "no":
             control.should_log = True  # log at this step rather than at the next logging_steps
 
-    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, model=None, optimizer=None, **kwargs):
+        if optimizer is not None:  # a value is logged: a step voided on the device under nonfinite=raise says so now
+            guard.raise_if_voided(optimizer)
         if logs is None:
             return
         extra, self._pending = self._pending, {}
