@@ -123,4 +123,4 @@ class AdamW8bit(Blockwise8bit):
                          [st["exp_avg_sq"] for st in states], None, [st["step"] for st in states], lr=group["lr"],
                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
-                         keys=[it[3] for it in items], c_kernel=group["compile"] is None)
+                         keys=self.noise_keys(items), c_kernel=group["compile"] is None)

@@ -135,9 +135,10 @@ class Lion8bit(Blockwise8bit):
 
     def step_32bit(self, group: dict, items) -> None:
         beta1, beta2 = group["betas"]
+        keys = self.noise_keys(items)
         for it in items:
             it[2]["step"] += 1
         lion([p for p, *_ in items], [g for _, g, *_ in items], [it[2]["exp_avg"] for it in items],
              lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
              compensation=group["compensation"], comps=[it[2].get("kahan_comp") for it in items],
-             keys=[it[3] for it in items], c_kernel=group["compile"] is None)
+             keys=keys, c_kernel=group["compile"] is None)
