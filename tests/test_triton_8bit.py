@@ -178,14 +178,18 @@ def test_state_is_in_bitsandbytes_canonical_layout(on_cpu):
         assert torch.equal(quant8.from_canonical(st[key], params[0], signed), opt.state[params[0]][key])
 
 
-def _signature(cls, dtype):
+def _signature(kernel, dtype):
     t = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    moments = ["wm_ptr", "wv_ptr", "am_ptr", "av_ptr"] if cls is AdamW8bit else ["wm_ptr", "am_ptr"]
+    if kernel == "lion_kernel":
+        return {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32",
+                **{s: "fp32" for s in "b1 omb1 b2 omb2 decay lr".split()},
+                **{c: "constexpr" for c in ("MODE", "OUT", "GRAD", "BLOCK")}}
+    moments = ["wm_ptr", "wv_ptr", "am_ptr", "av_ptr"] if kernel == "adamw8bit_kernel" else ["wm_ptr", "am_ptr"]
     sig = {"p_ptr": t, "g_ptr": t, **{m: "*i32" if m.startswith("w") else "*fp32" for m in moments},
            "comp_ptr": "*bf16" if dtype != torch.float32 else t, "step_ptr": "*fp32", "flag_ptr": "*fp32",
            "table_ptr": "*fp32", "n": "i64", "nb": "i64", "position": "i32"}
-    scalars = ("b1 omb1 b2 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo" if cls is AdamW8bit
-               else "b1 omb1 b2 omb2 decay lr").split()
+    scalars = ("b1 omb1 b2 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
+               if kernel == "adamw8bit_kernel" else "b1 omb1 b2 omb2 decay lr").split()
     return {**sig, **{s: "fp32" for s in scalars}, "MODE": "constexpr", "OUT": "constexpr", "NB": "constexpr"}
 
 
@@ -193,11 +197,38 @@ def test_every_launched_variant_compiles_for_hopper():
     """Each kernel compiled for sm_90 on each weight dtype, the three compensation paths among them (fp32 weights
     ignore the mode; the other (dtype, mode) pairs differ only inside ``_triton_lib.compensated``, whose every mode
     test_triton_common compiles), in parallel subprocesses (each ~10 s)."""
+    from hf_efficient.optim import lion_triton
+
     names = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
-    jobs = [(cls, dtype, mode) for cls in KERNEL
+    jobs = [("blockwise_triton", kernel, dtype, mode, {"NB": B.NB}) for kernel in KERNEL.values()
             for dtype, mode in ((torch.float32, 2), (torch.bfloat16, 0), (torch.float16, 1))]
+    jobs += [("lion_triton", "lion_kernel", dtype, mode, {"GRAD": names[dtype], "BLOCK": lion_triton.BLOCK})
+             for dtype, mode in ((torch.float32, 2), (torch.bfloat16, 0), (torch.float16, 1))]
     with ThreadPoolExecutor(3) as pool:
         infos = list(pool.map(lambda j: compile_for_hopper(
-            "hf_efficient.optim.blockwise_triton", KERNEL[j[0]], _signature(j[0], j[1]),
-            {"MODE": j[2], "OUT": names[j[1]], "NB": B.NB}), jobs))
+            f"hf_efficient.optim.{j[0]}", j[1], _signature(j[1], j[2]), {"MODE": j[3], "OUT": names[j[2]], **j[4]}),
+            jobs))
     assert all(info["cubin"] > 0 for info in infos)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,mode", CASES)
+def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtype, mode):
+    """Lion8bit's fp32-state tensors (small ones, and one over lion_triton.SMALL: its own launch) through the
+    Triton kernel equal torch's operations (compile=False): weights bit for bit, momenta within fp32 rounding."""
+    from hf_efficient.optim import lion_triton
+
+    launches = Spy(lion_triton.lion_kernel)
+    monkeypatch.setattr(lion_triton, "lion_kernel", launches)
+    monkeypatch.setattr(lion_triton, "SMALL", 50)
+    runs = []
+    for compile in (None, False):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (7, 33, 1100)]
+        opt = Lion8bit(params, lr=1e-2, weight_decay=0.1, compensation=mode, compile=compile,
+                       fp32_state_params=params)
+        run(params, opt, 2)
+        runs.append((params, opt))
+    assert launches.launches == 4  # per step: one for the two small tensors, one for the large one
+    assert runs[0][1].state[runs[0][0][0]]["step"].device == runs[0][0][0].device
+    assert_same(*runs[0], *runs[1], fp32_ulps=0)

@@ -38,6 +38,7 @@ from .quant8 import BLOCK, WORDS, _describe
 __all__ = ["Blockwise8bit"]
 
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
+_TRITON_DTYPES = (torch.float32, *LOW_PRECISION)  # of weights and gradients the Triton kernels load
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
 
 
@@ -148,13 +149,13 @@ class Blockwise8bit(Optimizer):
 
     @staticmethod
     def triton_fits(p: Tensor, g: Tensor) -> bool:
-        """Whether the Triton kernel can step ``p``: :func:`._triton.applies` (CUDA, Triton importable), contiguous
-        fp32/bf16/fp16 weights and floating-point gradients (logged once where CUDA has no Triton)."""
+        """Whether the Triton kernels can step ``p``: :func:`._triton.applies` (CUDA, Triton importable), contiguous
+        fp32/bf16/fp16 weights and gradients (logged once where CUDA has no Triton)."""
         if p.is_cuda and not _triton.available():
             _dispatch.log_once(logging.WARNING, ("triton-missing",), "hf_efficient: Triton is not importable, so the "
                                "8-bit optimizers step CUDA tensors with the torch.compile'd kernel (slower); install "
                                "a CUDA build of torch, which ships Triton")
-        return (_triton.applies(p, g) and p.dtype in (torch.float32, *LOW_PRECISION) and g.is_floating_point()
+        return (_triton.applies(p, g) and p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES
                 and p.is_contiguous() and g.is_contiguous())
 
     @classmethod
@@ -375,7 +376,7 @@ class Blockwise8bit(Optimizer):
         state = self.state.get(p)
         if state[self.MOMENTS[0][0]].dtype == torch.uint8 if state else self._has_8bit_state(p, group):
             return self._triton_launch(p, group) is not None
-        return self.TRITON_FP32 and group["compile"] is None and _triton.applies(p, p.grad)
+        return self.TRITON_FP32 and group["compile"] is None and self.triton_fits(p, p.grad)
 
     @torch.no_grad()
     def step(self, closure=None):

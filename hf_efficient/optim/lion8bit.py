@@ -25,7 +25,7 @@ from array import array
 import torch
 from torch import Tensor
 
-from . import _dispatch, quant8
+from . import _dispatch, _triton, quant8
 from ._blockwise import Blockwise8bit
 from .compensation import step_in_fp32
 
@@ -52,11 +52,23 @@ def _coefficients(group: dict, step: int) -> list[float]:
 
 
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
-         weight_decay: float, compensation: str = "none", comps=None, keys=None, c_kernel: bool = True) -> None:
+         weight_decay: float, compensation: str = "none", comps=None, keys=None, c_kernel: bool = True, steps=None,
+         positions=None, found_inf=None, tables=None) -> None:
     """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
     low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`), bf16 weights on CPU
-    by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never)."""
+    by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never).
+
+    With ``steps`` (each tensor's step count, float32 on its device) and ``positions`` (its index among the
+    optimizer's parameters), the tensors (contiguous, where :func:`._triton.applies`) go through the Triton kernel
+    (:mod:`.lion_triton`), which counts the steps (not where ``found_inf``, a flag on the device, is set) and keys
+    the noise itself: no host synchronisation. ``tables``: a dict the caller keeps between steps for its pointer
+    tables. ``keys`` are then unused."""
     comps = [None] * len(params) if comps is None else comps
+    if steps is not None:
+        from . import lion_triton
+
+        coef = _c_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        return lion_triton.lion(params, grads, exp_avgs, comps, steps, positions, found_inf, tables, coef, compensation)
     keys = [0] * len(params) if keys is None else keys
     states = [(m,) for m in exp_avgs]
     native, rest = ([], None) if not c_kernel or torch.is_tensor(lr) else _KERNEL.split(
@@ -123,6 +135,7 @@ class Lion8bit(Blockwise8bit):
     NAME = "lion8bit"
     FAMILY = "Lion8bit"
     MOMENTS = (("exp_avg", True),)
+    TRITON_FP32 = True
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)
 
@@ -132,13 +145,25 @@ class Lion8bit(Blockwise8bit):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, min_8bit_size=min_8bit_size,
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
+        self._tables = {}  # id(param group) -> the Triton kernel's pointer tables (lion_triton.lion)
 
     def step_32bit(self, group: dict, items) -> None:
+        """fp32-state tensors: those on CUDA through the Triton kernel (device steps, no host sync), others through
+        torch's operations or the C kernel (steps counted here)."""
         beta1, beta2 = group["betas"]
-        keys = self.noise_keys(items)
-        for it in items:
-            it[2]["step"] += 1
-        lion([p for p, *_ in items], [g for _, g, *_ in items], [it[2]["exp_avg"] for it in items],
-             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-             compensation=group["compensation"], comps=[it[2].get("kahan_comp") for it in items],
-             keys=keys, c_kernel=group["compile"] is None)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                     compensation=group["compensation"], c_kernel=group["compile"] is None)
+        tri = [it for it in items if it[2]["step"].device == it[0].device and self._uses_triton(it[0], group)]
+        rest = [it for it in items if not any(it is t for t in tri)]
+        for device in {it[0].device for it in tri}:
+            mine = [it for it in tri if it[0].device == device]
+            lion([p for p, *_ in mine], [g for _, g, *_ in mine], [it[2]["exp_avg"] for it in mine],
+                 comps=[it[2].get("kahan_comp") for it in mine], steps=[it[2]["step"] for it in mine],
+                 positions=[it[3] for it in mine], found_inf=_triton.flag(self, device),
+                 tables=self._tables.setdefault(id(group), {}), **hyper)
+        if rest:
+            keys = self.noise_keys(rest)
+            for it in rest:
+                it[2]["step"] += 1
+            lion([p for p, *_ in rest], [g for _, g, *_ in rest], [it[2]["exp_avg"] for it in rest],
+                 comps=[it[2].get("kahan_comp") for it in rest], keys=keys, **hyper)
