@@ -2,22 +2,26 @@
 
 A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`) subclasses :class:`Blockwise8bit` and gives:
 
-- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``),
-  ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit state keys and whether each is signed (the map);
+- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``,
+  ``blockwise_triton.{NAME}`` launches its Triton kernel), ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit state keys and whether each is signed (the map);
 - ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``: one step on ``nb`` blocks, in torch ops
   (``p``, ``g`` ``(nb, 256)``, codes in :mod:`.quant8`'s in-memory form); compiled by inductor, or run as is;
 - ``coefficients(group, step) -> list[float]``: its per-step scalars (the C kernel reads them per tensor);
-- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``).
+- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``);
+  ``TRITON_FP32`` True where it steps CUDA tensors with a Triton kernel (their step counts then live on the device).
 
 Everything else is here, once: state creation, the choice of kernel per tensor (:meth:`Blockwise8bit.choose`),
 full blocks in bounded calls and the zero-padded last block, all C-kernel tensors of a group in one call of its
 ``torch.library`` op, the canonical ``state_dict`` and an all-or-nothing ``load_state_dict``.
 
-Kernels. On CPU, contiguous fp32 or bf16 weights and gradients go through the family's C kernel (built once per
-machine with the system C compiler, see :mod:`._native`; the codec is ``quant8.h``), admitted by a probe that
-must give the eager kernel's codes and absmaxes exactly (3 steps, 3 threads, a gradient whose square overflows).
-Everything else (fp16 weights, other layouts, ``compile=True``, CUDA) gets the ``torch.compile``'d kernel, and
-without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, slower.
+Kernels. On CUDA, contiguous fp32, bf16 or fp16 weights and gradients go through the family's Triton kernel
+(:mod:`.blockwise_triton`: one launch per tensor, the step counts on the device, no host synchronisation, the
+void flag of :func:`._triton.flag` honoured). On CPU, contiguous fp32 or bf16 weights and gradients go through the
+family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
+``quant8.h``). Each is admitted by a probe that must give the eager kernel's codes and absmaxes exactly (3 steps,
+a partial block, a gradient whose square overflows; the C kernel on 3 threads). Everything else (fp16 weights on
+CPU, other layouts, ``compile=True``, CUDA without Triton) gets the ``torch.compile``'d kernel, and without a C++
+compiler the same kernel runs eagerly, in bounded chunks: same numbers, slower.
 """
 
 from __future__ import annotations

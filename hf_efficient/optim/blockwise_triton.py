@@ -11,6 +11,8 @@ the Kahan buffer's 2 + 2): fp32 weights 16 (AdamW) / 14 (Lion), bf16 weights 10 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ __all__ = ["adamw8bit", "lion8bit", "NB"]
 L = _triton.jit_helpers()
 NB = 4  # blocks per program: 1024 elements, 16-byte vector loads of fp32 weights at 4 warps
 _F32_MAX = tl.constexpr(3.4028234663852886e38)
+_split = lru_cache(maxsize=64)(_triton.split64)  # per tensor and step otherwise: a few torch ops each on the host
 _OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -109,8 +112,8 @@ def adamw8bit(p, g, state: dict, flag, position: int, group: dict, mode: str) ->
     args, kw, grid = _common(p, g, state, flag, position, mode)
     adamw8bit_kernel[grid](p, g, state["exp_avg"].view(torch.int32), state["exp_avg_sq"].view(torch.int32),
                            state["exp_avg_absmax"], state["exp_avg_sq_absmax"], *args, beta1, 1.0 - beta1, beta2,
-                           1.0 - beta2, group["eps"], 1.0 - lr * group["weight_decay"], *_triton.split64(lr),
-                           *_triton.split64(beta1), *_triton.split64(beta2), **kw)
+                           1.0 - beta2, group["eps"], 1.0 - lr * group["weight_decay"], *_split(lr), *_split(beta1),
+                           *_split(beta2), **kw)
 
 
 def lion8bit(p, g, state: dict, flag, position: int, group: dict, mode: str) -> None:

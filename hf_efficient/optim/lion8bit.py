@@ -14,8 +14,10 @@ moves nothing but the decay.
 State per 8-bit parameter: ``step`` and ``exp_avg`` (uint8 codes into the signed map of :mod:`.quant8`) with
 ``exp_avg_absmax`` (fp32, one per block of 256): 1 byte per element + 4 per 256 = 1.016. Tensors under
 ``min_8bit_size`` elements and ``fp32_state_params`` (the registry passes the embeddings) keep an fp32 ``exp_avg``.
-Kernels, layout and checkpoints as every 8-bit family (:mod:`._blockwise`): the C kernel ``lion8bit_cpu.c`` (the
-op ``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, else the compiled or eager kernel.
+Kernels, layout and checkpoints as every 8-bit family (:mod:`._blockwise`): the Triton kernel
+(:mod:`.blockwise_triton`) for contiguous tensors on CUDA, the C kernel ``lion8bit_cpu.c`` (the op
+``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, else the compiled or eager kernel. The
+fp32-momentum tensors: :func:`lion` (on CUDA :mod:`.lion_triton`, small tensors batched in one launch).
 """
 
 from __future__ import annotations
@@ -123,8 +125,8 @@ class Lion8bit(Blockwise8bit):
         weight_decay: decoupled, ``p *= 1 - lr * weight_decay``.
         min_8bit_size: tensors with fewer elements keep an fp32 momentum (bitsandbytes' default: 4096).
         fp32_state_params: parameters (or their ``id()``) that keep an fp32 momentum, e.g. embeddings.
-        compile: None (automatic): the C kernel for contiguous fp32/bf16 tensors on CPU, else the torch.compile'd
-            kernel; True: the compiled kernel; False: always eager. A compiled kernel that fails to compile falls
+        compile: None (automatic): the Triton kernels for contiguous tensors on CUDA, the C kernel for contiguous
+            fp32/bf16 tensors on CPU, else the torch.compile'd kernel; True: the compiled kernel; False: always eager. A compiled kernel that fails to compile falls
             back to the eager kernel with a warning.
 
     Example::
