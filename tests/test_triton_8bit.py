@@ -100,18 +100,37 @@ def test_triton_step_gives_the_eager_kernels_codes(on_cpu, spy, cls, dtype, mode
 def test_void_flag_changes_nothing_and_empty_groups_launch_nothing(on_cpu, spy, cls):
     params, opt = make(cls, torch.bfloat16, "kahan")
     run(params, opt, 1)
-    before = [p.detach().clone() for p in params], {k: v.clone() for k, v in opt.state[params[0]].items()}
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
     opt.found_inf = torch.ones(1)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-    assert all(torch.equal(a, p) for a, p in zip(before[0], params[:1]))
-    assert all(torch.equal(v, opt.state[params[0]][k]) for k, v in before[1].items())  # step count included
+    # the 8-bit tensor; and Lion's fp32-state one (its Triton kernel). AdamW8bit's fp32-state tensors go through
+    # adamw.adamw_fp32_state, whose flag-aware CUDA path is adamw.py's own (not this kernel's)
+    for p, (w, st) in list(zip(params, before))[:None if cls is Lion8bit else 1]:
+        assert torch.equal(w, p) and all(torch.equal(v, opt.state[p][k]) for k, v in st.items())  # step included
     del opt.found_inf
     empty = cls([{"params": []}, {"params": [torch.nn.Parameter(torch.zeros(N))]}], compile=None)
     launches = spy[KERNEL[cls]].launches
     empty.step()  # no gradient anywhere
     assert spy[KERNEL[cls]].launches == launches and not empty.state
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_stepping_in_buckets_equals_one_step(on_cpu, cls):
+    """Gradient release steps the tensors whose gradients are ready, a bucket at a time: the same bits as one step."""
+    runs = []
+    for buckets in ([[0, 1]], [[1], [0]]):
+        params, opt = make(cls, torch.bfloat16, "stochastic")
+        gen = torch.Generator().manual_seed(1)
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+        for bucket in buckets:
+            for i, p in enumerate(params):
+                p.grad = grads[i] if i in bucket else None
+            opt.step()
+        runs.append((params, opt))
+    assert_same(*runs[0], *runs[1], fp32_ulps=0)
 
 
 @needs_interpreter

@@ -69,7 +69,8 @@ def lion(params, grads, exp_avgs, comps, steps, positions, found_inf, tables: di
         lists = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                  [comps[i] if kahan else params[i] for i in idx], [steps[i] for i in idx]]
         sizes = [params[i].numel() for i in idx]
-        table, info = tables.setdefault(kind, _triton.PointerTable()).get(
+        # a table per set of tensors: gradient release steps a different bucket each call, the same ones each step
+        table, info = tables.setdefault(kind + tuple(positions[i] for i in idx), _triton.PointerTable()).get(
             lists, sizes + [positions[i] for i in idx], p0.device)
         grid = (triton.cdiv(max(sizes), BLOCK), len(idx))
         lion_kernel[grid](table, info, found_inf, len(idx), *coef, MODE=_triton.C_MODES[compensation],
