@@ -122,6 +122,27 @@ def test_void_flag_changes_nothing_and_empty_groups_launch_nothing(on_cpu, spy, 
 
 
 @needs_interpreter
+def test_a_failed_probe_falls_back_to_the_next_kernel_with_one_warning(on_cpu, monkeypatch, caplog, spy):
+    from hf_efficient.optim import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})  # nothing built yet: the Triton kernel is probed again
+    monkeypatch.setattr(_dispatch, "_LOGGED", set())
+    real = AdamW8bit._probe.__func__
+    monkeypatch.setattr(AdamW8bit, "_probe", classmethod(
+        lambda cls, fn, device=None: False if device is not None else real(cls, fn)))  # the Triton probe disagrees
+    pt, ot = make(AdamW8bit, torch.float32, "none")
+    pe, oe = make(AdamW8bit, torch.float32, "none", compile=False)
+    with caplog.at_level("WARNING", logger="hf_efficient.optim._dispatch"):
+        run(pt, ot, 2)
+    assert spy["adamw8bit_kernel"].launches == 0
+    assert [r.getMessage() for r in caplog.records if "triton" in r.getMessage()] == [
+        "hf_efficient: kernel ('triton', 'adamw8bit', device(type='cpu')) unavailable (RuntimeError: the Triton "
+        "kernel disagrees with the eager one on its probe); using the next path (same results, slower)"]
+    run(pe, oe, 2)
+    assert_same(pt, ot, pe, oe)  # the C kernel took the steps
+
+
+@needs_interpreter
 @pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
 def test_stepping_in_buckets_equals_one_step(on_cpu, cls):
     """Gradient release steps the tensors whose gradients are ready, a bucket at a time: the same bits as one step."""
