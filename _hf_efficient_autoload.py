@@ -6,14 +6,32 @@ finds it in ``sys.modules`` and shares its hook. This module sits beside the pac
 site-packages; editable: the project root), so the path is known without importing anything. It never
 raises: Python prints any error from a .pth line at every start-up.
 
-``HF_EFF_AUTOLOAD=0`` (or false / no / off) switches the hook off: nothing is loaded then.
+``HF_EFF_AUTOLOAD=0`` (or false / no / off) switches the hook off: the names are not registered, and the hook only
+makes transformers' refusal of an ``hf_eff_*`` name say why and what to do. Any other value but 1 / true / yes / on
+(or empty) is warned about once, naming those values, and leaves the hook on.
 """
 
 import os
 import sys
 
 
-def _load() -> None:
+_ON, _OFF = ("1", "true", "yes", "on", ""), ("0", "false", "no", "off")
+
+
+def _enabled() -> bool:
+    """Whether ``HF_EFF_AUTOLOAD`` leaves the hook on; an unknown value is warned about (logging is imported then
+    only: this runs at every start-up) and counts as on, the default."""
+    value = os.environ.get("HF_EFF_AUTOLOAD", "1").strip().lower()
+    if value not in _ON + _OFF:
+        import logging
+
+        logging.getLogger("hf_efficient.autoload").warning(
+            "hf_efficient: HF_EFF_AUTOLOAD=%r is not understood; the start-up hook stays on. Use one of %s (on) or "
+            "%s (off)", os.environ["HF_EFF_AUTOLOAD"], ", ".join(_ON[:-1]), ", ".join(_OFF))
+    return value not in _OFF
+
+
+def _load(enabled: bool) -> None:
     name = "hf_efficient._autoload"
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_efficient", "_autoload.py")
     if name in sys.modules or not os.path.isfile(path):
@@ -31,11 +49,10 @@ def _load() -> None:
     except BaseException:
         del sys.modules[name]
         raise
-    module.install()
+    module.install(hint_only=not enabled)
 
 
 try:
-    if os.environ.get("HF_EFF_AUTOLOAD", "1").strip().lower() not in {"0", "false", "no", "off"}:
-        _load()
+    _load(_enabled())
 except Exception:  # noqa: BLE001
     pass

@@ -25,6 +25,8 @@ except ModuleNotFoundError as exc:  # copied without its neighbour
                      "repository) in the same directory: copy it there") from None
 
 import hf_efficient as hfe  # noqa: E402  (for the memory figures; the hf_eff_* names need no import)
+import torch  # noqa: E402
+from hf_efficient.memory import format_bytes  # noqa: E402  (MiB / GiB, as every hf_efficient message)
 from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
 
 
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "--weight_decay", "0.01", "--per_device_train_batch_size", "16", "--warmup_steps", "5",
                 "--logging_steps", "10", "--per_device_eval_batch_size", "32", "--save_strategy", "no",
                 "--report_to", "none", "--max_steps", "40", "--seed", "0"]
+    if not torch.cuda.is_available():  # pinned memory serves GPU copies; on CPU the Trainer warns it is unused
+        defaults += ["--dataloader_pin_memory", "false"]
     parser = HfArgumentParser((ExampleArgs, TrainingArguments))
     ex, args = parser.parse_args_into_dataclasses(defaults + list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -59,9 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     fp32 = hfe.estimate_memory(model, "adamw").state_bytes
     print(f"\noptimizer: {name} -> backend {info.resolution.backend} ({info.resolution.reason})")
     if estimate is not None:
-        print(f"optimizer state: predicted {estimate.state_bytes / 2**20:.1f} MiB, "
-              f"measured {measured / 2**20:.1f} MiB")
-    print(f"fp32 AdamW would hold {fp32 / 2**20:.1f} MiB: {fp32 / max(measured, 1):.2f}x the memory")
+        print(f"optimizer state: predicted {format_bytes(estimate.state_bytes)}, "
+              f"measured {format_bytes(measured)}")
+    print(f"fp32 AdamW: {format_bytes(fp32)}; this saves {1 - measured / fp32:.0%}")
     print(f"eval loss: {first_eval:.3f} before, {last_eval:.3f} after {trainer.state.global_step} steps")
     return {"first_eval": first_eval, "last_eval": last_eval, "state_bytes": measured, "fp32_bytes": fp32}
 

@@ -13,7 +13,9 @@ imports nothing but ``sys``, which every interpreter has loaded already.
 
 Never breaks the program that imports transformers: a failure to patch is logged once, as a warning, and
 transformers carries on without the names. ``HF_EFF_AUTOLOAD=0`` (or false / no / off) switches the
-start-up hook off (``_hf_efficient_autoload`` reads it); ``import hf_efficient`` still installs this hook.
+start-up hook off (``_hf_efficient_autoload`` reads it): it then installs this hook with ``hint_only``, which
+registers nothing and only makes transformers' refusal of an ``hf_eff_*`` name say why and what to do;
+``import hf_efficient`` still installs the full hook.
 """
 
 import sys
@@ -27,6 +29,7 @@ _INTEGRATION = "hf_efficient.integrations.transformers"
 _applied = set()  # modules patched so far
 _busy = set()  # modules being patched: patching imports hf_efficient, whose import calls install() again
 _reported = []  # the one failure logged, if any
+_hint_only = []  # [True] while only the hint is installed (HF_EFF_AUTOLOAD=0, hf_efficient not imported)
 
 
 def patched() -> list:
@@ -44,6 +47,10 @@ def _apply(name: str, module) -> None:
         return
     _busy.add(name)
     try:
+        if _hint_only:
+            if name == "transformers.training_args":
+                _explain_unknown_names(module)
+            return
         from importlib import import_module
 
         getattr(import_module(_INTEGRATION), _TARGETS[name])(module)
@@ -59,6 +66,22 @@ def _apply(name: str, module) -> None:
                 "to skip this hook.", name, type(exc).__name__, exc, exc_info=True)
     finally:
         _busy.discard(name)
+
+
+def _explain_unknown_names(module) -> None:
+    """With the hook off, make ``OptimizerNames``' refusal of an ``hf_eff_*`` name say that hf_efficient owns it
+    and how to register it, instead of transformers' bare "is not a valid OptimizerNames"."""
+    names = module.OptimizerNames
+    original = names._missing_
+
+    def _missing_(cls, value):
+        if isinstance(value, str) and value.startswith("hf_eff_"):
+            raise ValueError(f"{value!r} is an hf_efficient optimizer name, and hf_efficient's start-up hook is off "
+                             f"(HF_EFF_AUTOLOAD=0), so transformers does not know it: `import hf_efficient` before "
+                             f"making TrainingArguments, or unset HF_EFF_AUTOLOAD")
+        return original(value)
+
+    names._missing_ = classmethod(_missing_)
 
 
 class _Loader:
@@ -109,8 +132,13 @@ class _Finder:
 _FINDER = _Finder()
 
 
-def install() -> None:
-    """Watch for transformers' modules, and patch those already imported; safe to call again."""
+def install(hint_only: bool = False) -> None:
+    """Watch for transformers' modules, and patch those already imported; safe to call again. ``hint_only`` (the
+    start-up hook under HF_EFF_AUTOLOAD=0) registers no names; a later full install still registers them."""
+    if hint_only and not _applied:
+        _hint_only[:] = [True]
+    else:
+        _hint_only.clear()
     if not any(f is _FINDER for f in sys.meta_path):
         sys.meta_path.insert(0, _FINDER)
     for name in _TARGETS:

@@ -9,6 +9,7 @@ tensor by tensor (:mod:`hf_efficient.memory`). 8-bit rules say which tensors a b
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,6 +20,8 @@ import torch
 from .optim.compensation import LOW_PRECISION
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit",
            "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16", "Layout", "bnb_layout", "torchao_layout",
@@ -145,8 +148,25 @@ def _check_torchao_min_size(options: Mapping) -> None:
 @_with_cls(_torchao_class)
 def build_torchao_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
     _check_torchao_min_size(options)
-    return _torchao_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            fp32_state_params=fp32_state_params, min_8bit_size=options["min_8bit_size"])
+    optimizer = _torchao_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 fp32_state_params=fp32_state_params, min_8bit_size=options["min_8bit_size"])
+    _say_torchao_full_precision(optimizer)
+    return optimizer
+
+
+def _say_torchao_full_precision(optimizer) -> None:
+    """Name the tensors that would keep 8-bit state on the other backends but full-precision state on torchao (its
+    rule: whole 256-element blocks only), once per build: they cost 4x the state bytes, and the estimate counts it."""
+    from .param_groups import group_names
+
+    keeps = torchao_keeps_8bit(optimizer)
+    odd = [name for gi, g in enumerate(optimizer.param_groups) for pi, (name, p) in
+           enumerate(zip(group_names(g, gi), g["params"])) if id(p) not in optimizer._fp32_ids
+           and p.numel() >= max(optimizer._min_8bit_size, TORCHAO_MIN_SIZE) and not keeps(gi, pi, p)]
+    if odd:
+        logger.info("hf_eff_adam8bit backend=torchao: %d tensor(s) keep full-precision state, not 8-bit, because "
+                    "torchao quantizes only tensors made of whole %d-element blocks (backend=torch or bnb keep them "
+                    "8-bit): %s%s", len(odd), BLOCK, ", ".join(odd[:8]), ", ..." if len(odd) > 8 else "")
 
 
 def compiler_missing(device_type: str) -> str | None:

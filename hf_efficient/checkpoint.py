@@ -35,8 +35,9 @@ import math
 
 import torch
 
+from .optim.compensation import drop_unused_buffers
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
-from .options import OPTIONS, check_hyperparams, check_step
+from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
@@ -51,6 +52,9 @@ _TAG = "hf_efficient"
 _IMPL_KEYS = {"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "min_8bit_size", "compile",
               "compensation", "optim_bits", "percentile_clipping", "block_wise", "max_unorm", "skip_zeros", "is_paged",
               "alpha", "t_alpha", "t_beta3", "block_size", "bf16_stochastic_round", "is_adamw"}
+# group keys that an option of create_optimizer sets (optim_args): on resume the value asked for now wins over the
+# saved one, as optimizer_info reports it, and the state's buffers follow it (compensation.drop_unused_buffers)
+_SETTING_KEYS = {"compensation"}
 
 
 def tag_of(state_dict: dict) -> dict | None:
@@ -96,11 +100,13 @@ def groups_to_canonical(groups: list[dict]) -> list[dict]:
 
 
 def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) -> list[dict]:
-    """Saved groups in the form ``backend`` keeps: its own extra keys, a tensor ``lr`` where it has one."""
+    """Saved groups in the form ``backend`` keeps: its own extra keys, a tensor ``lr`` where it has one, and the
+    settings this optimizer was built with (``_SETTING_KEYS``)."""
     out = []
     for g, live in zip(saved, current):
-        # keys only this backend keeps (our kernel's `compile`, ...) come from the live group
-        g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")}, **g}
+        # keys only this backend keeps (our kernel's `compile`, ...) and the settings come from the live group
+        g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")},
+             **{k: v for k, v in g.items() if k not in _SETTING_KEYS}}
         if torch.is_tensor(live.get("lr")) and not torch.is_tensor(g.get("lr")):
             g["lr"] = torch.tensor(g["lr"], dtype=live["lr"].dtype, device=live["lr"].device)
         out.append(g)
@@ -147,6 +153,12 @@ def _dtype_error(family: Family, st: dict, key: str, value: torch.Tensor) -> str
     return "uint8 codes (with absmaxes) or a floating-point dtype" if fmt == "codes" else "a floating-point dtype"
 
 
+def _is_first_moment(family: Family, key: str) -> bool:
+    """Whether ``key`` is a first moment (signed, not the Kahan buffer) or the per-block absmax of one."""
+    base = key.removesuffix("_absmax")
+    return base != "kahan_comp" and base in family.state and family.state[base].signed
+
+
 def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: str, group: dict) -> None:
     """Raise ValueError unless ``st`` is a complete state of ``family`` (canonical layout) for ``p``."""
     where = f"the state of parameter {pname!r}"
@@ -180,12 +192,9 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
         if wanted is not None:
             raise ValueError(f"{where} has {key} of dtype {value.dtype}, but {family.name} state keeps it in {wanted}: "
                              "the checkpoint is corrupt or was written by another optimizer")
-        signed = family.state[key].signed  # the others are second moments or their scales: >= 0
-        if value.dtype.is_floating_point and not (bool(value.isfinite().all()) and (
-                signed or bool((value >= 0).all()))):
-            raise ValueError(f"{where} has {key} holding non-finite values{'' if signed else ' or negative ones'}: "
-                             "training from it would turn the weights non-finite; the checkpoint is corrupt. Resume "
-                             "from an earlier checkpoint, or start the optimizer afresh")
+        if value.dtype.is_floating_point:  # the unsigned ones are second moments or scales: >= 0
+            check_saved_tensor(value, key, where, signed=family.state[key].signed,
+                               first_moment=_is_first_moment(family, key))
         if tuple(value.shape) not in _allowed_shapes(family, key, p):
             expected = " or ".join(str(s) for s in _allowed_shapes(family, key, p))
             raise ValueError(f"{where} has {key} of shape {tuple(value.shape)}, but {key} of a parameter of shape "
@@ -375,6 +384,26 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
     return done
 
 
+def _say_dequantized(state: dict, optimizer, spec, backend: str, saved_ids: list) -> None:
+    """One warning naming the tensors whose saved 8-bit state this backend keeps in full precision (torchao: tensors
+    not made of whole blocks), so that the layout's conversion hands it the values the codes stand for."""
+    impl = spec.backends[backend]
+    if not spec.facts.quantized or impl.keeps_8bit is None:
+        return
+    keeps, ids, names = impl.keeps_8bit(optimizer), iter(saved_ids), []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, (p, pname) in enumerate(zip(group["params"], group_names(group, gi))):
+            st = state.get(next(ids))
+            if isinstance(st, dict) and any(_is_codes(v) for v in st.values()) and not keeps(gi, pi, p):
+                names.append(pname)
+    if names:
+        logger.warning("%s (backend %s): the checkpoint holds 8-bit state for %d tensor(s) that this backend keeps "
+                       "in full precision (%s); they resume with the fp32 moments their codes stand for, and take 4x "
+                       "the state memory: %s%s", spec.trainer_name, backend, len(names),
+                       f"torchao quantizes only tensors made of whole {BLOCK}-element blocks" if backend == "torchao"
+                       else "its 8-bit threshold", ", ".join(names[:8]), ", ..." if len(names) > 8 else "")
+
+
 def _describe(tag, libraries: set, src: Family) -> str:
     if tag is not None:
         return f"hf_eff_{tag.get('name')} ({src.name} state, backend {tag.get('backend')})"
@@ -452,6 +481,10 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
                            spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
                                f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
                                f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
+    drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
+                                                        if pid in state})
+    if src is spec.facts:  # another family's state was converted above, and said so
+        _say_dequantized(state, optimizer, spec, backend, saved_ids)
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))

@@ -3,10 +3,11 @@
     hf-efficient list                              # names, the backend each uses on this machine, and why
     hf-efficient estimate distilbert-base-cased    # a hub name (needs a network or the cache)
     hf-efficient estimate ./my_model_dir           # a local directory holding config.json
-    hf-efficient estimate --params 65783042        # a bare count (shapes assumed; the output says how)
+    hf-efficient estimate --params 7B              # a bare count: 7e9, 7B, 350M, 1.3b (shapes assumed; it says how)
     hf-efficient estimate ./my_model_dir --measure # also build the model here and measure one step of each
 
-The model is built from its config on the meta device, so estimating a 7B model allocates nothing.
+The model is built from its config on the meta device, so estimating a 7B model allocates nothing. Sizes are in
+MiB and GiB (2**20 and 2**30 bytes, as torch and nvidia-smi count them); the tables fit 100 columns.
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .backends import TORCHAO_MIN_SIZE
 from .auto import AUTO_MARGIN, choose_auto
-from .memory import MB, MemoryEstimate, estimate_memory, model_from_config, optimizer_state_bytes
+from .memory import MB, MemoryEstimate, estimate_memory, format_bytes, model_from_config, optimizer_state_bytes
 from .registry import PREFIX, SPECS, resolve
 
 __all__ = ["main", "ROWS", "Row"]
@@ -42,6 +47,25 @@ class Row:
 
 ROWS = tuple(Row(spec.trainer_name + r.suffix, spec.name, dict(r.options), r.param_dtype)
              for spec in SPECS.values() for r in spec.estimate_rows)  # the registry's rows, in its order
+WIDTH = 100  # columns the tables fit: a terminal's usual minimum
+_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """A parameter count as people write it: ``65783042``, ``65,783,042``, ``7e9``, ``7B``, ``350M``, ``1.3b``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number of parameters (argparse shows it as a usage error).
+    """
+    match = re.fullmatch(r"\s*(-?[0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text, re.IGNORECASE)
+    try:
+        value = Decimal(match[1].replace(",", "").replace("_", "")) * _SUFFIXES.get(match[2].lower(), 1)
+    except (TypeError, InvalidOperation):  # TypeError: no match
+        value = None
+    if value is None or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters: write it as 65783042, "
+                                         f"7e9, 7B, 350M or 1.3b")
+    return int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
     p_est = sub.add_parser("estimate", help="predicted optimizer memory of a model, one row per optimizer")
     p_est.add_argument("model", nargs="?", help="local directory with config.json, or a hub name")
-    p_est.add_argument("--params", type=int, help="a parameter count instead of a model (shapes assumed)")
+    p_est.add_argument("--params", type=parse_count, help="a parameter count instead of a model (shapes assumed): "
+                       "7e9, 7B, 350M, 1.3b")
     p_est.add_argument("--auto-class", help="transformers class to build (default: the config's architectures[0])")
     p_est.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype in training (default: "
                        "the model's)")
     p_est.add_argument("--device", help="device the backends are chosen for (default: cuda if available, else cpu)")
-    p_est.add_argument("--budget-gb", type=float, help="memory for hf_eff_auto's choice (default: free memory)")
+    p_est.add_argument("--budget-gb", type=float, help="memory in GiB for hf_eff_auto's choice (default: free memory)")
     p_est.add_argument("--measure", action="store_true", help="also build the model on --device and measure the "
                        "state after one step of each optimizer (allocates the model: needs its memory)")
     p_est.add_argument("--json", action="store_true", help="machine-readable output")
@@ -86,8 +111,9 @@ def _list(args) -> int:
     rows = []
     for spec in SPECS.values():
         for dev in _devices():
-            nominal = spec.state_bytes if math.isfinite(spec.state_bytes) else None  # auto has none (NaN): JSON null
-            row = {"name": spec.trainer_name, "device": dev, "state_bytes_per_param": nominal, "notes": spec.notes}
+            nominal = _nominal_bytes(spec)
+            row = {"name": spec.trainer_name, "device": dev, "state_bytes_per_param": nominal,
+                   "state_bytes_label": spec.bytes_label, "notes": spec.notes}
             if not spec.backends:
                 row.update(backend=None, runs_as=None, reason="chooses one of the names above per model")
             else:
@@ -96,23 +122,46 @@ def _list(args) -> int:
                     row.update(backend=res.backend, runs_as=PREFIX + res.name, reason=res.reason)
                 except (RuntimeError, ValueError, ImportError) as e:
                     row.update(backend=None, runs_as=None, reason=f"unavailable: {e}")
+            if nominal is None and spec.backends:  # Adafactor: what its bytes per parameter depend on
+                row["reason"] += f"; state: {spec.notes.split(';')[0]}, so bytes per parameter depend on the shapes " \
+                                 f"(hf-efficient estimate MODEL counts them)"
             rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2, allow_nan=False))
         return 0
-    width = max(len(r["name"]) for r in rows)
-    print(f"{'name':<{width}}  {'device':<6}  {'backend':<8}  {'B/param':>7}  why")
-    for r in rows:
-        ran = f" (runs as {r['runs_as']})" if r["runs_as"] and r["runs_as"] != r["name"] else ""
-        nominal = "-" if r["state_bytes_per_param"] is None else f"{r['state_bytes_per_param']:.2f}"
-        print(f"{r['name']:<{width}}  {r['device']:<6}  {r['backend'] or '-':<8}  {nominal:>7}  {r['reason']}{ran}")
+    cells = [[r["name"], r["device"], r["backend"] or "-", "-" if not r["backend"] else r["state_bytes_label"],
+              r["reason"] + (f" (runs as {r['runs_as']})" if r["runs_as"] and r["runs_as"] != r["name"] else "")]
+             for r in rows]
+    _print_columns(["name", "device", "backend", "B/param", "why"], cells, wrap=4)
+    print("B/param: optimizer state bytes per trained parameter")
     return 0
+
+
+def _nominal_bytes(spec) -> float | None:
+    """Bytes per parameter that hold for any model, or None where they depend on the shapes (Adafactor's row and
+    column statistics: far below 1, but not a constant) or on a choice (``hf_eff_auto``)."""
+    return spec.state_bytes if math.isfinite(spec.state_bytes) and spec.state_bytes > 0 else None
+
+
+def _print_columns(head: list[str], lines: list[list[str]], wrap: int, right: int = 99) -> None:
+    """A table of ``WIDTH`` columns: column ``wrap`` takes what the others leave and wraps; columns from ``right``
+    on are right-aligned (numbers)."""
+    widths = [max(len(c) for c in col) for col in zip(head, *lines)]
+    widths[wrap] = max(16, WIDTH - sum(w for i, w in enumerate(widths) if i != wrap) - 2 * (len(widths) - 1))
+    for cells in [head, *lines]:
+        wrapped = [textwrap.wrap(c, widths[i], subsequent_indent="  ") or [""] if i == wrap else [c]
+                   for i, c in enumerate(cells)]
+        for n in range(max(len(w) for w in wrapped)):
+            parts = [(w[n] if n < len(w) else "") for w in wrapped]
+            text = "  ".join(p.rjust(widths[i]) if i >= right else p.ljust(widths[i]) for i, p in enumerate(parts))
+            print(text.rstrip())
 
 
 def _load_model(args):
     """The model (meta device) and a description of it, from a directory or hub name."""
     from transformers import AutoConfig
 
+    _check_local_path(args.model)
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as e:
@@ -120,6 +169,21 @@ def _load_model(args):
                       f"name when a network or the cache has it): {e}. Or give a count: --params N") from None
     model = model_from_config(config, args.auto_class)
     return config, model, f"{args.model} ({type(model).__name__})"
+
+
+def _check_local_path(model: str) -> None:
+    """Refuse a local path that holds no config, before transformers reads it as a malformed hub name ("Repo id
+    must be in the form..."). A path: it exists, or it is written as one (absolute, ./, ../, ~, two or more /)."""
+    path = Path(model).expanduser()
+    looks_local = path.exists() or model.startswith((".", "~", "/", "\\")) or model.count("/") > 1 or "\\" in model
+    if not looks_local:
+        return
+    if not path.is_dir():
+        raise OSError(f"cannot load a config for {model!r}: no such directory. Give a local directory holding "
+                      f"config.json, a hub name (org/name), or a count: --params N")
+    if not (path / "config.json").is_file():
+        raise OSError(f"cannot load a config for {model!r}: the directory has no config.json (save one with "
+                      f"config.save_pretrained(dir)), or give a count: --params N")
 
 
 def _estimate(args, parser) -> int:
@@ -133,12 +197,19 @@ def _estimate(args, parser) -> int:
         source, config, what = args.params, None, f"--params {args.params}"
     else:
         config, source, what = _load_model(args)
-    estimates, unavailable = [], {}
+    estimates, unavailable, asked = [], {}, set()
     for row in ROWS:
         try:
-            estimates.append((row, _row_estimate(source, row, dtype, device)))
+            est = _row_estimate(source, row, dtype, device)
         except (ImportError, RuntimeError) as e:  # no backend of this name can run here
             unavailable[row.label] = str(e)
+            continue
+        # a row that --dtype (or a default it implies) makes the same question as an earlier one is left out: under
+        # --dtype bf16, "hf_eff_adamw (bf16 params)" asks exactly what "hf_eff_adamw" asks
+        key = (row.name, est.backend, est.param_dtype, json.dumps(est.options, sort_keys=True, default=str))
+        if key not in asked:
+            asked.add(key)
+            estimates.append((row, est))
     measured = _measure(config, args.auto_class, estimates, dtype, device) if args.measure else {}
     try:
         budget = {"budget_gb": args.budget_gb} if args.budget_gb is not None else {}
@@ -197,32 +268,39 @@ def _as_json(what, estimates, measured, auto, unavailable) -> dict:
 
 def _print_table(what, estimates, measured, auto, unavailable) -> None:
     first = estimates[0][1]
-    print(f"{what}: {first.num_params:,} trainable parameters, backends chosen for {first.device} (MB = 2**20 bytes)")
+    print(textwrap.fill(f"{what}: {first.num_params:,} trainable parameters, backends chosen for {first.device}",
+                        WIDTH, subsequent_indent="  "))
     if first.assumption:
-        print(f"assumed: {first.assumption}")
-    head = ["optimizer", "backend", "params", "dtype", "state B/param", "state MB", "saving vs fp32 AdamW",
-            "params+grads+state MB", "total B/param"] + (["measured MB", "diff"] if measured else [])
+        print(textwrap.fill(f"assumed: {first.assumption}", WIDTH, subsequent_indent="  "))
+    head = ["optimizer", "backend", "dtype", "B/param", "state MiB", "saved", "total MiB"]
     lines = []
     for row, est in estimates:
-        cells = [row.label, est.backend + ("" if est.name.endswith(row.name) else f" (as {est.name})"),
-                 f"{est.num_params:,}", est.param_dtype, f"{est.state_bytes_per_param:.3f}",
-                 f"{est.state_bytes / MB:.1f}", f"{est.saving:.1%}", f"{est.total_bytes / MB:.1f}",
-                 f"{est.total_bytes_per_param:.2f}"]
+        runs_as = "" if est.name.endswith(row.name) else f" (runs as {est.name})"
+        cells = [row.label + runs_as, est.backend, _DTYPES.get(est.param_dtype, est.param_dtype),
+                 f"{est.state_bytes_per_param:.3f}", _mib(est.state_bytes), f"{est.saving:.1%}", _mib(est.total_bytes)]
         if measured:
             m = measured[row.label]
-            cells += [f"{m / MB:.1f}", f"{(m - est.state_bytes) / max(est.state_bytes, 1):+.2%}"]
+            cells.append(f"{_mib(m)} {(m - est.state_bytes) / max(est.state_bytes, 1):+.1%}")
         lines.append(cells)
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
-    for cells in [head, *lines]:
-        print("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    _print_columns(head + (["measured MiB"] if measured else []), lines, wrap=0, right=3)
+    print(textwrap.fill("B/param: state bytes per parameter; saved: state saved against fp32 AdamW; total: "
+                        "parameters + gradients + state", WIDTH, subsequent_indent="  "))
     for label, why in unavailable.items():
-        print(f"{label}: unavailable here: {why}")
+        print(textwrap.fill(f"{label}: unavailable here: {why}", WIDTH, subsequent_indent="  "))
     if isinstance(auto, str):
-        print(f"{PREFIX}auto here: {auto}")
+        print(textwrap.fill(f"{PREFIX}auto here: {auto}", WIDTH, subsequent_indent="  "))
     else:
-        print(f"{PREFIX}auto here would choose {PREFIX}{auto.name}{'' if auto.fits else ' (nothing fits)'}: usable "
-              f"{auto.usable_bytes / MB:.0f} MB = {1 - AUTO_MARGIN:.0%} of {auto.available_bytes / MB:.0f} MB "
-              f"({auto.source})")
+        print(textwrap.fill(f"{PREFIX}auto here would choose {PREFIX}{auto.name}{'' if auto.fits else ' (nothing fits)'}"
+                            f": usable {format_bytes(auto.usable_bytes)} = {1 - AUTO_MARGIN:.0%} of "
+                            f"{format_bytes(auto.available_bytes)} ({auto.source})", WIDTH, subsequent_indent="  "))
+
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _mib(n: int) -> str:
+    """``n`` bytes in MiB, with the digits a small model (a few MiB) needs to show differences."""
+    return f"{n / MB:,.1f}" if n >= 10 * MB else f"{n / MB:.3f}"
 
 
 if __name__ == "__main__":

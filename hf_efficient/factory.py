@@ -6,13 +6,13 @@ Everything is validated before anything is built, so a mistake leaves no half-ma
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from .guard import check_params, protect
+from .guard import check_params, protect, read_voided
 from .optim import _native
 from .options import check_flags, check_hyperparams, check_unique, parse_options
 from .param_groups import DecaySplit, build_param_groups, named_params, param_device, split_parameters
@@ -26,13 +26,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class OptimizerInfo:
-    """What was decided for an optimizer made here; attached to it as ``optimizer.hf_efficient``."""
+    """What was decided for an optimizer made here; attached to it as ``optimizer.hf_efficient``.
+
+    ``steps`` and ``skipped_steps`` are exact whenever read: where the guard checks gradients on the device (CUDA,
+    see :mod:`hf_efficient.guard`), whether a step was voided is known there only, and reading either of them reads
+    it (one device read), never the step itself.
+    """
 
     resolution: Resolution
     options: dict[str, Any]
     split: DecaySplit | None  # None when plain parameters (not a model) were given
-    steps: int = 0  # steps taken (saved in state_dict, so it survives a resume)
-    skipped_steps: int = 0  # steps skipped for a non-finite gradient under nonfinite="skip"
+    counted_steps: int = 0  # step() calls applied, or voided on the device and not read yet (see steps)
+    counted_skips: int = 0  # steps skipped, as read so far (see skipped_steps)
+    unread_voids: torch.Tensor | None = field(default=None, repr=False)  # the guard's device count, not read yet
+
+    @property
+    def steps(self) -> int:
+        """Steps taken (saved in state_dict, so it survives a resume)."""
+        read_voided(self)
+        return self.counted_steps
+
+    @steps.setter
+    def steps(self, n: int) -> None:
+        read_voided(self)
+        self.counted_steps = n
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient under nonfinite="skip"."""
+        read_voided(self)
+        return self.counted_skips
+
+    @skipped_steps.setter
+    def skipped_steps(self, n: int) -> None:
+        read_voided(self)
+        self.counted_skips = n
 
 
 def unwrap(optimizer):

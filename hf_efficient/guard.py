@@ -4,7 +4,20 @@
   which would make the second moment inf), is found before the step touches any state. One such value poisons a
   whole block's scale of quantized state forever, so the default is ``"raise"``; ``"skip"`` skips the step for
   all parameters and counts it; ``"ignore"`` is torch's behaviour.
-- Where that scan runs: on CPU, each gradient of 65,536+ elements is scanned in backward, by a post-accumulate-grad
+- On CUDA, with no host synchronisation, where the backend honours torch's ``optimizer.found_inf`` (the one table
+  :data:`_FLAG_TABLE`: torch's fused AdamW, and this package's families whose step runs their Triton kernels, which
+  they declare by a ``takes_found_inf()`` method, True for the step about to run): the
+  step's gradients are checked on the device, by one multi-tensor inf-norm and a compare, into a float32 flag set as
+  ``optimizer.found_inf`` for the backend's step (unset after), which then updates nothing, step counts included.
+  Nothing is read in ``step()``. ``"skip"``: the step is voided; ``steps`` / ``skipped_steps`` of
+  ``optimizer_info(opt)`` read the device's count when read (a warning then says how many were skipped).
+  ``"raise"``: the step is voided, and the error is raised when the flag is next read on the host: at the next
+  ``step()`` (before it launches anything: that step is not applied either), at ``state_dict()``, or at
+  :func:`raise_if_voided` (where a training loop logs values); it names the first bad parameter and says that the
+  step was not applied. The flag's copy to the host is waited for alone, so these reads do not stall. Backends that
+  cannot take the flag (bitsandbytes, torchao, this package's compiled torch / C / eager paths), a GradScaler's step
+  and DTensor shards keep the host check below: one host sync per step.
+- Where the host check runs: on CPU, each gradient of 65,536+ elements is scanned in backward, by a post-accumulate-grad
   hook, the moment backward completes it, and remembered clean with its version counter. At ``step()`` the scan
   cost fused fp32 AdamW's step 21-28%; in backward the gradient is still in cache (28M parameters on 2-core Zen 4:
   1.8 ms per backward, where the scan at ``step()`` took 2.1-2.7 ms). ``step()`` scans, in one call,
@@ -44,11 +57,11 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .optim import _native
-from .optim._dispatch import c_array, native
+from .optim._dispatch import c_array, log_once, native
 from .options import check_flags, check_hyperparams, check_unique, run_closure
 from .param_groups import group_names, named_params
 
-__all__ = ["protect", "check_params", "first_nonfinite", "OVERFLOW"]
+__all__ = ["protect", "check_params", "first_nonfinite", "raise_if_voided", "read_voided", "OVERFLOW"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,20 +133,27 @@ def _scan_kernel():
                   ctypes.c_int64)
 
 
-def _first_bad_torch(grads: list[torch.Tensor]) -> int:
-    """Index of the first gradient holding an inf, NaN or ``|g| >= OVERFLOW``, or -1 (any device).
+def _bad_flags(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per gradient (all non-empty), whether it holds an inf, NaN or ``|g| >= OVERFLOW``: a bool vector on their
+    device, read nowhere here.
 
     The largest magnitude of each gradient (inf-norm, which keeps NaN) from one multi-tensor call: a single fused
     pass over all gradients on CUDA; no sum to overflow on finite values.
     """
+    wide = any(g.dtype == torch.float64 for g in grads)  # the norm's dtype cannot be narrower than a gradient's
+    peaks = torch._foreach_norm(grads, float("inf"), dtype=torch.float64 if wide else torch.float32)
+    return ~(torch.stack(peaks) < OVERFLOW)  # True for NaN, inf and overflowing squares
+
+
+def _first_bad_torch(grads: list[torch.Tensor]) -> int:
+    """Index of the first gradient holding an inf, NaN or ``|g| >= OVERFLOW``, or -1 (any device; one host read)."""
     nonempty = [i for i, g in enumerate(grads) if g.numel()]
     if not nonempty:
         return -1
-    peaks = torch._foreach_norm([grads[i] for i in nonempty], float("inf"))
-    ok = torch.stack([p.float() for p in peaks]) < OVERFLOW  # False for NaN, inf and overflowing squares
-    if bool(ok.all()):
+    bad = _bad_flags([grads[i] for i in nonempty])
+    if not bool(bad.any()):
         return -1
-    return nonempty[int((~ok).nonzero()[0])]
+    return nonempty[int(bad.nonzero()[0])]
 
 
 def _sharded(params) -> bool:
@@ -332,6 +352,148 @@ def _in_param_layout(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return swapped
 
 
+# ------------------------------------------------------------------------------ the check on the device (CUDA)
+
+_DEVICE_FLAG_ON_CPU = False  # tests only: CPU tensors take the device path too (CI has no GPU)
+
+
+def _is_from(optimizer, package: str) -> bool:
+    return any(c.__module__.split(".")[0] == package for c in optimizer._hf_eff_base.__mro__)
+
+
+def _hf_efficient_takes_flag(optimizer) -> bool:
+    takes = getattr(optimizer, "takes_found_inf", None)
+    return takes is not None and bool(takes())
+
+
+# The one table of which backends honour ``optimizer.found_inf`` (torch's attribute: a float32 scalar on the device;
+# non-zero makes the whole step a no-op, step counts included): ``(backend, is it, does its step take the flag)``,
+# first match wins. Where it is taken, the guard checks on the device and reads nothing in step(); elsewhere (and for
+# a backend no row names) it keeps the host check.
+_FLAG_TABLE = (
+    ("bitsandbytes", lambda o: _is_from(o, "bitsandbytes"), lambda o: False),  # its kernels take no flag
+    ("torchao", lambda o: _is_from(o, "torchao"), lambda o: False),  # nor do its compiled ones
+    # this package's families: their Triton kernels read it (optim/_triton.flag), their compiled torch, C and eager
+    # paths do not; a family whose step is about to run Triton kernels for every tensor says so by takes_found_inf()
+    ("hf_efficient", lambda o: _is_from(o, "hf_efficient"), _hf_efficient_takes_flag),
+    # torch's Adam / AdamW: the fused kernel reads it and takes its step counts back; foreach / for-loop refuse it
+    ("torch", lambda o: isinstance(o, torch.optim.Adam), lambda o: all(g.get("fused") for g in o.param_groups)),
+)
+
+
+def _takes_flag(optimizer) -> bool:
+    """Whether the backend's step honours ``optimizer.found_inf`` for every tensor (:data:`_FLAG_TABLE`); logs once
+    per backend where it does not."""
+    for backend, matches, takes in _FLAG_TABLE:
+        if matches(optimizer):
+            if takes(optimizer):
+                return True
+            break
+    else:
+        backend = optimizer._hf_eff_base.__qualname__
+    log_once(logging.INFO, ("host check", backend), "hf_efficient: %s's step takes no device-side inf/NaN flag here: "
+             "the guard reads its check on the host, one sync per step", backend)
+    return False
+
+
+def _device_check_applies(optimizer, scaled: bool) -> bool:
+    """The guard checks on the device: CUDA (or CPU in tests), no GradScaler (it checked already, on the host), no
+    DTensor shards (their ranks agree through the host check's all-reduce), and a backend that takes the flag."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    device = params[0].device.type
+    return ((device == "cuda" or (device == "cpu" and _DEVICE_FLAG_ON_CPU)) and not scaled and not _sharded(params)
+            and _takes_flag(optimizer))
+
+
+class _VoidRecord:
+    """What a step checked on the device under ``nonfinite="raise"`` leaves for the next host read: its flag's copy
+    to pinned host memory (queued, with a CUDA event that marks that copy alone as done), and the per-gradient flags
+    with their parameters' names, read only to name the parameter when it raises."""
+
+    def __init__(self, found: torch.Tensor, flags: torch.Tensor, names: list[str], step: int):
+        cuda = found.device.type == "cuda"
+        self.host = torch.empty((), dtype=torch.float32, pin_memory=cuda).copy_(found, non_blocking=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.event.record()
+        self.flags, self.names, self.step = flags, names, step
+
+    def voided(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()  # recorded after an earlier step's check: long done, no stall
+        return bool(self.host.numpy() != 0)  # numpy: the host copy, no tensor read
+
+
+_VOIDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> _VoidRecord of its last step
+
+
+def _check_on_device(optimizer, info, policy: str) -> torch.Tensor | None:
+    """The step's void flag (float32, on the device: torch's ``found_inf``), computed without a host read; None when
+    no gradient has an element. Counted in ``info.unread_voids`` (see :func:`read_voided`); under ``"raise"`` a
+    :class:`_VoidRecord` is left for the next read."""
+    live = [(n, p.grad) for n, p in named_params(optimizer.param_groups)
+            if p.grad is not None and not p.grad.is_sparse and p.grad.numel()]
+    if not live:
+        return None
+    flags = _bad_flags([g for _, g in live])
+    found = flags.any().float()
+    if info.unread_voids is None or info.unread_voids.device != found.device:
+        read_voided(info)
+        info.unread_voids = torch.zeros((), dtype=torch.float32, device=found.device)
+    info.unread_voids.add_(found)
+    if policy == "raise":
+        _VOIDS[optimizer] = _VoidRecord(found, flags, [n for n, _ in live], info.counted_steps + 1)
+    return found
+
+
+def read_voided(info) -> None:
+    """Fold the steps voided on the device since the last read into ``info``'s counts (one device read, made when a
+    count is read: see ``OptimizerInfo.steps``); under ``nonfinite="skip"`` they are skipped steps, said once per
+    read."""
+    unread = info.unread_voids
+    if unread is None:
+        return
+    n = int(unread.item())
+    if not n:
+        return
+    unread.sub_(n)
+    info.counted_steps -= n
+    if info.options.get("nonfinite") == "skip":
+        info.counted_skips += n
+        logger.warning("%s: %d step(s) skipped for a non-finite gradient, found on the device (%d skipped so far)",
+                       info.resolution.spec.trainer_name, n, info.counted_skips)
+
+
+def _raise_voided(optimizer, where: str) -> None:
+    record = _VOIDS.pop(optimizer, None)
+    if record is None or not record.voided():
+        return
+    info = optimizer.hf_efficient
+    read_voided(info)  # the voided step is not counted
+    name = record.names[int(record.flags.nonzero()[0])]
+    also = "; nor is this step()" if where == "step()" else ""
+    raise FloatingPointError(
+        f"{info.resolution.spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 whose "
+        f"square overflows) in parameter {name!r} at step {record.step}, found on the device and read at {where}: step "
+        f"{record.step} was not applied, nothing was updated by it{also}. Find the cause (learning rate, loss scale, "
+        "bad data), or set optim_args='nonfinite=skip' to skip such steps")
+
+
+def raise_if_voided(optimizer) -> None:
+    """Raise now if the last step, checked on the device under ``nonfinite="raise"``, was voided by a non-finite
+    gradient (else the next ``step()`` or ``state_dict()`` raises). For where a loop reads values to log them: the
+    flag's copy to the host is long done by then, so it does not stall.
+
+    Raises:
+        FloatingPointError: naming the parameter and the step, which was not applied.
+    """
+    from .factory import unwrap  # factory imports this module
+
+    opt = unwrap(optimizer)
+    if isinstance(opt, _Protected) and opt.hf_efficient.options.get("nonfinite") == "raise":
+        _raise_voided(opt, "raise_if_voided()")
+
+
 # ---------------------------------------------------------------------------------------- the subclass
 
 
@@ -344,33 +506,52 @@ class _Protected:
         info = self.hf_efficient
         loss = run_closure(closure)  # gradients exist only after the closure: run it, then check
         policy = info.options.get("nonfinite", "ignore")
+        found = None  # the flag, where the check runs on the device
+        if policy == "raise":
+            _raise_voided(self, "step()")  # the last step, if it was checked on the device
         if policy != "ignore":
-            bad, used = _find_nonfinite(self, trust_hooks=not _under_scaler())
-            hooks = _HOOKS.get(self)
-            if hooks is not None:
-                hooks.settle(used)
-            if bad is not None:
-                spec = info.resolution.spec
-                if policy == "raise":
-                    raise FloatingPointError(
-                        f"{spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 "
-                        f"whose square overflows) in parameter {bad!r} at step {info.steps + 1}; nothing was updated. "
-                        "Find the cause (learning rate, loss scale, bad data), or set optim_args='nonfinite=skip' to "
-                        "skip such steps")
-                info.skipped_steps += 1
-                logger.warning("%s: step %d skipped, non-finite gradient in %r (%d skipped so far)",
-                               spec.trainer_name, info.steps + 1, bad, info.skipped_steps)
+            scaled = _under_scaler()
+            if _device_check_applies(self, scaled):
+                found = _check_on_device(self, info, policy)
+                hooks = _HOOKS.get(self)
+                if hooks is not None:  # CPU in tests: the backward scans go unused
+                    hooks.settle(0)
+            elif self._host_check(info, policy, scaled):
                 return loss
         swapped = _in_param_layout(self)
+        if found is not None:
+            self.found_inf = found
         try:
             out = super().step()
         finally:
+            if found is not None:
+                del self.found_inf
             for p, grad in swapped:
                 p.grad = grad
-        info.steps += 1
+        info.counted_steps += 1  # a step voided on the device is taken back when read (read_voided)
         return loss if closure is not None else out
 
     step.hooked = True  # torch's step hooks already wrap the backend's step, which this calls: not twice
+
+    def _host_check(self, info, policy: str, scaled: bool) -> bool:
+        """The check read on the host: raises under ``"raise"``; True where ``"skip"`` skips this step."""
+        bad, used = _find_nonfinite(self, trust_hooks=not scaled)
+        hooks = _HOOKS.get(self)
+        if hooks is not None:
+            hooks.settle(used)
+        if bad is None:
+            return False
+        spec = info.resolution.spec
+        if policy == "raise":
+            raise FloatingPointError(
+                f"{spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 "
+                f"whose square overflows) in parameter {bad!r} at step {info.steps + 1}; nothing was updated. "
+                "Find the cause (learning rate, loss scale, bad data), or set optim_args='nonfinite=skip' to "
+                "skip such steps")
+        info.skipped_steps += 1
+        logger.warning("%s: step %d skipped, non-finite gradient in %r (%d skipped so far)",
+                       spec.trainer_name, info.steps + 1, bad, info.skipped_steps)
+        return True
 
     def add_param_group(self, group: dict) -> None:
         info = getattr(self, "hf_efficient", None)
@@ -401,12 +582,15 @@ class _Protected:
 
     def state_dict(self) -> dict:
         info = self.hf_efficient
+        if info.options.get("nonfinite") == "raise":
+            _raise_voided(self, "state_dict()")  # no checkpoint taken past a voided step unsaid
         return checkpoint.save(super().state_dict(), info.resolution.spec, info.resolution.backend, info)
 
     def load_state_dict(self, sd: dict) -> None:
         info = self.hf_efficient
         checkpoint.load(self, super().load_state_dict, sd, info.resolution.spec, info.resolution.backend, info,
                         _names(self))
+        _VOIDS.pop(self, None)  # a step voided before the state was replaced is no longer this run's
 
     def __reduce_ex__(self, protocol):
         """Copies (deepcopy, pickle, torch.save) rebuild a protected optimizer of the same backend class."""

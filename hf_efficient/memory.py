@@ -8,8 +8,8 @@ Predicted (:func:`estimate_memory`): the same count done on paper, tensor by ten
 backend the registry picks for the device (``Backend.memory``, written in backends.py) -- so 8-bit keeps
 32-bit state for embeddings and tensors below
 ``min_8bit_size`` exactly where the optimizer will, Adafactor stores row + column statistics of each
-matrix, and ``adamw_bf16`` keeps bf16 buffers. ``MB`` here is 2**20 bytes (the unit of the 502 MB AdamW
-figure for a 65.8M-parameter model).
+matrix, and ``adamw_bf16`` keeps bf16 buffers. Sizes are binary: ``MB`` here is 2**20 bytes, one MiB (the
+unit torch and nvidia-smi report in), and every message says MiB or GiB (:func:`format_bytes`).
 
 Without tensor shapes (``estimate_memory(65_783_042, ...)``) the count assumes the parameters are
 2-D matrices of :data:`ASSUMED_COLUMNS` columns cut into tensors of at most 2**20 elements, none an
@@ -33,15 +33,20 @@ from .options import parse_options
 from .param_groups import split_parameters
 from .registry import PREFIX, compensation_of, get_spec, resolve
 
-__all__ = ["MB", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "peak_memory",
+__all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "peak_memory",
            "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS"]
 
 logger = logging.getLogger(__name__)
 
-MB = 2**20
+MB = 2**20  # one MiB: the name is kept for the keys that carry it (state_mb, hf_eff/optimizer_state_mb)
 ASSUMED_COLUMNS = 1024  # --params N: N elements as matrices of this many columns, 2**20 elements per tensor
 _ASSUMED_TENSOR = ASSUMED_COLUMNS**2
 MAX_PARAMS = 10**15  # a bare count above this is a typo (500x the largest models), refused before any arithmetic
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for a message: GiB from one GiB up, else MiB (binary units, as torch and nvidia-smi count)."""
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / MB:,.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------- measured
@@ -203,7 +208,7 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
 
     Example:
         >>> est = estimate_memory(model, "adam8bit")
-        >>> print(f"{est.state_bytes / MB:.0f} MB, {est.saving:.0%} less than fp32 AdamW")
+        >>> print(f"{format_bytes(est.state_bytes)}; this saves {est.saving:.0%} against fp32 AdamW")
     """
     tensors, assumption, model_device, resident = _describe(model, param_dtype)
     dev = torch.device(device) if device is not None else model_device

@@ -223,12 +223,38 @@ def check_group(optimizer, param_group, owner: str, check: Callable[[dict], None
 
 
 def check_step(step, where: str) -> None:
-    """A saved ``step``: a number or a one-element tensor, finite and >= 0 (torch accepts a Python number)."""
+    """A saved ``step``: a whole number >= 0, or a one-element tensor holding one (torch accepts a Python number)."""
     value = step.item() if hasattr(step, "numel") and step.numel() == 1 else step
-    if not _number(value) or not 0 <= value < math.inf:  # a tensor, a bool, complex, text, nan, inf, < 0
-        shown = f"a tensor of shape {tuple(step.shape)}" if hasattr(value, "shape") else repr(step)
-        raise ValueError(f"{where} has step {shown}: a step count must be a finite number >= 0 or a one-element "
+    # a tensor, a bool, complex, text, nan, inf, < 0, or a fraction (steps are counted, never interpolated)
+    if not _number(value) or not 0 <= value < math.inf or value != int(value):
+        shown = f"a tensor of shape {tuple(step.shape)}" if hasattr(value, "shape") else repr(value)
+        raise ValueError(f"{where} has step {shown}: a step count must be a whole number >= 0 or a one-element "
                          "tensor holding one; the checkpoint is corrupt or was edited. Nothing was loaded")
+
+
+# |first moment| of any real state is below this: it is an average of past gradients (AdamW, Lion: |m| <= max |g|;
+# Adafactor: of updates clipped to an RMS of clip_threshold), and the guard refuses a gradient of magnitude 2**64
+# or more (its square overflows fp32: guard.OVERFLOW). Second moments need no bound of their own: finite is already
+# below 2**128, that bound's square.
+FIRST_MOMENT_BOUND = 2.0**64
+
+
+def check_saved_tensor(value, key: str, where: str, *, signed: bool, first_moment: bool = False) -> None:
+    """A saved floating-point state tensor (a moment, a per-block absmax of one, a Kahan buffer): finite, >= 0 unless
+    ``signed``, and below :data:`FIRST_MOMENT_BOUND` in magnitude where it is (the absmax of) a ``first_moment``.
+    An edited checkpoint beyond these would move the weights by absurd amounts on the first step."""
+    problem = None
+    if not bool(value.isfinite().all()):
+        problem = "non-finite values"
+    elif not signed and bool((value < 0).any()):
+        problem = "negative values, which a second moment or an absmax never holds"
+    elif first_moment and bool((value.abs() >= FIRST_MOMENT_BOUND).any()):
+        problem = (f"values of magnitude {value.abs().max().item():.3g}, beyond what any first moment reaches (an "
+                   "average of past gradients, each below 2**64 or refused by the nonfinite guard)")
+    if problem is not None:
+        raise ValueError(f"{where} has {key} holding {problem}: training from it would move the weights by absurd "
+                         "amounts or make them non-finite; the checkpoint is corrupt or was edited. Resume from an "
+                         "earlier checkpoint, or start the optimizer afresh. Nothing was loaded")
 
 
 def refuse_sparse(optimizer, owner: str) -> None:
@@ -266,7 +292,14 @@ def check_saved(optimizer, state_dict, family: str, check_family_keys: Callable 
     names the parameter or group; nothing was loaded."""
     where = f"{family}.load_state_dict"
     if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+        groups = state_dict.get("param_groups")
+        listed = {i for g in groups if isinstance(g, dict) for i in g.get("params", ())} if isinstance(
+            groups, list) else set()
         for i, saved in state_dict["state"].items():
+            # a parameter's state is a dict; other keys (a hook's flag) are torch's to carry as they are
+            if i in listed and not isinstance(saved, dict):
+                raise ValueError(f"{where}: the state of parameter {i} is a {type(saved).__name__}, not a dict of "
+                                 "state tensors: the checkpoint is corrupt; nothing was loaded")
             if isinstance(saved, dict) and "step" in saved:
                 check_step(saved["step"], f"{where}: parameter {i}")
     if check_family_keys is not None and isinstance(state_dict, dict) and isinstance(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -98,8 +97,6 @@ class Family:
     required: Callable[[torch.Tensor, dict], set[str]]  # (param, its saved group) -> keys its state always holds
     # (the absmax of each 8-bit code tensor is required by the codec, not listed here)
     math: str  # families of one math convert moments into each other ("adamw": adamw, adamw8bit, adamw_bf16)
-    bench_format: str = ""  # scripts/bench_step.py: rows of one format are alternatives to each other
-    quality_target: float | None = None  # allowed excess of final eval loss over its fp32 reference (convergence.py)
     param_dtype: torch.dtype = torch.float32  # the parameter dtype it is made for (bench and convergence runs)
     marks: frozenset[str] = frozenset()  # keys only its state holds: how an untagged checkpoint is recognised
     moment_dtype: Callable[[torch.Tensor], torch.dtype] | None = None  # dtype of moments converted in (None: fp32)
@@ -226,11 +223,11 @@ _M, _V = StateKey("param", signed=True, label="first moment"), StateKey("param",
 _KAHAN = StateKey("param", signed=True, label="Kahan compensation")  # optim/compensation.py, bf16/fp16 weights
 ADAMW = Family("adamw", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "max_exp_avg_sq": _V,
                          "kahan_comp": _KAHAN},
-               _adamw_required, "adamw", bench_format="fp32", quality_target=0.01, flags=("maximize", "amsgrad"))
+               _adamw_required, "adamw", flags=("maximize", "amsgrad"))
 ADAMW8BIT = Family(
     "adamw8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_sq": StateKey("codes"),
                   "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax"), "kahan_comp": _KAHAN},
-    lambda p, group: _MOMENTS | _kahan(p, group), "adamw", bench_format="8-bit blockwise", quality_target=0.01,
+    lambda p, group: _MOMENTS | _kahan(p, group), "adamw",
     deepspeed_options={"embedding_state": (
         "8bit", "cannot keep 32-bit state for embeddings and small tensors, as it does by default "
                 "(embedding_state=32bit): ZeRO hands the optimizer one flat partition per param group. Set optim_args "
@@ -238,13 +235,13 @@ ADAMW8BIT = Family(
 ADAFACTOR = Family(
     "adafactor", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "exp_avg_sq_row": StateKey("row"),
                   "exp_avg_sq_col": StateKey("col"), "kahan_comp": _KAHAN},
-    _adafactor_required, "adafactor", bench_format="factored", quality_target=0.03,
+    _adafactor_required, "adafactor",
     marks=frozenset({"exp_avg_sq_row", "exp_avg_sq_col"}), check_state=_adafactor_check,
     deepspeed="ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, but "
               "keeps a full fp32 second moment (4 bytes per parameter instead of << 1)")
 ADAMW_BF16 = Family(
     "adamw_bf16", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "kahan_comp": _KAHAN},
-    _adamw_bf16_required, "adamw", bench_format="bf16 + Kahan", quality_target=0.01, param_dtype=torch.bfloat16,
+    _adamw_bf16_required, "adamw", param_dtype=torch.bfloat16,
     compensation="kahan",  # the bf16 + Kahan name (stochastic +0.06%, kahan +0.21%: both within target)
     marks=frozenset({"kahan_comp"}), moment_dtype=_adamw_bf16_dtype,
     deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
@@ -253,7 +250,7 @@ ADAMW_BF16 = Family(
 LION8BIT = Family(
     "lion8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_absmax": StateKey("absmax"),
                  "kahan_comp": _KAHAN},
-    lambda p, group: {"step", "exp_avg"} | _kahan(p, group), "lion", bench_format="8-bit blockwise", quality_target=0.01,
+    lambda p, group: {"step", "exp_avg"} | _kahan(p, group), "lion",
     deepspeed_options=ADAMW8BIT.deepspeed_options, uses_eps=False)
 AUTO = Family("auto", {}, lambda p, group: set(), "auto")
 FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16, LION8BIT)}
@@ -434,9 +431,9 @@ def resolve(name: str, device: str | torch.device = "cpu", backend: str | None =
     if spec.fallback and dev != spec.fallback[0]:
         msg = (f"{spec.trainer_name} pages optimizer state through {spec.fallback[0]} unified memory; "
                f"on {dev} it runs as {PREFIX}{spec.fallback[1]} instead")
-        if (spec.name, dev) not in _logged:
+        if log and (spec.name, dev) not in _logged:  # an estimate (log=False) says "runs as" in its own result
             _logged.add((spec.name, dev))
-            warnings.warn(msg, stacklevel=2)
+            logger.warning("hf_efficient: %s", msg)
         res = resolve(spec.fallback[1], dev, backend, log=log, compensated=compensated)
         return Resolution(res.name, res.backend, res.optimizer_cls, f"{msg}; {res.reason}", res.spec, dev)
     if backend is not None:

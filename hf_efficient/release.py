@@ -23,14 +23,21 @@ torch's check. On MiniLM (106 tensors, 2 cores) the C scans take ~5 ms per backw
 ``optimizer.step()`` and ``zero_grad()`` keep working: no parameter holds a gradient when they run, so the step finds
 nothing to update and the guard still counts one step per ``step()`` call (``optimizer.hf_efficient.steps``); the
 Trainer's loop, an Accelerate loop and a user's loop run unchanged. Torch's step hooks run once per ``step()`` call,
-not per tensor. ``detach(optimizer)`` removes the hooks. A copy of the optimizer (``copy.deepcopy``, ``pickle``) is
-not attached; ``state_dict()`` / ``load_state_dict`` are the optimizer's own, so a resume is exact.
+not per tensor. ``optimizer.zero_grad(set_to_none=False)`` keeps zero gradients in the ordinary loop, and its step
+moves the parameters no backward reached since (momentum, weight decay, step count): release steps those with zeros
+at ``step()``, so it equals the ordinary step there too (``model.zero_grad(set_to_none=False)`` cannot be seen: with
+it, a parameter is stepped only by a backward that reaches it). ``add_param_group`` hooks the new parameters.
+``detach(optimizer)`` removes the hooks. While attached, the optimizer's class is a subclass of its own (same name) that
+sees ``zero_grad`` and ``add_param_group``; a copy (``copy.deepcopy``, ``pickle``) is not attached; ``state_dict()`` /
+``load_state_dict`` are the optimizer's own, so a resume is exact.
 
 Decided, and refused or checked where it cannot hold (never silent):
 
 - Gradient accumulation (the Trainer's or Accelerate's ``gradient_accumulation_steps > 1``) would need every gradient
   kept across micro-batches: refused by :func:`check_trainer_args` / :func:`check_accelerate`. A larger per-device
-  batch is the same math. In a hand-written loop, every ``backward()`` is an optimizer step.
+  batch is the same math. In a hand-written loop, every ``backward()`` is an optimizer step: a second backward before
+  ``step()`` (``retain_graph=True``, summed micro-batches) is refused at its first hook, before it steps anything, so
+  each ``step()`` stays one step of the optimizer and of its state.
 - Clipping by the global norm needs every gradient before the first step: refused (``max_grad_norm`` must be 0). The
   Trainer would otherwise "clip" gradients that are already None, i.e. not clip at all. In a hand-written loop,
   ``clip_grad_norm_`` after ``backward()`` finds no gradients and returns 0: do not call it.
@@ -41,20 +48,27 @@ Decided, and refused or checked where it cannot hold (never silent):
   gradient is dropped, its state untouched), the others are; ``info.skipped_steps`` counts the backward passes in
   which some tensor was skipped, :func:`release_info` the tensors, and one warning per backward names them.
 - fp16 with a GradScaler: the scaler unscales and skips at ``step()``, after the release already stepped scaled
-  gradients: refused. bf16 autocast and bf16 weights need no scaler and are fine.
+  gradients: refused by the checks, and in a hand-written loop at the first hook of a backward whose loss is a product
+  while an enabled GradScaler is alive (before anything is stepped). bf16 autocast and bf16 weights need no scaler.
 - Distributed (DDP, FSDP, DeepSpeed): the hooks would see local gradients before their reduction: refused by the
   checks, and by :func:`attach` when a process group of more than one process is up or a parameter is a DTensor.
-- Reentrant activation checkpointing (``use_reentrant=True``) runs nested backward passes, in which a weight used in
-  two checkpointed segments would be stepped once per segment: refused in the Trainer check (transformers' default is
-  ``use_reentrant=False``, which is fine). A hook cannot tell a nested backward from the next one, so a hand-written
-  loop must not combine it with shared weights.
+- Reentrant activation checkpointing (``use_reentrant=True``) runs one nested backward per segment, each adding to a
+  weight's gradient once per segment that uses it: no hook can tell when a gradient is complete. Refused by the
+  Trainer check, on each transformers version's default (4.x: reentrant; 5.x: not), and in any loop at the first hook
+  of a nested backward (a Python autograd Function's backward on the stack): the segments' tensors are not stepped,
+  those completed outside them may have been (a full bucket). ``use_reentrant=False`` is one backward, and fine.
+- A backward refused at its first hook drops the gradients it produced, so neither ``step()`` nor the next backward
+  applies them.
 - A parameter that did not require a gradient when ``attach`` ran has no hook: if it gets one later, the next backward
   refuses to start (call ``attach`` again after unfreezing it). Gradients present at ``attach`` are refused.
 """
 
 from __future__ import annotations
 
+import gc
+import importlib.metadata
 import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -141,15 +155,18 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
     rel = _ATTACHED.get(opt)
     if rel is None:
         rel = _ATTACHED[opt] = _Release(opt, bucket_bytes)
+        opt.__class__ = _attached_class(type(opt))
     rel.bucket_bytes = bucket_bytes
     rel.hook(named)
 
 
 def detach(optimizer) -> None:
     """Remove the hooks: backward keeps gradients again and ``step()`` steps them. A no-op if not attached."""
-    rel = _ATTACHED.pop(unwrap(optimizer), None)
+    opt = unwrap(optimizer)
+    rel = _ATTACHED.pop(opt, None)
     if rel is not None:
         rel.remove()
+        opt.__class__ = type(opt).__bases__[1]  # the class before attach (see _attached_class)
 
 
 def _refuse_distributed(named) -> None:
@@ -167,6 +184,35 @@ def _refuse_distributed(named) -> None:
                            + _OFF)
 
 
+class _Attached:
+    """Mixed in before the optimizer's class while it is attached (see :func:`_attached_class`): release must see
+    ``zero_grad(set_to_none=False)`` (it keeps zero gradients that ``step()`` steps) and hook the parameters of a
+    group added later. A class, like the guard's, so that copies (rebuilt from the backend's class) are not attached.
+    """
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        rel = _ATTACHED.get(self)
+        if rel is not None:
+            rel.zeroed(set_to_none)
+
+    def add_param_group(self, group: dict) -> None:
+        super().add_param_group(group)  # the guard validates it first
+        rel = _ATTACHED.get(self)
+        if rel is not None:
+            rel.hook(named_params(self.param_groups))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _attached_class(cls: type) -> type:
+    if cls not in _CLASSES:  # same name and module: isinstance, repr and logs read as before
+        _CLASSES[cls] = type(cls.__name__, (_Attached, cls), {"__module__": cls.__module__,
+                                                              "__qualname__": cls.__qualname__})
+    return _CLASSES[cls]
+
+
 class _Release:
     """The hooks of one optimizer, and the per-backward bookkeeping (a window per autograd graph task)."""
 
@@ -182,6 +228,15 @@ class _Release:
         self.task = None  # graph task id of the backward in progress (the open window)
         self.stepped = 0
         self.skipped: list[str] = []
+        # What the ordinary loop would hold in .grad (ids): a gradient since the last zero_grad(set_to_none=True),
+        # and, of those, zeros (zero_grad(set_to_none=False), no backward reached them since): step() steps these.
+        self.held: set[int] = set()
+        self.zeros: set[int] = set()
+        self.backward_done = False  # a backward completed since the last step(): a second one is refused
+        self.warned_zero = False
+        self.check_scaler = True  # until a backward whose loss is a product found no GradScaler (see _open)
+        # torch's step hooks run once per step() call (not for the release's own steps: see _raw_step)
+        self.step_hook = opt.register_step_pre_hook(lambda opt, args, kwargs: self._on_step(opt))
         weakref.finalize(opt, _remove_handles, self.handles)  # a dead optimizer leaves no hooks behind
 
     def hook(self, named) -> None:
@@ -198,12 +253,40 @@ class _Release:
 
     def remove(self) -> None:
         _remove_handles(self.handles)
+        self.step_hook.remove()
 
     # -- per backward ------------------------------------------------------------------------------------------
 
     def _open(self, opt, p) -> None:
-        """First hook of a backward: refuse gradients this backward did not produce (they would be stepped with
-        the others) and parameters without a hook that now require one; close the window at the backward's end."""
+        """First hook of a backward (of each autograd graph task): refuse, before this backward steps anything, what
+        release cannot step as the ordinary step would; then open its window, closed at the backward's end."""
+        nested, roots = _backward_context()
+        if nested:
+            self._drop(p)
+            raise RuntimeError(
+                "gradient release cannot run under a reentrant backward (torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=True), or model.gradient_checkpointing_enable() on transformers < 5, whose default it "
+                "is): each checkpointed segment runs a backward of its own, which adds to a weight's gradient once per "
+                "segment using it, so no hook can tell when a gradient is complete. "
+                f"{self.stepped if self.task is not None else 0} tensor(s) completed outside the segments were stepped "
+                "in this backward, no other. Pass use_reentrant=False (gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), " + _OFF)
+        if self.backward_done:
+            self._drop(p)
+            raise RuntimeError(
+                "gradient release: a second backward() before optimizer.step(). Each backward steps the weights, so "
+                "two backward passes would be two optimizer steps counted as one, not one step of their summed "
+                "gradients. Call optimizer.step() after every backward (zero_grad() clears this one's gradient); for "
+                "a larger batch, run one backward on it, " + _OFF)
+        if self.check_scaler and _mul_root(roots):
+            if _enabled_scaler():
+                self._drop(p)
+                raise RuntimeError(
+                    "gradient release with a torch.amp.GradScaler (scaler.scale(loss).backward()): backward would step "
+                    "the weights with the scaled gradients, before scaler.step() could unscale them and skip "
+                    "overflowing steps; nothing was stepped. Train in bf16 (torch.autocast(dtype=torch.bfloat16), "
+                    "no scaler) or fp32, " + _OFF)
+            self.check_scaler = False  # scanned once (it reads every object gc tracks); a loop starts with its scaler
         for name, q in named_params(opt.param_groups):
             if q is not p and q.grad is not None:
                 raise RuntimeError(
@@ -219,10 +302,18 @@ class _Release:
         task = self.task
         Variable._execution_engine.queue_callback(lambda: self._close(task))
 
+    def _drop(self, p) -> None:
+        """A refused backward leaves nothing: its gradients so far (``p``'s, the window's pending ones) are dropped,
+        so that neither step() nor the next backward applies them."""
+        for q in [p, *self.pending]:
+            q.grad = None
+        self.pending, self.pending_bytes = [], 0
+
     def _close(self, task) -> None:
         if task != self.task:  # a later backward opened its own window already
             return
         self.task = None
+        self.backward_done = True
         opt = self.ref()
         if opt is not None:
             self._flush(opt)
@@ -239,14 +330,44 @@ class _Release:
             return
         if self.task != torch._C._current_graph_task_id():
             self._open(opt, p)
+        self.held.add(id(p))
+        self.zeros.discard(id(p))  # it holds this backward's gradient now, not zeros
         info = opt.hf_efficient
         if info.options.get("nonfinite", "ignore") != "ignore" and not p.grad.is_sparse and self._bad(opt, p.grad):
             self._nonfinite(opt, p, info)
             return
+        self._add(opt, p)
+
+    def _add(self, opt, p: torch.Tensor) -> None:
         self.pending.append(p)
         self.pending_bytes += p.grad.numel() * p.grad.element_size()
         if self.pending_bytes >= self.bucket_bytes:
             self._flush(opt)
+
+    # -- per step() and zero_grad() ----------------------------------------------------------------------------
+
+    def zeroed(self, set_to_none: bool) -> None:
+        """``optimizer.zero_grad``: the ordinary loop drops its gradients, or keeps them as zeros that step() steps."""
+        if self.backward_done and not self.warned_zero:
+            self.warned_zero = True
+            logger.warning("gradient release: zero_grad() between backward() and step() cannot discard that "
+                           "backward's gradients: release stepped them inside backward. Call zero_grad() after step() "
+                           "(or before backward)")
+        self.zeros = set() if set_to_none else set(self.held)
+        if set_to_none:
+            self.held = set()
+
+    def _on_step(self, opt) -> None:
+        """``step()`` (torch's pre-hook): the next backward may run. The ordinary step would also step the zero
+        gradients ``zero_grad(set_to_none=False)`` kept on parameters that no backward reached since (momentum,
+        weight decay, step count move): step those with zeros, a bucket at a time, so release equals it."""
+        self.backward_done = False
+        self.pending, self.pending_bytes = [], 0  # left by a backward that raised; their gradients stay in .grad
+        for _, q in named_params(opt.param_groups):
+            if id(q) in self.zeros and q.grad is None:
+                q.grad = torch.zeros_like(q)
+                self._add(opt, q)
+        self._flush(opt)
 
     def _flush(self, opt) -> None:
         """Step the pending parameters (the only ones holding gradients) in one call of the backend's step."""
@@ -288,6 +409,46 @@ class _Release:
         self.info.skipped_tensors += 1
 
 
+_FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__  # a Python Function's backward
+_RUN_BACKWARD = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+
+
+def _backward_context() -> tuple[bool, list]:
+    """Read from the Python stacks, at a backward's first hook: whether it runs nested inside a Python autograd
+    Function's backward (reentrant checkpointing starts one backward per segment there), and the root tensors of the
+    backward passes in progress (the calling thread's: on CUDA the hooks run on the device's thread)."""
+    nested, roots, frame = False, [], sys._getframe(1)
+    while frame is not None:
+        nested = nested or frame.f_code is _FUNCTION_BACKWARD
+        if frame.f_code is _RUN_BACKWARD:
+            roots = frame.f_locals.get("t_outputs", ())
+        frame = frame.f_back
+    if not roots and _RUN_BACKWARD is not None:
+        for top in sys._current_frames().values():
+            while top is not None:
+                if top.f_code is _RUN_BACKWARD:
+                    roots = [*roots, *top.f_locals.get("t_outputs", ())]
+                top = top.f_back
+    return nested, list(roots)
+
+
+def _mul_root(roots) -> bool:
+    """A root is a product, as ``scaler.scale(loss)`` is (its factor, saved by the node, is freed by now)."""
+    return any(type(getattr(t, "grad_fn", None)).__name__ == "MulBackward0" for t in roots)
+
+
+def _enabled_scaler() -> bool:
+    """An enabled GradScaler (or subclass) whose scale() ran is alive. gc finds instances by the class they refer
+    to: one pass over the objects gc tracks, so :meth:`_Release._open` runs it once."""
+    classes, todo = set(), [torch.amp.GradScaler]
+    while todo:
+        cls = todo.pop()
+        classes.add(cls)
+        todo.extend(cls.__subclasses__())
+    return any(isinstance(r, torch.amp.GradScaler) and r.is_enabled() and getattr(r, "_scale", None) is not None
+               for r in gc.get_referrers(*classes))
+
+
 def _remove_handles(handles: dict) -> None:
     for h in handles.values():
         h.remove()
@@ -326,12 +487,36 @@ def check_trainer_args(args) -> None:
         what = f"{' and '.join(dist)} set" if dist else f"world_size={world}"
         problems.append(f"{what}: each hook would step a local gradient before it is reduced across processes. "
                         "Train in one process " + _OFF)
-    kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or {}
-    if getattr(args, "gradient_checkpointing", False) and kwargs.get("use_reentrant", False):
-        problems.append("gradient_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing runs nested "
-                        "backward passes, in which a shared weight would be stepped once per segment. Use "
-                        "{'use_reentrant': False} " + _OFF)
+    if _trainer_reentrant(args):
+        problems.append("activation (gradient) checkpointing with use_reentrant=True (transformers < 5 and torch "
+                        "default to it when gradient_checkpointing_kwargs does not say): each checkpointed segment "
+                        "runs a backward of its own, so release cannot tell when a gradient is complete. Set "
+                        "gradient_checkpointing_kwargs={'use_reentrant': False} " + _OFF)
     _refuse(problems, "TrainingArguments")
+
+
+def _trainer_reentrant(args) -> bool:
+    """Whether the Trainer will checkpoint with ``use_reentrant=True``. No kwargs: the model's default,
+    ``{"use_reentrant": True}`` in transformers 4.x, ``False`` from 5.0; kwargs without the key go to
+    ``torch.utils.checkpoint.checkpoint``, whose default is True. transformers 5.x names the fields
+    ``activation_checkpointing*`` (the ``gradient_checkpointing*`` aliases mirror them)."""
+    on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
+    if not on:
+        return False
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs",
+                                                                                None)
+    kwargs = {k: v for k, v in (kwargs if isinstance(kwargs, dict) else {}).items()
+              if k not in ("every_n_layers", "offload")}  # transformers' own keys, not torch's
+    if kwargs.get("use_reentrant") is not None:
+        return bool(kwargs["use_reentrant"])
+    return bool(kwargs) or _transformers_major() < 5
+
+
+def _transformers_major() -> int:
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return 5  # no Trainer to check then: the current default
 
 
 def check_accelerate(accelerator) -> None:

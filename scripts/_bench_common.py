@@ -1,4 +1,6 @@
-"""What the scripts in scripts/ share: the repo on sys.path, a description of the machine, markdown tables."""
+"""What the measuring scripts in scripts/ share: the repo on sys.path, a description of the machine, the command.
+
+Their pages are rendered from their JSON by render_results.py."""
 
 from __future__ import annotations
 
@@ -40,28 +42,8 @@ def machine(device: str = "cpu") -> dict:
     return info
 
 
-def machine_md(info: dict, load_after: list[float] | None = None) -> str:
-    gpu = info["gpu"] or "none used (CPU run)"
-    after = f"; after: {', '.join(map(str, load_after))}" if load_after else ""
-    return (f"- Machine: {info['cpu']}, {info['cores']} cores ({info['cpu_capability']}), torch {info['torch']} "
-            f"with {info['torch_threads']} threads, Python {info['python']}; GPU: {gpu}\n"
-            f"- Load average (1, 5, 15 min) at start: {', '.join(map(str, info['loadavg_1_5_15']))}{after} "
-            f"(a shared machine: compare ratios within this run, not absolute times across runs)\n"
-            f"- Date: {info['date']}")
-
-
-def md_table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def fmt(x: float | None, digits: int = 2) -> str:
-    return "—" if x is None or x != x else f"{x:.{digits}f}"
 
 
 def command_line(script: str, argv: list[str]) -> str:

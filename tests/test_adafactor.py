@@ -531,7 +531,7 @@ def test_load_keeps_fp32_statistics_of_low_precision_weights():
 
 def test_load_without_kahan_comp_starts_it_at_zero():
     """A state saved under compensation="none" (or before the option existed) resumes under kahan from a zero
-    buffer, made at the next step."""
+    buffer, made by the load (compensation.drop_unused_buffers)."""
     params = _resume_params()
     opt = Adafactor(_groups(params), lr=LR, compensation="none")
     _steps(opt, params, _resume_grads(params, 2))
@@ -540,7 +540,7 @@ def test_load_without_kahan_comp_starts_it_at_zero():
         g["compensation"] = "kahan"
     fresh = Adafactor(_groups(params), lr=LR)
     fresh.load_state_dict(sd)
-    assert all("kahan_comp" not in fresh.state[p] for p in params)
+    assert all(not fresh.state[p]["kahan_comp"].any() for p in params if p.dtype != torch.float32)
     for g in sd["param_groups"]:
         del g["compensation"]  # saved before the option existed: the optimizer's own
     older = Adafactor(_groups(params), lr=LR, compensation="kahan")

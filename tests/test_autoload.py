@@ -162,9 +162,36 @@ def test_unrelated_program_imports_nothing_of_ours(installs, tmp_path):
 
 
 def test_hf_eff_autoload_0_switches_the_hook_off(installs, tmp_path):
+    """The names are not registered, and transformers' refusal says whose name it is and what to do."""
     proc = _run([installs["wheel"], _script(installs, "plain"), tmp_path], cwd=tmp_path,
                 env={"HF_EFF_AUTOLOAD": "0"}, check=False)
-    assert proc.returncode != 0 and "hf_eff_adam8bit is not a valid OptimizerNames" in proc.stderr
+    assert proc.returncode != 0 and "'hf_eff_adam8bit' is an hf_efficient optimizer name" in proc.stderr
+    assert "HF_EFF_AUTOLOAD=0" in proc.stderr and "`import hf_efficient` before" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_unknown_hf_eff_autoload_value_is_warned_about_once(installs, tmp_path):
+    """HF_EFF_AUTOLOAD=garbage was silently "on": it still is (the default), with one warning naming the values."""
+    proc = _run([installs["wheel"], _script(installs, "plain"), tmp_path], cwd=tmp_path,
+                env={"HF_EFF_AUTOLOAD": "garbage"})
+    assert _last_json(proc)["optim"] == "hf_eff_adam8bit"
+    assert proc.stderr.count("HF_EFF_AUTOLOAD='garbage' is not understood") == 1, proc.stderr[-2000:]
+    assert "1, true, yes, on (on) or 0, false, no, off (off)" in proc.stderr
+
+
+def test_pickled_training_args_name_hf_efficient(installs, tmp_path):
+    """training_args.bin pickles an hf_eff_* optim through hf_efficient: it loads with the hook off (unpickling
+    imports hf_efficient, which registers the names), and where hf_efficient is missing the error names it, not
+    transformers' "is not a valid OptimizerNames"."""
+    python = installs["editable"]
+    _run([python, _script(installs, "parser"), "--output_dir", tmp_path, "--report_to", "none", "--optim",
+          "hf_eff_lion8bit"], cwd=tmp_path)
+    unpickle = [_script(installs, "unpickle"), tmp_path / "training_args.bin"]
+    out = _last_json(_run([python, *unpickle], cwd=tmp_path, env={"HF_EFF_AUTOLOAD": "0"}))
+    assert out == {"optim": "hf_eff_lion8bit", "hf_efficient": True}
+    bare = _venv(installs["root"] / "venv_without_hf_efficient")  # sees torch and transformers, not us
+    proc = _run([bare, *unpickle], cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "No module named 'hf_efficient'" in proc.stderr, proc.stderr[-2000:]
+    assert "is not a valid OptimizerNames" not in proc.stderr
 
 
 def test_hf_argument_parser_and_unpickled_training_args(installs, tmp_path):

@@ -207,9 +207,13 @@ def _corrupt_state(name: str, backend):
     nonfinite = "exp_avg_sq_absmax" if eight_bit else moment
     cases += [
         (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, float("nan")), rf"{nonfinite} holding non-finite"),
-        (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0), rf"{nonfinite} holding non-finite values or "
-                                                                       "negative ones"),
+        (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0), rf"{nonfinite} holding negative values"),
+        (lambda sd: _fc(sd).__setitem__("step", torch.tensor(2.5)), r"has step 2\.5: .*whole number"),
     ]
+    first = "exp_avg_absmax" if eight_bit else None if name == "adafactor" else "exp_avg"  # Adafactor: no beta1
+    if first:  # finite, but beyond any first moment: the first step would move weights ~1e27
+        cases.append((lambda sd: _fc(sd)[first].mul_(1e30), rf"{first} holding values of magnitude .* beyond what "
+                                                             "any first moment reaches"))
     if eight_bit:  # the 8-bit layout: codes need their absmaxes (torchao read bare codes as fp32 moments)
         cases += [
             (lambda sd: _fc(sd).pop("exp_avg_absmax"), r"'fc.weight' lacks \['exp_avg_absmax'\]"),

@@ -47,7 +47,8 @@ def test_estimate_params_table(capsys):
     assert "assumed: 65,783,042 parameters counted as 2-D matrices of 1024 columns" in out
     lines = {line.split("  ")[0]: line for line in out.splitlines()}
     adamw, all8 = lines["hf_eff_adamw"], lines["hf_eff_adam8bit, every tensor 8-bit"]
-    assert "65,783,042" in adamw and " 8.000 " in adamw and " 501.9 " in adamw and " 0.0% " in adamw
+    assert "65,783,042 trainable parameters" in out.splitlines()[0]  # one count for every row: in the heading
+    assert " 8.000 " in adamw and " 501.9 " in adamw and " 0.0% " in adamw
     assert " 2.031 " in all8 and " 127.4 " in all8 and " 74.6% " in all8
     assert "hf_eff_adam8bit (default: 32-bit embeddings)" in lines and "hf_eff_auto here would choose" in out
 
@@ -85,7 +86,8 @@ def test_estimate_local_config_directory(capsys, tmp_path):
     emb = 28996 * 768 + 512 * 768  # word + position embeddings: 32-bit state by default
     assert default["state_bytes"] - all8["state_bytes"] == pytest.approx(6 * emb, rel=0.01)
     rc, out, _ = run(capsys, "estimate", str(tmp_path), "--device", "cpu")
-    assert "DistilBertForSequenceClassification): 65,783,042 trainable parameters" in out and " 501.9 " in out
+    words = " ".join(out.split())  # the heading wraps at 100 columns after a long path
+    assert "DistilBertForSequenceClassification): 65,783,042 trainable parameters" in words and " 501.9 " in out
 
 
 def test_estimate_measure_agrees_on_a_small_model(capsys, tmp_path):
@@ -146,3 +148,58 @@ def test_main_leaves_the_package_logger_as_it_found_it():
     before = package_logger.level
     assert main(["list"]) == 0
     assert package_logger.level == before
+
+
+@pytest.mark.parametrize("text, count", [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("350M", 350 * 10**6),
+                                         ("1.3b", 1_300_000_000), ("65,783,042", N), ("125k", 125_000), ("2T", 2 * 10**12)])
+def test_params_accepts_what_people_type(capsys, text, count):
+    rc, out, _ = run(capsys, "estimate", "--params", text, "--device", "cpu", "--json")
+    assert rc == 0 and json.loads(out)["num_params"] == count
+
+
+@pytest.mark.parametrize("text", ["7x", "1.5", "B", "1e-3", ""])
+def test_params_refuses_what_is_not_a_count(capsys, text):
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--params", text])
+    assert "is not a whole number of parameters" in capsys.readouterr().err
+
+
+def test_a_missing_local_directory_says_so(capsys, tmp_path):
+    """transformers reads a missing path as a malformed hub name ("Repo id must be in the form ...")."""
+    for path in ("./no_such_model", str(tmp_path / "a" / "b"), "~/no_such_model_dir"):
+        rc, _, err = run(capsys, "estimate", path)
+        assert rc == 2 and "no such directory" in err and "Repo id" not in err, err
+    rc, _, err = run(capsys, "estimate", str(tmp_path))  # exists, but holds no config
+    assert rc == 2 and "has no config.json" in err, err
+
+
+def test_dtype_leaves_no_identical_rows(capsys):
+    """--dtype bf16 made "hf_eff_adamw" and "hf_eff_adamw (bf16 params)" (and every such pair) the same question."""
+    rc, out, _ = run(capsys, "estimate", "--params", "1000000", "--device", "cpu", "--dtype", "bf16", "--json")
+    rows = json.loads(out)["rows"]
+    asked = [(r["label"].split()[0].rstrip(","), json.dumps(r["options"], sort_keys=True), r["param_dtype"])
+             for r in rows]  # the name asked (paged runs as adam8bit: another question with the same answer)
+    assert rc == 0 and len(asked) == len(set(asked)), asked
+    assert "hf_eff_adamw" in rows_by_label(out) and "hf_eff_adamw (bf16 params)" not in rows_by_label(out)
+
+
+def test_tables_fit_100_columns(capsys, tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=2, n_positions=64,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    for argv in (["list"], ["estimate", "--params", "7B", "--device", "cpu"],
+                 ["estimate", str(tmp_path), "--device", "cpu", "--dtype", "bf16", "--measure"]):
+        rc, out, _ = run(capsys, *argv)
+        assert rc == 0 and not [line for line in out.splitlines() if len(line) > 100], (argv, out)
+        assert "MB" not in out.replace("MiB", ""), out  # one unit: MiB / GiB
+
+
+def test_list_says_what_adafactor_state_depends_on(capsys):
+    rc, out, _ = run(capsys, "list")
+    line = next(line for line in out.splitlines() if line.startswith("hf_eff_adafactor"))
+    assert rc == 0 and "0.00" not in line and "<< 1" in line
+    assert "depend on the shapes" in " ".join(out.split())
+    rc, out, _ = run(capsys, "list", "--json")
+    row = next(r for r in json.loads(out) if r["name"] == "hf_eff_adafactor")
+    assert row["state_bytes_per_param"] is None and row["state_bytes_label"] == "<< 1"

@@ -345,3 +345,17 @@ def test_compiled_kernel_past_dynamos_recompile_limit_falls_back_to_eager():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
     assert "the compiled kernel failed (FailOnRecompileLimitHit" in proc.stderr
+
+
+def test_fp16_kahan_takes_foreach_without_compiling_in_vain(monkeypatch):
+    """adamw_bf16's compiled kernel fails its probe for fp16 weights under Kahan (every run warned, after seconds of
+    compiling): the automatic choice is foreach there; other modes and an explicit compile=True still compile."""
+    from hf_efficient.optim import adamw_bf16
+
+    tried = []
+    monkeypatch.setattr(adamw_bf16, "_compiled_kernel", lambda *key: tried.append(key))  # None: as if it failed
+    cpu = torch.device("cpu")
+    assert adamw_bf16._choose("kahan", cpu, torch.float16, None, None)[0] == "foreach" and not tried
+    adamw_bf16._choose("stochastic", cpu, torch.float16, None, None)
+    adamw_bf16._choose("kahan", cpu, torch.float16, None, True)
+    assert tried == [("stochastic", cpu, torch.float16), ("kahan", cpu, torch.float16)]

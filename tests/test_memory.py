@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 
 import pytest
 import torch
@@ -219,9 +220,14 @@ def test_auto_reads_free_memory_and_refuses_foreign_options():
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="optim/adamw_bf16.py not there yet")
-def test_auto_prefers_adamw_bf16_for_bf16_models():
+def test_auto_on_bf16_models_prefers_adamw_then_adamw_bf16():
+    """adamw (fp32 moments, compensated bf16 writes) when it fits, else adamw_bf16 (bf16 moments), as documented."""
     model = tiny_bert().to(torch.bfloat16)
-    assert choose_auto(model, {"budget_gb": 100}).name == "adamw_bf16"
+    assert choose_auto(model, {"budget_gb": 100}).name == "adamw"
+    need = {c.name: c.total_bytes for c in choose_auto(model, {"budget_gb": 100}).candidates}
+    assert need["hf_eff_adamw_bf16"] < need["hf_eff_adamw"]
+    between = (need["hf_eff_adamw_bf16"] + need["hf_eff_adamw"]) / 2 / (1 - AUTO_MARGIN) / 2**30
+    assert choose_auto(model, {"budget_gb": between}).name == "adamw_bf16"
 
 
 # ---------------------------------------------------------------------------------------- Trainer callback
@@ -324,3 +330,29 @@ def test_a_count_is_counted_by_kinds_of_tensor_not_one_by_one():
     n = memory.MAX_PARAMS  # at the cap, still instant
     est = estimate_memory(n, "adamw", device="cpu")
     assert est.num_params == n and est.state_bytes == 8 * n + 4 * -(-n // 2**20)
+
+
+@pytest.mark.parametrize("optim, optim_args, hint", [("hf_eff_adam8bit", None, True),
+                                                     ("hf_eff_adam8bit", "embedding_state=8bit", False),
+                                                     ("hf_eff_adamw", None, False)])
+def test_memory_log_line_says_it_one_way_in_mib_and_suggests_8bit_embeddings(tmp_path, caplog, optim, optim_args,
+                                                                            hint):
+    """One unit (MiB, binary), the saving said one way round; and where 32-bit embedding state is what keeps the
+    saving small (a large vocabulary), the line names optim_args="embedding_state=8bit" and what it would save."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(str(tmp_path), optim=optim, optim_args=optim_args, max_steps=1, report_to=[],
+                             per_device_train_batch_size=8, save_strategy="no", use_cpu=True, disable_tqdm=True)
+    model = tiny_bert(vocab=4096)  # embeddings hold most parameters, as in MiniLM or GPT-2
+    with caplog.at_level(logging.INFO, logger="hf_efficient.integrations.transformers"):
+        Trainer(model=model, args=args, train_dataset=ClassificationSet(n=8, vocab=4096)).train()
+    line = next(r.getMessage() for r in caplog.records if "measured at step" in r.getMessage())
+    assert re.search(r"optimizer state [0-9.]+ MiB measured at step 1; fp32 AdamW: [0-9.]+ MiB; this saves \d+%", line)
+    assert " MB" not in line and "x the memory" not in line
+    assert ('optim_args="embedding_state=8bit" would save about' in line) == hint, line
+    if hint:
+        now = estimate_memory(model, "adam8bit")
+        all8 = estimate_memory(model, "adam8bit", embedding_state="8bit")
+        more = re.search(r"would save about ([0-9.]+) MiB more \((\d+)% in all\)", line)
+        assert float(more[1]) == pytest.approx((now.state_bytes - all8.state_bytes) / MB, abs=0.06)
+        assert int(more[2]) == round(100 * all8.saving)

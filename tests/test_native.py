@@ -198,3 +198,32 @@ def test_concurrent_builds_make_one_good_library(tmp_path):
     builds = (tmp_path / "builds.log").read_text().split()
     assert len(builds) == 1, builds  # the 8-bit kernel was built once (the grad scan is not used here)
     assert len(list(cache.glob("adamw8bit_cpu-*.so"))) == 1 and not list(cache.glob("tmp*"))
+
+
+@pytest.mark.parametrize("value", ["", ".", "kernels", "~/k"])
+def test_cache_dir_is_absolute_and_empty_means_the_default(monkeypatch, tmp_path, value):
+    """HF_EFF_CACHE="." or a relative path handed ctypes a bare file name, which the loader looks up on its search
+    path, not in the working directory: the load failed and every run rebuilt. Empty means unset (the default)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_EFF_CACHE", value)
+    expected = {"": tmp_path / "home" / ".cache" / "hf_efficient", ".": tmp_path, "kernels": tmp_path / "kernels",
+                "~/k": tmp_path / "home" / "k"}[value]
+    assert _native.cache_dir() == expected and _native.cache_dir().is_absolute()
+
+
+@needs_compiler
+def test_relative_cache_builds_once_and_loads(tmp_path):
+    """HF_EFF_CACHE=. in a fresh directory: the first run says, before building, what it compiles and that it
+    happens once per machine; the second run loads that build (no rebuild, no fallback, no notice)."""
+    runs = [subprocess.run([sys.executable, "-c", _STEP], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                           env={**os.environ, "HF_EFF_CACHE": "."}) for _ in range(2)]
+    for out in runs:
+        assert out.returncode == 0 and "stepped" in out.stdout, out.stderr[-3000:]
+        assert "does not match" not in out.stdout and "could not build" not in out.stdout, out.stdout
+    first, second = (out.stdout.splitlines() for out in runs)
+    notice = [line for line in first if "compiling the C kernel adamw8bit_cpu.c" in line]
+    assert len(notice) == 1 and notice[0].startswith("WARNING") and "once per machine" in notice[0], first
+    assert first.index(notice[0]) < first.index("stepped")
+    assert not [line for line in second if "compiling" in line], second
+    assert len(list(tmp_path.glob("adamw8bit_cpu-*.so"))) == 1

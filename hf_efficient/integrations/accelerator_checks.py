@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from .distributed import check_deepspeed, check_fsdp
+from .distributed import check_deepspeed, check_fsdp, warn_if_processes_missing
 
 __all__ = ["check_processes_joined", "check_distributed_support", "choose_backend", "fp32_state_flags",
            "restore_fp32_state_ids", "drop_stale_param_names"]
 
 
 def check_processes_joined(accelerator) -> None:
-    """Raise RuntimeError if the launcher started more processes than Accelerate joined (they would train alone)."""
+    """Raise RuntimeError if the launcher started more processes than Accelerate joined (they would train alone);
+    warn if it was asked for more than it started."""
+    warn_if_processes_missing()
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1 and accelerator.num_processes != world:
         # Accelerate joins processes only through a backend it knows for the device: without a GPU, gloo.

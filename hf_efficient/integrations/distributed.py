@@ -14,13 +14,19 @@ and 3 in two gloo processes, through the plugin and through the Trainer (tests/t
 from __future__ import annotations
 
 import json
+import logging
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, Resolution, get_spec, resolve
 
-__all__ = ["FSDP2_UNSUPPORTED", "DEEPSPEED_UNSUPPORTED", "check_fsdp", "check_deepspeed", "check_training_arguments"]
+__all__ = ["FSDP2_UNSUPPORTED", "DEEPSPEED_UNSUPPORTED", "check_fsdp", "check_deepspeed", "check_training_arguments",
+           "warn_if_processes_missing"]
+
+logger = logging.getLogger(__name__)
+_warned_missing: list = []  # the one warning of this process, once given
 
 # What the registry says, as tables: (name, backend) -> why not under FSDP2; name -> why not under DeepSpeed
 FSDP2_UNSUPPORTED = {(s.name, b): impl.fsdp2 for s in SPECS.values() for b, impl in s.backends.items() if impl.fsdp2}
@@ -109,13 +115,17 @@ def check_deepspeed(name: str | Resolution, backend: str | None, options: Mappin
 
 
 def check_training_arguments(args) -> None:
-    """Refuse ``TrainingArguments`` whose ``hf_eff_*`` optimizer cannot train under their ``deepspeed`` config.
+    """Refuse ``TrainingArguments`` whose ``hf_eff_*`` optimizer cannot train under their ``deepspeed`` config,
+    and warn if ``accelerate launch`` started fewer processes than asked (:func:`warn_if_processes_missing`).
 
     Meant for the end of ``TrainingArguments.__post_init__``, so the refusal comes before a model is loaded
     (the Trainer builds the optimizer only after). A no-op for other optimizers or without DeepSpeed.
     """
     optim = getattr(args.optim, "value", args.optim)
-    if not (isinstance(optim, str) and optim.startswith(PREFIX)) or not getattr(args, "deepspeed", None):
+    if not (isinstance(optim, str) and optim.startswith(PREFIX)):
+        return
+    warn_if_processes_missing()
+    if not getattr(args, "deepspeed", None):
         return
     spec = get_spec(optim)
     source = "TrainingArguments.optim_args"
@@ -123,6 +133,42 @@ def check_training_arguments(args) -> None:
     options = parse_options(spec.name, spec.options, raw, source=source)
     device = "cpu" if getattr(args, "use_cpu", False) else _default_device()
     check_deepspeed(spec.name, options.get("backend"), options, _deepspeed_config(args.deepspeed), device=device)
+
+
+def launched_processes() -> int | None:
+    """How many processes ``accelerate launch`` was asked for, where it started this one alone; None if unknown.
+
+    ``accelerate launch --cpu --num_processes N`` takes accelerate's single-process launcher, which sets
+    ``ACCELERATE_USE_CPU`` but neither ``WORLD_SIZE`` nor any count: the count is read from the launcher's own
+    command line (the parent process, on systems with ``/proc``). Launchers that start N processes set
+    ``WORLD_SIZE``, which :func:`~hf_efficient.integrations.accelerator_checks.check_processes_joined` compares.
+    """
+    if os.environ.get("WORLD_SIZE") or "ACCELERATE_USE_CPU" not in os.environ:
+        return None
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "launch" not in argv and not any(a.endswith(("accelerate.commands.launch", "accelerate-launch")) for a in argv):
+        return None
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if key in ("--num_processes", "--num-processes"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def warn_if_processes_missing() -> None:
+    """Warn once if ``accelerate launch`` was asked for more processes than the one it started (see
+    :func:`launched_processes`): each would otherwise train alone, silently, on all the data."""
+    asked = launched_processes()
+    if asked is None or asked <= 1 or _warned_missing:
+        return
+    _warned_missing.append(asked)
+    logger.warning("hf_efficient: accelerate launch was asked for %d processes (--num_processes %d) but started only "
+                   "this one: with --cpu it runs a single process. For %d CPU processes: ACCELERATE_USE_CPU=true "
+                   "accelerate launch --multi_gpu --num_processes %d ...", asked, asked, asked, asked)
 
 
 def _deepspeed_config(value) -> dict:

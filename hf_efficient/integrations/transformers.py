@@ -24,7 +24,7 @@ import logging
 import torch
 
 from ..factory import build_optimizer, optimizer_info
-from ..memory import MB, peak_memory, state_metrics
+from ..memory import MB, estimate_memory, format_bytes, peak_memory, state_metrics
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
 
@@ -80,11 +80,24 @@ def _get_optimizer_cls_and_kwargs(args, model=None):
     }
 
 
+def optimizer_name(value: str):
+    """The ``OptimizerNames`` member ``value``: what a pickled ``hf_eff_*`` member (``training_args.bin``) is
+    rebuilt by. Part of the pickle format: this module path and name stay. Unpickling imports hf_efficient, which
+    registers the names even where the start-up hook is off; where hf_efficient is missing, it fails with "No
+    module named 'hf_efficient'" rather than transformers' "is not a valid OptimizerNames"."""
+    from transformers.training_args import OptimizerNames
+
+    patch_training_args(importlib.import_module("transformers.training_args"))
+    return OptimizerNames(value)
+
+
 def _add_enum_member(enum_cls, value: str) -> None:
     if value in enum_cls._value2member_map_:
         return
     member = str.__new__(enum_cls, value)
     member._name_, member._value_, member.__objclass__ = value.upper(), value, enum_cls
+    # pickled through optimizer_name, not as OptimizerNames(value): see there why
+    member.__reduce_ex__ = functools.partial(_reduce_name, value)
     member._sort_order_ = len(enum_cls._member_names_)
     if hasattr(enum_cls, "_add_member_"):  # Python >= 3.13
         enum_cls._add_member_(member._name_, member)
@@ -93,6 +106,10 @@ def _add_enum_member(enum_cls, value: str) -> None:
         enum_cls._member_names_.append(member._name_)
         type.__setattr__(enum_cls, member._name_, member)
     enum_cls._value2member_map_[value] = member
+
+
+def _reduce_name(value: str, protocol: int):
+    return optimizer_name, (value,)
 
 
 def register() -> None:
@@ -211,7 +228,7 @@ class _MemoryCallback:
     :func:`hf_efficient.optimizer_state_bytes`), ``hf_eff/fp32_adamw_state_mb`` and
     ``hf_eff/optimizer_state_saving`` (the fraction saved against fp32 AdamW for the same parameters).
     At every log: ``hf_eff/peak_cuda_allocated_mb`` (``torch.cuda.max_memory_allocated``), or
-    ``hf_eff/peak_rss_mb`` (the process' peak resident memory) on CPU. MB = 2**20 bytes.
+    ``hf_eff/peak_rss_mb`` (the process' peak resident memory) on CPU. MB = 2**20 bytes (MiB).
 
     Added automatically, first in the list, for ``hf_eff_*`` names; for any other optimizer pass
     ``Trainer(..., callbacks=[MemoryCallback()])`` (it is moved first there too: the reporting callbacks
@@ -233,9 +250,10 @@ class _MemoryCallback:
             return
         self._measured = True
         self._pending = {f"hf_eff/{k}": v for k, v in metrics.items()}
-        logger.info("hf_efficient: optimizer state %.1f MB measured at step %d; fp32 AdamW: %.1f MB (%.0f%% saved)",
-                    metrics["optimizer_state_mb"], state.global_step, metrics["fp32_adamw_state_mb"],
-                    100 * metrics["optimizer_state_saving"])
+        logger.info("hf_efficient: optimizer state %s measured at step %d; fp32 AdamW: %s; this saves %.0f%%%s",
+                    format_bytes(metrics["optimizer_state_mb"] * MB), state.global_step,
+                    format_bytes(metrics["fp32_adamw_state_mb"] * MB), 100 * metrics["optimizer_state_saving"],
+                    _embedding_state_hint(optimizer, kwargs.get("model"), metrics))
         if getattr(args.logging_strategy, "value", args.logging_strategy) != "no":
             control.should_log = True  # log at this step rather than at the next logging_steps
 
@@ -250,6 +268,28 @@ class _MemoryCallback:
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)  # Trainer.log appended its copy of logs before calling us
+
+
+_HINT_MIN_GAIN = 0.10  # of fp32 AdamW's state: below this, 8-bit embeddings are not worth a line
+
+
+def _embedding_state_hint(optimizer, model, metrics: dict) -> str:
+    """A sentence for the memory log line when embeddings keep 32-bit state (the 8-bit names' default) and
+    ``embedding_state=8bit`` would save a good deal more; else "". The gain is predicted by
+    :func:`estimate_memory` for both settings and scaled to the measured fp32 AdamW baseline."""
+    info = optimizer_info(optimizer)
+    if model is None or info is None or info.options.get("embedding_state") != "32bit":
+        return ""
+    options = {k: v for k, v in info.options.items() if k in get_spec(info.resolution.name).options}
+    now = estimate_memory(model, info.resolution.name, **options)
+    options["embedding_state"] = "8bit"
+    gain = now.state_bytes - estimate_memory(model, info.resolution.name, **options).state_bytes
+    fraction = gain / now.fp32_adamw_state_bytes if now.fp32_adamw_state_bytes else 0.0
+    if fraction < _HINT_MIN_GAIN:
+        return ""
+    return (f". The embeddings keep 32-bit state (the default, for accuracy): optim_args=\"embedding_state=8bit\" "
+            f"would save about {format_bytes(fraction * metrics['fp32_adamw_state_mb'] * MB)} more "
+            f"({100 * (metrics['optimizer_state_saving'] + fraction):.0f}% in all)")
 
 
 def _add_memory_callback(trainer_cls) -> None:

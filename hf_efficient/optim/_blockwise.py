@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..options import check_group, check_step, start_step
+from ..options import check_group, check_saved_tensor, check_step, start_step
 from . import _dispatch, _native, _triton, quant8
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
                            weight_key, write)
@@ -537,7 +537,8 @@ class Blockwise8bit(Optimizer):
         if comp is not None:
             st["kahan_comp"] = comp.to(device=p.device, dtype=torch.bfloat16).contiguous().clone()
         if not eight_bit:
-            for key in moments:
+            for key, signed in self.MOMENTS:
+                check_saved_tensor(saved[key], key, where, signed=signed, first_moment=signed)
                 st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
             return st
         blocks = quant8.blocks(p.numel())
@@ -547,8 +548,8 @@ class Blockwise8bit(Optimizer):
                 raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape ({blocks},), one "
                                  f"absmax per block of {BLOCK} elements; nothing was loaded")
             st[key] = t.to(device=p.device, dtype=torch.float32).clone()
-            if not (st[key].isfinite().all() and (st[key] >= 0).all()):
-                raise ValueError(f"{where}: {key} holds negative or non-finite values; nothing was loaded")
+            first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
+            check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
         for key, signed in self.MOMENTS:
             st[key] = quant8.from_canonical(saved[key], p, signed)
         return st

@@ -5,7 +5,7 @@ with no torch headers and no ninja. Built with OpenMP, a kernel splits its eleme
 pool: the libgomp torch loaded has the soname the library asks for, so the loader hands it that one. (Python
 threads, the fallback where the compiler lacks OpenMP, compete for the cores with torch's threads, which
 spin for a while after every parallel op: on 2 cores a step after the backward pass ran 30-60% slower.)
-The library is cached under ``$HF_EFF_CACHE`` (default ``~/.cache/hf_efficient``), keyed by source, headers,
+The library is cached under ``$HF_EFF_CACHE`` (default ``~/.cache/hf_efficient``; see :func:`cache_dir`), keyed by source, headers,
 flags, compiler, CPU flags (``-march=native`` code must not meet another CPU), OS and libc. A build is made
 under a file lock (N ranks of one machine build once), renamed into place, and recorded (its sha256, beside it)
 only once it loaded; a cached file that does not match its record is rebuilt, never loaded. Any failure returns
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_thread_limit", "c_compiler", "load", "bind", "plain", "pointers", "run_split"]
+__all__ = ["cache_dir", "check_thread_limit", "c_compiler", "load", "bind", "plain", "pointers", "run_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +95,32 @@ def _locked(path: Path):
         yield  # closing the file releases the lock
 
 
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$HF_EFF_CACHE`` as an absolute path, or ``~/.cache/hf_efficient`` when it is
+    unset or empty. Absolute because ``ctypes.CDLL`` looks a bare file name ("x.so", from ``HF_EFF_CACHE=.``) up on
+    the loader's search path, not in the working directory: the load fails and every run would rebuild."""
+    value = os.environ.get("HF_EFF_CACHE", "").strip()
+    return (Path(value).expanduser() if value else Path.home() / ".cache" / "hf_efficient").absolute()
+
+
+def _announce_build(src: Path, cache: Path) -> None:
+    """Say that a kernel is being compiled, before it is: a first step that pauses for the build with no word looks
+    hung. The first build of a process logs at WARNING (INFO is hidden unless logging is configured, and
+    transformers' default verbosity hides its own INFO too); further files at INFO."""
+    first = "build notice" not in _WARNED
+    _WARNED.add("build notice")
+    logger.log(logging.WARNING if first else logging.INFO, "hf_efficient: compiling the C kernel %s for this CPU, "
+               "once per machine (cached in %s; set HF_EFF_CACHE to move it); the first step waits for it",
+               src.name, cache)
+
+
 def _build(cc: list[str], src: Path, flags: list[str], version: str) -> ctypes.CDLL:
     """The loaded library of ``src`` built with ``flags``: from the cache if its file matches its record, else
     built (under a lock, into a temporary file renamed into place), loaded, and only then recorded."""
     headers = "".join(h.read_text() for h in sorted(src.parent.glob("*.h")))
     key = hashlib.sha256("\0".join([src.read_text(), headers, *flags, *cc, version, _cpu_flags(), platform.machine(),
                                     platform.system(), *platform.libc_ver()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("HF_EFF_CACHE", Path.home() / ".cache" / "hf_efficient"))
+    cache = cache_dir()
     lib = cache / f"{src.stem}-{key}.so"
     if _recorded(lib):
         return ctypes.CDLL(str(lib))
@@ -112,6 +131,7 @@ def _build(cc: list[str], src: Path, flags: list[str], version: str) -> ctypes.C
         if lib.exists():
             _warn_once(("bad cache", str(lib)), "hf_efficient: the cached kernel %s does not match its build record "
                        "(truncated or foreign); rebuilding it", lib)
+        _announce_build(src, cache)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build beside, then rename: atomic
             out = Path(tmp) / lib.name
             subprocess.run([*cc, *flags, str(src), "-o", str(out), "-lm"], check=True, capture_output=True,

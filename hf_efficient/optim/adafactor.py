@@ -30,6 +30,7 @@ moves 12 bytes per parameter from memory against 28), on bf16 weights with Kahan
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from array import array
 
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..options import check_group, check_hyperparams, check_saved, start_step
-from . import _dispatch, _native
+from . import _dispatch, _native, _triton
 from .compensation import C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, weight_key, write
 
 __all__ = ["Adafactor"]
@@ -84,8 +85,8 @@ class Adafactor(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:  # saved before the option existed: the optimizer's own (a Kahan buffer from 0)
             group.setdefault("compensation", self.defaults.setdefault("compensation", "kahan"))
-        for per_param in self.state.values():
-            if "step" in per_param and not torch.is_tensor(per_param["step"]):
+        for per_param in self.state.values():  # not all dicts: a load hook may store a flag here (torch's tests do)
+            if isinstance(per_param, dict) and "step" in per_param and not torch.is_tensor(per_param["step"]):
                 per_param["step"] = torch.tensor(float(per_param["step"]), dtype=torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -98,11 +99,18 @@ class Adafactor(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, params):
             saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
-            for key in (*_STATS, "kahan_comp"):
+            for key in (*_STATS, "kahan_comp") if isinstance(state, dict) else ():
                 want = torch.bfloat16 if key == "kahan_comp" else torch.float32
                 if key in state and state[key].dtype != want:  # from the saved tensor: no round trip through bf16
                     state[key] = saved[key].to(device=p.device, dtype=want, copy=True).contiguous()
         drop_unused_buffers(self, "Adafactor")
+
+    def takes_found_inf(self) -> bool:
+        """Whether the coming step runs the Triton kernels for every tensor with a gradient: they read the guard's
+        device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
+        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(todo) and all(_triton_fits(p, p.grad, self.state.get(p, {}), group)
+                                  and _triton_module(p.device) is not None for p, group in todo)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -113,6 +121,7 @@ class Adafactor(torch.optim.Optimizer):
                 if p.grad is not None:
                     todo.append((p, group, _fill_state(self.state[p], p, group), position))
                 position += 1
+        todo = _step_triton(self, todo)  # CUDA (Triton): the rest, if any, takes the paths below
         if not todo:
             return loss
         steps = [state["step"] for _, _, state, _ in todo]
@@ -257,12 +266,16 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # adafactor_cpu.c's dtype numbe
 
 
 def _native_fits(p: Tensor, grad: Tensor, state: dict, coef, mode: str, key: int, beta1: bool) -> bool:
-    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype, and the state this class makes for them:
-    contiguous fp32 statistics of their shapes, a bf16 Kahan buffer. Any other state (a user's, a wrong checkpoint's)
-    takes the eager step, which raises on a wrong shape where the kernel would write outside the tensor."""
-    if not (p.is_cpu and p.dtype in _DTYPES and grad.dtype == p.dtype and p.is_contiguous()
-            and grad.is_contiguous() and _native.plain(p, grad)):
-        return False
+    """Plain contiguous fp32 / bf16 CPU weight and gradient of one dtype, and the state this class makes for them
+    (:func:`_state_fits`)."""
+    return (p.is_cpu and p.dtype in _DTYPES and grad.dtype == p.dtype and p.is_contiguous() and grad.is_contiguous()
+            and _native.plain(p, grad) and _state_fits(p, state, mode, beta1))
+
+
+def _state_fits(p: Tensor, state: dict, mode: str, beta1: bool) -> bool:
+    """The state this class makes for ``p``: contiguous fp32 statistics of its shapes on its device, a bf16 Kahan
+    buffer. Any other state (a user's, a wrong checkpoint's) takes the eager step, which raises on a wrong shape
+    where a kernel would write outside the tensor."""
     shape = p.shape
     if p.dim() >= 2:
         need = [("exp_avg_sq_row", shape[:-1]), ("exp_avg_sq_col", shape[:-2] + shape[-1:])]
@@ -270,12 +283,11 @@ def _native_fits(p: Tensor, grad: Tensor, state: dict, coef, mode: str, key: int
         need = [("exp_avg_sq", shape)]
     if beta1:
         need.append(("exp_avg", shape))
-    if mode == "kahan" and p.dtype == torch.bfloat16:
-        t = state.get("kahan_comp")
-        if not (t is not None and t.dtype == torch.bfloat16 and t.shape == shape and t.is_cpu and t.is_contiguous()):
-            return False
-    return all((t := state.get(name)) is not None and t.dtype == torch.float32 and t.shape == want and t.is_cpu
-               and t.is_contiguous() for name, want in need)
+    if mode == "kahan" and p.dtype in LOW_PRECISION:
+        need.append(("kahan_comp", shape))
+    return all((t := state.get(name)) is not None and t.dtype == (torch.bfloat16 if name == "kahan_comp" else
+               torch.float32) and t.shape == want and t.device == p.device and t.is_contiguous()
+               and _native.plain(t) for name, want in need)
 
 
 # per tensor, as adafactor_cpu.c reads them: dtype, batch, rows, cols (0: a vector), mode, key, has exp_avg
@@ -354,51 +366,63 @@ _PROBE = [((1031, 287), torch.float32, "none", None), ((97, 2053), torch.bfloat1
           ((613,), torch.bfloat16, "kahan", None), ((7, 5), torch.bfloat16, "kahan", None)]
 
 
-def _probe_run(fn, threads: int = 3, steps: int = 3):
-    """The probe's tensors after ``steps`` steps through ``fn`` (None: the eager step): weights, states, lr. Groups
-    of 64 KB of gradient: every tensor its own group, through every stage of the C kernel's pipeline."""
+def _probe_run(fn, threads: int = 3, steps: int = 3, probe=_PROBE, device="cpu"):
+    """The probe's tensors after ``steps`` steps through ``fn``: the eager step (None), a C function (groups of 64 KB
+    of gradient: every tensor its own group, through every stage of the C kernel's pipeline), or the Triton module
+    (``adafactor_triton``, its steps counted on ``device``). Returns weights, states, lr."""
     gen = torch.Generator().manual_seed(0)
     lr = 1e-2
-    params = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype, _, _ in _PROBE]
+    params = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for shape, dtype, _, _ in probe]
     groups = [dict(lr=lr, weight_decay=0.1, beta1=b1, decay_rate=-0.8, clip_threshold=1.0, eps=1e-30,
-                   compensation=mode) for _, _, mode, b1 in _PROBE]
-    states = [{} for _ in _PROBE]
+                   compensation=mode) for _, _, mode, b1 in probe]
+    states = [{} for _ in probe]
     for t in range(1, steps + 1):
-        items = []
+        items, entries = [], []
         for i, (p, group, state) in enumerate(zip(params, groups, states)):
-            g = torch.randn(p.shape, generator=gen).to(p.dtype)
-            if t == 1:  # squares beyond fp32 at both ends of every tensor
-                g.view(-1)[0], g.view(-1)[-1] = 3e38, -2e19
+            g = torch.randn(p.shape, generator=gen).to(device=device, dtype=p.dtype)
+            if t == 1 and g.numel():  # squares beyond fp32 at both ends of every tensor (fp16: its largest)
+                big = torch.finfo(p.dtype).max
+                g.view(-1)[0], g.view(-1)[-1] = min(3e38, big), -min(2e19, big)
             _fill_state(state, p, group)
             key = weight_key(i, t) if group["compensation"] == "stochastic" else 0
-            items.append((p, g, state, _coefficients(p, group, t), group["compensation"], key, group["beta1"] is not None))
+            coef = _coefficients(p, group, t) if p.numel() else None  # an empty tensor: no step, as in step()
+            items.append((p, g, state, coef, group["compensation"], key, group["beta1"] is not None))
+            entries.append((p, g, state, group, i))
         if fn is None:
             for item in items:
-                _eager_step(*item)
-        else:
+                if item[0].numel():
+                    _eager_step(*item)
+        elif callable(fn):
             _native_items(lambda *args: _run(fn, *args, group_bytes=1 << 16), items, threads)  # a group per tensor
+        else:
+            for state in states:
+                state["step"] = state["step"].to(device)
+            _triton.advance_steps([state["step"] for state in states], _triton.zero_flag(device))
+            fn.step(entries, _triton.zero_flag(device), {})
     return params, states, lr
 
 
 def _probe(fn) -> bool:
     """The C function gives the eager step's results on :data:`_PROBE`, 3 steps split over 3 threads (whatever team
-    OpenMP gives, every unit must be done). Vectors: everything exact. Matrices, whose row and column sums of squares
-    add in another order: statistics within 2**-16 relative (a few ulps happen; a lost row or column is 1e-3),
-    exp_avg within 2**-16 of its largest value, weights within 2 fp32 ulps (one bf16 ulp) plus 2**-10 of a step, a
-    Kahan weight plus its buffer within 2**-15 relative plus 2**-10 of a step."""
+    OpenMP gives, every unit must be done), as :func:`_agree` states."""
     (pn, sn, lr), (pe, se, _) = _probe_run(fn), _probe_run(None)
     return all(_agree(a, b, sa, sb, lr) for a, b, sa, sb in zip(pn, pe, sn, se))
 
 
-def _agree(a: Tensor, b: Tensor, sa: dict, sb: dict, lr: float) -> bool:
-    """Weight ``a`` and state ``sa`` (C kernel) agree with ``b`` and ``sb`` (eager), as :func:`_probe` states."""
-    if a.dim() < 2:
+def _agree(a: Tensor, b: Tensor, sa: dict, sb: dict, lr: float, exact_vectors: bool = True) -> bool:
+    """Weight ``a`` and state ``sa`` (a kernel) agree with ``b`` and ``sb`` (eager). Vectors: everything exact (where
+    ``exact_vectors``: the C kernel on CPU). Matrices, whose row and column sums of squares add in another order (and
+    vectors on a GPU, whose eager ``rsqrt`` is not correctly rounded): statistics within 2**-16 relative (a few ulps
+    happen; a lost row or column is 1e-3), exp_avg within 2**-16 of its largest value, weights within 2 fp32 ulps (one
+    bf16 ulp) plus 2**-10 of a step, a Kahan weight plus its buffer within 2**-15 relative plus 2**-10 of a step."""
+    if a.dim() < 2 and exact_vectors:
         return torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sb)
     if set(sa) != set(sb):
         return False
     close = lambda x, y, rtol, atol: bool(torch.isclose(x, y, rtol=rtol, atol=atol).all())  # noqa: E731
-    ok = all(close(sa[k], sb[k], 2.0**-16, 0.0) for k in ("exp_avg_sq_row", "exp_avg_sq_col"))
-    if "exp_avg" in sb:
+    ok = all(close(sa[k], sb[k], 2.0**-16, 0.0) for k in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+             if k in sb)
+    if "exp_avg" in sb and sb["exp_avg"].numel():
         ok = ok and close(sa["exp_avg"], sb["exp_avg"], 0.0, 2.0**-16 * sb["exp_avg"].abs().max().item())
     ulp = 2.0**-22 if a.dtype == torch.float32 else 2.0**-7
     ok = ok and close(a.float(), b.float(), ulp, lr * 2.0**-10)
@@ -406,3 +430,74 @@ def _agree(a: Tensor, b: Tensor, sa: dict, sb: dict, lr: float) -> bool:
         ok = ok and close(a.float() + sa["kahan_comp"].float(), b.float() + sb["kahan_comp"].float(), 2.0**-15,
                           lr * 2.0**-10)
     return ok
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA: the Triton kernels (adafactor_triton.py), once their probe passed on the device
+# ----------------------------------------------------------------------------------------------------
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (shape, dtype, compensation, beta1): rows and columns not multiples of the tiles, a batch, vectors, every write
+_TRITON_PROBE = [((37, 1100), torch.float32, "none", 0.9), ((70, 33), torch.bfloat16, "kahan", None),
+                 ((3, 9, 7), torch.float16, "stochastic", 0.9), ((41, 19), torch.bfloat16, "none", None),
+                 ((1500,), torch.float32, "none", None), ((613,), torch.bfloat16, "kahan", 0.9),
+                 ((70,), torch.float16, "stochastic", None), ((0, 5), torch.bfloat16, "kahan", None)]
+
+
+def _step_triton(optimizer, todo: list) -> list:
+    """Step the tensors of ``todo`` (``(p, group, state, position)``) that the Triton kernels take, on each device
+    whose probe passed; return the others. Their steps live on the device (advanced there unless the step's flag
+    is set, see :mod:`._triton`): nothing here reads the device."""
+    mine: dict = {}
+    rest = []
+    for entry in todo:
+        p, group, state, _ = entry
+        if _triton_fits(p, p.grad, state, group):
+            mine.setdefault(p.device, []).append(entry)
+        else:
+            rest.append(entry)
+    for device, entries in mine.items():
+        module = _triton_module(device)
+        if module is None:
+            rest += entries
+            continue
+        items = []
+        for p, group, state, position in entries:
+            if state["step"].device != device:  # once: a new state's, or a loaded one's (torch keeps it on CPU)
+                state["step"] = state["step"].to(device)
+            items.append((p.detach(), p.grad.contiguous(), state, group, position))
+        found_inf = _triton.flag(optimizer, device)
+        _triton.advance_steps([state["step"] for _, _, state, _, _ in items], found_inf)
+        module.step(items, found_inf, optimizer.__dict__.setdefault("_triton_tables", {}))
+    return rest
+
+
+def _triton_fits(p: Tensor, grad: Tensor, state: dict, group: dict) -> bool:
+    """The Triton kernels can step ``p`` (a fresh, empty ``state`` always fits: :func:`_fill_state` makes it so)."""
+    return ((_triton.applies(p, grad) or (p.is_cuda and not _triton.available())) and p.is_contiguous()
+            and p.dtype in _TRITON_DTYPES and grad.dtype in _TRITON_DTYPES
+            and (not state or _state_fits(p, state, group["compensation"], group["beta1"] is not None)))
+
+
+def _triton_module(device: torch.device):
+    """``adafactor_triton`` once its probe passed on ``device``; else None (why: logged once)."""
+    def make():
+        if not _triton.available():
+            raise ImportError("Triton is not installed (CUDA builds of torch ship it)")
+        from . import adafactor_triton
+
+        if not _triton_probe(adafactor_triton, device):
+            _dispatch.log_once(logging.WARNING, ("probe", "adafactor_triton"), "hf_efficient: Adafactor's Triton "
+                               "kernels disagree with the eager step on %s; using the eager step", device)
+            return None
+        return adafactor_triton
+
+    return _dispatch.cached(("triton", "adafactor", str(device)), make)
+
+
+def _triton_probe(module, device) -> bool:
+    """The Triton kernels give the eager step's results on :data:`_TRITON_PROBE` on ``device``, 3 steps (the first
+    with squares beyond fp32), as :func:`_agree` states without exact vectors (the eager step's ``rsqrt`` on a GPU is
+    not correctly rounded; the kernels' is)."""
+    (pt, st, lr), (pe, se, _) = (_probe_run(fn, probe=_TRITON_PROBE, device=device) for fn in (module, None))
+    return all(_agree(a, b, sa, sb, lr, exact_vectors=False) for a, b, sa, sb in zip(pt, pe, st, se))

