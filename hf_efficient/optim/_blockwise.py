@@ -382,6 +382,12 @@ class Blockwise8bit(Optimizer):
             return self._triton_launch(p, group) is not None
         return self.TRITON_FP32 and group["compile"] is None and self.triton_fits(p, p.grad)
 
+    def takes_found_inf(self) -> bool:
+        """Whether the coming step runs Triton kernels for every tensor with a gradient (the guard's protocol): they
+        read its device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
+        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(todo) and all(self._uses_triton(p, group) for p, group in todo)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, self.FAMILY)  # closure, then sparse gradients refused: nothing half-done
