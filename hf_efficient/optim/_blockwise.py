@@ -26,6 +26,7 @@ compiler the same kernel runs eagerly, in bounded chunks: same numbers, slower.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 
@@ -44,6 +45,12 @@ __all__ = ["Blockwise8bit"]
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
 _TRITON_DTYPES = (torch.float32, *LOW_PRECISION)  # of weights and gradients the Triton kernels load
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
+
+
+def on_device(device: torch.device):
+    """The context a Triton launch for ``device`` runs in: Triton launches on the current CUDA device, which need not
+    be the tensors' (a model over several GPUs)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_8bit_keys(group: dict) -> None:
@@ -170,7 +177,9 @@ class Blockwise8bit(Optimizer):
             from . import blockwise_triton
 
             launch = getattr(blockwise_triton, cls.NAME)
-            if not cls._probe(launch, device):
+            with on_device(torch.device(device)):
+                agrees = cls._probe(launch, device)
+            if not agrees:
                 raise RuntimeError("the Triton kernel disagrees with the eager one on its probe")
             return launch
 
@@ -430,8 +439,9 @@ class Blockwise8bit(Optimizer):
             for device, items in gpu.items():
                 flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
                 _triton.advance_steps([it[2]["step"] for it in items], flag)
-                for p, g, state, pos, launch in items:
-                    launch(p, g, state, flag, pos, group, mode)
+                with on_device(device):
+                    for p, g, state, pos, launch in items:
+                        launch(p, g, state, flag, pos, group, mode)
             if fp32:
                 self.step_32bit(group, fp32)
         return loss

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, _triton, quant8
-from ._blockwise import Blockwise8bit
+from ._blockwise import Blockwise8bit, on_device
 from .compensation import step_in_fp32
 
 __all__ = ["Lion8bit", "lion"]
@@ -155,14 +155,15 @@ class Lion8bit(Blockwise8bit):
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                      compensation=group["compensation"], c_kernel=group["compile"] is None)
-        tri = [it for it in items if it[2]["step"].device == it[0].device and self._uses_triton(it[0], group)]
-        rest = [it for it in items if not any(it is t for t in tri)]
+        uses = [self._uses_triton(it[0], group) for it in items]  # their steps are on the device (_init_state)
+        tri, rest = [it for it, u in zip(items, uses) if u], [it for it, u in zip(items, uses) if not u]
         for device in {it[0].device for it in tri}:
             mine = [it for it in tri if it[0].device == device]
-            lion([p for p, *_ in mine], [g for _, g, *_ in mine], [it[2]["exp_avg"] for it in mine],
-                 comps=[it[2].get("kahan_comp") for it in mine], steps=[it[2]["step"] for it in mine],
-                 positions=[it[3] for it in mine], found_inf=_triton.flag(self, device),
-                 tables=self._tables.setdefault(id(group), {}), **hyper)
+            with on_device(device):
+                lion([p for p, *_ in mine], [g for _, g, *_ in mine], [it[2]["exp_avg"] for it in mine],
+                     comps=[it[2].get("kahan_comp") for it in mine], steps=[it[2]["step"] for it in mine],
+                     positions=[it[3] for it in mine], found_inf=_triton.flag(self, device),
+                     tables=self._tables.setdefault(id(group), {}), **hyper)
         if rest:
             keys = self.noise_keys(rest)
             for it in rest:
