@@ -71,7 +71,7 @@ def assert_same(pa, oa, pb, ob, fp32_ulps=4):
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     for i in sa:
         for k in sa[i]:
-            if k == "kahan_comp":  # what the weight did not absorb: carries the fp32 update's ulp, at the weight's scale
+            if k == "kahan_comp":  # what the weight did not absorb: carries the fp32 update's ulp (weight's scale)
                 ulps = fp32_ulps * 2.0**-23 * pa[i].detach().float().abs()
                 assert ((sa[i][k].float() - sb[i][k].float()).abs() <= ulps).all(), k
             elif k == "step":

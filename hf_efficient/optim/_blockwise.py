@@ -3,7 +3,8 @@
 A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`) subclasses :class:`Blockwise8bit` and gives:
 
 - ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``,
-  ``blockwise_triton.{NAME}`` launches its Triton kernel), ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit state keys and whether each is signed (the map);
+  ``blockwise_triton.{NAME}`` launches its Triton kernel), ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit
+  state keys and whether each is signed (the map);
 - ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``: one step on ``nb`` blocks, in torch ops
   (``p``, ``g`` ``(nb, 256)``, codes in :mod:`.quant8`'s in-memory form); compiled by inductor, or run as is;
 - ``coefficients(group, step) -> list[float]``: its per-step scalars (the C kernel reads them per tensor);

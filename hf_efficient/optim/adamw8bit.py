@@ -26,9 +26,9 @@ step, against ~6x for the compiled kernel and ~30x for bitsandbytes' CPU kernel 
 On CUDA, contiguous fp32, bf16 and fp16 weights go through a Triton kernel (:mod:`.blockwise_triton`: one pass
 per tensor, ~16 bytes per fp32 parameter, no host synchronisation), with the eager kernel's codes.
 Everything else (fp16 weights on CPU, other layouts, ``compile=True``, CUDA without Triton) gets one
-``torch.compile``'d kernel per tensor and step. What bounds that one: decoding and encoding make the generated loop ~200 vector
-operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks at a time,
-which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
+``torch.compile``'d kernel per tensor and step. What bounds that one: decoding and encoding make the generated
+loop ~200 vector operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks
+at a time, which bounds its temporaries. Without a C++ compiler the same kernel runs eagerly, in
 bounded chunks: same numbers, ~30x slower (~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
 """
 
@@ -93,8 +93,9 @@ class AdamW8bit(Blockwise8bit):
         min_8bit_size: tensors with fewer elements keep fp32 moments (bitsandbytes' default: 4096).
         fp32_state_params: parameters (or their ``id()``) that keep fp32 moments, e.g. embeddings.
         compile: None (automatic): the Triton kernel for contiguous tensors on CUDA, the C kernel for contiguous
-            fp32/bf16 tensors on CPU, else the torch.compile'd kernel (inductor: C++ on CPU, Triton on CUDA); True: the compiled kernel; False: always eager. A
-            compiled kernel that fails to compile falls back to the eager kernel with a warning.
+            fp32/bf16 tensors on CPU, else the torch.compile'd kernel (inductor: C++ on CPU, Triton on CUDA); True:
+            the compiled kernel; False: always eager. A compiled kernel that fails to compile falls back to the eager
+            kernel with a warning.
 
     Example::
 

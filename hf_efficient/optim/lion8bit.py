@@ -126,8 +126,8 @@ class Lion8bit(Blockwise8bit):
         min_8bit_size: tensors with fewer elements keep an fp32 momentum (bitsandbytes' default: 4096).
         fp32_state_params: parameters (or their ``id()``) that keep an fp32 momentum, e.g. embeddings.
         compile: None (automatic): the Triton kernels for contiguous tensors on CUDA, the C kernel for contiguous
-            fp32/bf16 tensors on CPU, else the torch.compile'd kernel; True: the compiled kernel; False: always eager. A compiled kernel that fails to compile falls
-            back to the eager kernel with a warning.
+            fp32/bf16 tensors on CPU, else the torch.compile'd kernel; True: the compiled kernel; False: always
+            eager. A compiled kernel that fails to compile falls back to the eager kernel with a warning.
 
     Example::
 
