@@ -21,8 +21,8 @@ void flag of :func:`._triton.flag` honoured). On CPU, contiguous fp32 or bf16 we
 family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
 ``quant8.h``). Each is admitted by a probe that must give the eager kernel's codes and absmaxes exactly (3 steps,
 a partial block, a gradient whose square overflows; the C kernel on 3 threads). Everything else (fp16 weights on
-CPU, other layouts, ``compile=True``, CUDA without Triton) gets the ``torch.compile``'d kernel, and without a C++
-compiler the same kernel runs eagerly, in bounded chunks: same numbers, slower.
+CPU, other layouts, ``compile=True``) gets the ``torch.compile``'d kernel, and without a C++ compiler (or Triton
+on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, slower.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.3-
 step, against ~6x for the compiled kernel and ~30x for bitsandbytes' CPU kernel (docs/results/bench_step.md).
 On CUDA, contiguous fp32, bf16 and fp16 weights go through a Triton kernel (:mod:`.blockwise_triton`: one pass
 per tensor, ~16 bytes per fp32 parameter, no host synchronisation), with the eager kernel's codes.
-Everything else (fp16 weights on CPU, other layouts, ``compile=True``, CUDA without Triton) gets one
+Everything else (fp16 weights on CPU, other layouts, ``compile=True``) gets one
 ``torch.compile``'d kernel per tensor and step. What bounds that one: decoding and encoding make the generated
 loop ~200 vector operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks
-at a time, which bounds its temporaries. Without a C++ compiler the same kernel runs eagerly, in
+at a time, which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
 bounded chunks: same numbers, ~30x slower (~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
 """
 
