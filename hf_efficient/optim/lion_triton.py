@@ -20,6 +20,7 @@ __all__ = ["lion", "SMALL", "BLOCK"]
 
 BLOCK = 1024  # elements per program
 SMALL = 1 << 16  # elements up to which tensors share one launch (the grid's first axis covers the largest)
+_MAX_TENSORS = 65535  # per launch: CUDA's limit on a grid's second axis
 
 
 @triton.jit
@@ -63,7 +64,8 @@ def lion(params, grads, exp_avgs, comps, steps, positions, found_inf, tables: di
     for i, (p, g) in enumerate(zip(params, grads)):
         kind = (p.dtype, g.dtype, p.device)
         batches.setdefault(kind + ((i,) if p.numel() > SMALL else ()), []).append(i)
-    for kind, idx in batches.items():
+    for kind, idx in [(k, ids[a:a + _MAX_TENSORS]) for k, ids in batches.items()
+                      for a in range(0, len(ids), _MAX_TENSORS)]:
         p0, g0 = params[idx[0]], grads[idx[0]]
         kahan = compensation == "kahan" and p0.dtype != torch.float32
         lists = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
