@@ -257,15 +257,17 @@ def test_every_launched_variant_compiles_for_hopper():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype,mode", CASES)
-def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtype, mode):
+@pytest.mark.parametrize("dtype,mode,per_launch", [(*case, 65535) for case in CASES] + [(torch.float32, "none", 1)])
+def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtype, mode, per_launch):
     """Lion8bit's fp32-state tensors (small ones, and one over lion_triton.SMALL: its own launch) through the
-    Triton kernel equal torch's operations (compile=False): weights bit for bit, momenta within fp32 rounding."""
+    Triton kernel equal torch's operations (compile=False): weights bit for bit, momenta within fp32 rounding.
+    ``per_launch`` 1: a batch over the grid's limit on tensors is split."""
     from hf_efficient.optim import lion_triton
 
     launches = Spy(lion_triton.lion_kernel)
     monkeypatch.setattr(lion_triton, "lion_kernel", launches)
     monkeypatch.setattr(lion_triton, "SMALL", 50)
+    monkeypatch.setattr(lion_triton, "_MAX_TENSORS", per_launch)
     runs = []
     for compile in (None, False):
         gen = torch.Generator().manual_seed(0)
@@ -274,7 +276,7 @@ def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtyp
                        fp32_state_params=params)
         run(params, opt, 2)
         runs.append((params, opt))
-    assert launches.launches == 4  # per step: one for the two small tensors, one for the large one
+    assert launches.launches == (4 if per_launch > 1 else 6)  # per step: the two small tensors, then the large one
     assert runs[0][1].state[runs[0][0][0]]["step"].device == runs[0][0][0].device
     assert_same(*runs[0], *runs[1], fp32_ulps=0)
 
