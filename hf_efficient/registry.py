@@ -329,9 +329,10 @@ SPECS: dict[str, OptimizerSpec] = {
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
                       # measured (scripts/bench_step.py): on CPU our C kernel is over 10x faster than
-                      # bitsandbytes' CPU kernel; on CUDA bitsandbytes' kernels are the reference. torchao is never
-                      # chosen automatically: see TORCHAO_FLAW
-                      {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
+                      # bitsandbytes' CPU kernel. On CUDA our Triton kernel (one pass per tensor, no host sync; bnb's
+                      # synchronises per tensor) where Triton imports; without it the torch backend's `needs` skips
+                      # it, and the reason names Triton. torchao is never chosen automatically: see TORCHAO_FLAW
+                      {"default": ("torch", "bnb")}, _8BIT,
                       estimate_rows=(
                           EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
                           EstimateRow(" (default: 32-bit embeddings)"),
@@ -344,8 +345,8 @@ SPECS: dict[str, OptimizerSpec] = {
                       "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit momentum; "
                       "the paper advises lr 3-10x below AdamW's (convergence.md: AdamW's own did best here); embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_LION8BIT, "bnb": _BNB_LION8BIT},
-                      # as adam8bit: on CPU our C kernel, on CUDA bitsandbytes' kernels
-                      {"cuda": ("bnb", "torch"), "default": ("torch", "bnb")}, _8BIT,
+                      # as adam8bit: our C kernel on CPU, our Triton kernel on CUDA (else bitsandbytes')
+                      {"default": ("torch", "bnb")}, _8BIT,
                       estimate_rows=(
                           EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
                           EstimateRow(" (default: 32-bit embeddings)"), *_BF16_ROWS)),

@@ -23,7 +23,18 @@ def test_short_and_long_names_resolve_alike(name):
     res = hfe.resolve(name, device="cpu")
     assert (res.name, res.backend) == ("adam8bit", "torch")  # our compiled kernel: fastest 8-bit on CPU
     assert "torch > bnb usable" in res.reason and "cpu" in res.reason
-    assert hfe.resolve(name, device="cuda").backend == "bnb"  # bitsandbytes' CUDA kernels come first there
+    assert hfe.resolve(name, device="cuda").backend == "torch"  # our Triton kernel, Triton being installed
+
+
+@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+def test_8bit_on_cuda_takes_bnb_where_triton_is_missing(monkeypatch, name):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None if mod == "triton" else real(mod, *a))
+    res = hfe.resolve(name, device="cuda", log=False)
+    assert res.backend == "bnb" and "torch > bnb" in res.reason and "needs Triton" in res.reason
+    assert hfe.resolve(name, device="cuda", backend="bnb", log=False).backend == "bnb"  # forced, as before
 
 
 def test_unknown_name_lists_names_and_suggests():
@@ -81,7 +92,7 @@ def test_old_bitsandbytes_serves_nothing(monkeypatch):
         with pytest.raises(ValueError, match=rf"bnb serves {device} from bitsandbytes 0.50, installed is 0.45.0"):
             hfe.resolve("adam8bit", device, backend="bnb")
     monkeypatch.setattr(registry, "version_of", lambda pkg: Version("0.50.0") if pkg == "bitsandbytes" else real(pkg))
-    assert hfe.resolve("adam8bit", "cuda").backend == "bnb"
+    assert hfe.resolve("adam8bit", "cuda", backend="bnb").backend == "bnb"
 
 
 def test_paged_falls_back_off_cuda_with_one_warning(caplog):

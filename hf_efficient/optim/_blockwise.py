@@ -2,34 +2,41 @@
 
 A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`) subclasses :class:`Blockwise8bit` and gives:
 
-- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``),
-  ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit state keys and whether each is signed (the map);
+- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``,
+  ``blockwise_triton.{NAME}`` launches its Triton kernel), ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit
+  state keys and whether each is signed (the map);
 - ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``: one step on ``nb`` blocks, in torch ops
   (``p``, ``g`` ``(nb, 256)``, codes in :mod:`.quant8`'s in-memory form); compiled by inductor, or run as is;
 - ``coefficients(group, step) -> list[float]``: its per-step scalars (the C kernel reads them per tensor);
-- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``).
+- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``);
+  ``TRITON_FP32`` True where it steps CUDA tensors with a Triton kernel (their step counts then live on the device).
 
 Everything else is here, once: state creation, the choice of kernel per tensor (:meth:`Blockwise8bit.choose`),
 full blocks in bounded calls and the zero-padded last block, all C-kernel tensors of a group in one call of its
 ``torch.library`` op, the canonical ``state_dict`` and an all-or-nothing ``load_state_dict``.
 
-Kernels. On CPU, contiguous fp32 or bf16 weights and gradients go through the family's C kernel (built once per
-machine with the system C compiler, see :mod:`._native`; the codec is ``quant8.h``), admitted by a probe that
-must give the eager kernel's codes and absmaxes exactly (3 steps, 3 threads, a gradient whose square overflows).
-Everything else (fp16 weights, other layouts, ``compile=True``, CUDA) gets the ``torch.compile``'d kernel, and
-without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, slower.
+Kernels. On CUDA, contiguous fp32, bf16 or fp16 weights and gradients go through the family's Triton kernel
+(:mod:`.blockwise_triton`: one launch per tensor, the step counts on the device, no host synchronisation, the
+void flag of :func:`._triton.flag` honoured). On CPU, contiguous fp32 or bf16 weights and gradients go through the
+family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
+``quant8.h``). Each is admitted by a probe that must give the eager kernel's codes and absmaxes exactly (3 steps,
+a partial block, a gradient whose square overflows; the C kernel on 3 threads). Everything else (fp16 weights on
+CPU, other layouts, ``compile=True``) gets the ``torch.compile``'d kernel, and without a C++ compiler (or Triton
+on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, slower.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from ..options import check_group, check_saved_tensor, check_step, start_step
-from . import _dispatch, _native, quant8
+from . import _dispatch, _native, _triton, quant8
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
                            weight_key, write)
 from .quant8 import BLOCK, WORDS, _describe
@@ -37,7 +44,14 @@ from .quant8 import BLOCK, WORDS, _describe
 __all__ = ["Blockwise8bit"]
 
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
+_TRITON_DTYPES = (torch.float32, *LOW_PRECISION)  # of weights and gradients the Triton kernels load
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
+
+
+def on_device(device: torch.device):
+    """The context a Triton launch for ``device`` runs in: Triton launches on the current CUDA device, which need not
+    be the tensors' (a model over several GPUs)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_8bit_keys(group: dict) -> None:
@@ -69,6 +83,7 @@ class Blockwise8bit(Optimizer):
     NAME: str
     FAMILY: str
     MOMENTS: tuple[tuple[str, bool], ...]
+    TRITON_FP32 = False  # whether step_32bit steps CUDA tensors with a Triton kernel (device step counts)
     _op = None
 
     def __init_subclass__(cls, **kwargs):
@@ -133,13 +148,43 @@ class Blockwise8bit(Optimizer):
 
     @classmethod
     def choose(cls, p: Tensor, g: Tensor, compile: bool | None):
-        """The one dispatch point: the C kernel's op for plain contiguous fp32/bf16 tensors on CPU (automatic mode
-        only), else the compiled kernel unless ``compile=False`` or compiling failed, else the eager one."""
+        """The one dispatch point (automatic mode: ``compile`` None): on CUDA the Triton kernel (:meth:`triton_fn`)
+        for contiguous tensors; on CPU the C kernel's op for plain contiguous fp32/bf16 tensors; else the compiled
+        kernel unless ``compile=False`` or compiling failed, else the eager one."""
+        if compile is None and cls.triton_fits(p, g) and cls.triton_fn(p.device) is not None:
+            return cls.triton_fn(p.device)
         if compile is None and cls.native_fits(p, g) and cls.native_fn() is not None:
             return cls._op
         if compile is False:
             return cls.eager_kernel
         return cls.compiled_kernel(p.device) or cls.eager_kernel
+
+    @staticmethod
+    def triton_fits(p: Tensor, g: Tensor) -> bool:
+        """Whether the Triton kernels can step ``p``: :func:`._triton.applies` (CUDA, Triton importable), contiguous
+        fp32/bf16/fp16 weights and gradients (logged once where CUDA has no Triton)."""
+        if p.is_cuda and not _triton.available():
+            _dispatch.log_once(logging.WARNING, ("triton-missing",), "hf_efficient: Triton is not importable, so the "
+                               "8-bit optimizers step CUDA tensors with the torch.compile'd kernel (slower); install "
+                               "a CUDA build of torch, which ships Triton")
+        return (_triton.applies(p, g) and p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES
+                and p.is_contiguous() and g.is_contiguous())
+
+    @classmethod
+    def triton_fn(cls, device: torch.device):
+        """The family's Triton step (``blockwise_triton.{NAME}``) on ``device``, once its probe there agreed with
+        the eager kernel (:meth:`_probe`); else None (Triton failed or disagreed: logged once)."""
+        def make():
+            from . import blockwise_triton
+
+            launch = getattr(blockwise_triton, cls.NAME)
+            with on_device(torch.device(device)):
+                agrees = cls._probe(launch, device)
+            if not agrees:
+                raise RuntimeError("the Triton kernel disagrees with the eager one on its probe")
+            return launch
+
+        return _dispatch.cached(("triton", cls.NAME, torch.device(device)), make)
 
     @classmethod
     def run_native(cls, fn, params, grads, codes, absmax, coef, threads=None, comps=(), keys=(),
@@ -176,35 +221,42 @@ class Blockwise8bit(Optimizer):
                 [it[2].get("kahan_comp", empty) for it in items], [it[4] for it in items])
 
     @classmethod
-    def _probe(cls, fn) -> bool:
-        """Three steps of a tensor of 515 blocks and a partial one, split over 3 threads (whatever team OpenMP gives,
-        every block must be done), with a gradient whose square overflows, on fp32 weights and on bf16 weights under
-        each compensation: codes and absmaxes equal; fp32 weights within 4 ulp of themselves or of the update
-        (torch's fp32 sqrt on CPU is not correctly rounded, C's is), so bf16 weights within one bf16 ulp (such a
-        difference can cross a rounding boundary) and, under Kahan, weight + buffer within 1e-4 of eager's."""
+    def _probe(cls, fn, device: torch.device | None = None) -> bool:
+        """Three steps of the C function ``fn`` (``device`` None: a tensor of 515 blocks and a partial one, split over 3
+        threads: whatever team OpenMP gives, every block must be done) or of the Triton launch ``fn`` on ``device``
+        (6 blocks, the last partial: two programs), against the eager kernel, with a gradient whose square
+        overflows, on fp32 weights and on bf16 weights under each compensation: codes and absmaxes equal; fp32
+        weights within 4 ulp of themselves or of the update (torch's fp32 sqrt on CPU is not correctly rounded,
+        C's is), so bf16 weights within one bf16 ulp (such a difference can cross a rounding boundary) and, under
+        Kahan, weight + buffer within 1e-4 of eager's."""
         gen = torch.Generator().manual_seed(0)
-        n = 2 * _native._MIN_PER_THREAD + 3 * BLOCK + 37
+        native = device is None
+        n = (2 * _native._MIN_PER_THREAD + 3 * BLOCK if native else 5 * BLOCK) + 37
         p0 = torch.randn(n, generator=gen)
         grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
         grads[1][5] = 2e19
+        device = torch.device("cpu" if device is None else device)
         group = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
         for dtype, mode in ((torch.float32, "none"), *((torch.bfloat16, m) for m in C_MODES)):
             runs = []
-            for native in (True, False):
-                p = p0.to(dtype)
-                state = cls.zero_state(n, p.device)
+            for candidate in (True, False):
+                p = p0.to(device, dtype)
+                state = {**cls.zero_state(n, device), "step": torch.zeros((), device=device)}
                 if applies(p, mode) and mode == "kahan":
-                    state["kahan_comp"] = torch.zeros(n, dtype=torch.bfloat16)
+                    state["kahan_comp"] = torch.zeros(n, dtype=torch.bfloat16, device=device)
                 for t, g in enumerate(grads, 1):
-                    coef, key = cls.coefficients(group, t), weight_key(0, t)
-                    if native:
-                        cls.native_step(fn, [(p, g.to(dtype), state, coef, key)], threads=3, compensation=mode)
+                    coef, key, g = cls.coefficients(group, t), weight_key(0, t), g.to(device, dtype)
+                    if candidate and native:
+                        cls.native_step(fn, [(p, g, state, coef, key)], threads=3, compensation=mode)
+                    elif candidate:
+                        _triton.advance_steps([state["step"]], _triton.zero_flag(device))
+                        fn(p, g, state, _triton.zero_flag(device), 0, group, mode)
                     else:
-                        cls.step_8bit(p, g.to(dtype), state, torch.tensor(coef, dtype=torch.float32),
+                        cls.step_8bit(p, g, state, torch.tensor(coef, dtype=torch.float32, device=device),
                                       cls.eager_kernel, mode, key)
                 runs.append((p, state))
             (pn, sn), (pe, se) = runs
-            if not all(torch.equal(sn[k], se[k]) for k in sn if k != "kahan_comp"):
+            if not all(torch.equal(sn[k], se[k]) for k in se if k not in ("kahan_comp", "step")):
                 return False
             tol = 4 * 2.0**-23 if dtype == torch.float32 else 2.0**-7
             if not torch.allclose(pn.float(), pe.float(), rtol=tol, atol=tol * 1e-2):
@@ -309,19 +361,42 @@ class Blockwise8bit(Optimizer):
             for p, c, a in zip(params, codes.split([n * BLOCK for n in sizes]), absmax.split(sizes)):
                 self.state[p][key], self.state[p][f"{key}_absmax"] = c, a
 
-    def _init_state(self, p: Tensor, group: dict) -> dict:
+    def _init_state(self, p: Tensor, group: dict, on_device: bool = False) -> dict:
+        """``p``'s state, created at its first step; ``on_device``: a kernel that reads the step count on the
+        device (Triton) steps ``p``, so the count lives there (a loaded one is moved there once)."""
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else None)
             if not self._has_8bit_state(p, group):
                 for key, _ in self.MOMENTS:
                     state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             else:
                 state.update(self.zero_state(p.numel(), p.device))
+        if on_device and state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
             # row-major like the kernels' flat view; also after a resume from a state without one (zero: nothing owed)
             state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
         return state
+
+    def _triton_launch(self, p: Tensor, group: dict):
+        """The Triton step of ``p`` where it takes it (automatic mode, :meth:`choose`'s first case), else None."""
+        if group["compile"] is not None or not self.triton_fits(p, p.grad):
+            return None
+        return self.triton_fn(p.device)
+
+    def _uses_triton(self, p: Tensor, group: dict) -> bool:
+        """Whether a Triton kernel steps ``p``: its 8-bit one, or the family's fp32-state one (:attr:`TRITON_FP32`)."""
+        state = self.state.get(p)
+        if state[self.MOMENTS[0][0]].dtype == torch.uint8 if state else self._has_8bit_state(p, group):
+            return self._triton_launch(p, group) is not None
+        return self.TRITON_FP32 and group["compile"] is None and self.triton_fits(p, p.grad)
+
+    def takes_found_inf(self) -> bool:
+        """Whether the coming step runs Triton kernels for every tensor with a gradient (the guard's protocol): they
+        read its device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
+        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return bool(todo) and all(self._uses_triton(p, group) for p, group in todo)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -331,16 +406,21 @@ class Blockwise8bit(Optimizer):
         for group in self.param_groups:
             self._allocate_together(group)
             mode = group["compensation"]
-            fp32 = []  # (p, grad, state, weight noise key) of tensors with fp32 state
+            fp32 = []  # (p, grad, state, position) of tensors with fp32 state
             coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
             native = []  # (p, grad, state, coefficients, key) of the tensors that go to the C kernel, in one call
+            gpu = {}  # device -> (p, grad, state, position, launch) of the tensors a Triton kernel steps
             for p in group["params"]:
                 position += 1
                 if p.grad is None:
                     continue
-                state = self._init_state(p, group)
+                state = self._init_state(p, group, self._uses_triton(p, group))
                 if state[first].dtype != torch.uint8:  # torch's kernels count the step themselves
-                    fp32.append((p, p.grad, state, weight_key(position - 1, int(state["step"].item()) + 1)))
+                    fp32.append((p, p.grad, state, position - 1))
+                    continue
+                launch = self._triton_launch(p, group)
+                if launch is not None:  # the step count stays on the device: counted and read there
+                    gpu.setdefault(p.device, []).append((p.detach(), p.grad, state, position - 1, launch))
                     continue
                 state["step"] += 1
                 step = int(state["step"].item())
@@ -357,9 +437,21 @@ class Blockwise8bit(Optimizer):
             if native:
                 params, grads, codes, absmax, coef, comps, keys = self._lists(native)
                 self._op(params, grads, codes, absmax, comps, keys, coef, mode, -1)
+            for device, items in gpu.items():
+                flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
+                _triton.advance_steps([it[2]["step"] for it in items], flag)
+                with on_device(device):
+                    for p, g, state, pos, launch in items:
+                        launch(p, g, state, flag, pos, group, mode)
             if fp32:
                 self.step_32bit(group, fp32)
         return loss
+
+    @staticmethod
+    def noise_keys(items) -> list[int]:
+        """The weight noise keys of fp32-state items (p, grad, state, position) at this step (steps not yet counted;
+        reads each step on the host: for the paths that count steps there)."""
+        return [weight_key(pos, int(st["step"].item()) + 1) for _, _, st, pos in items]
 
     def state_dict(self) -> dict:
         """torch's state dict, with 8-bit codes in the canonical layout (the parameter's shape, element order)."""

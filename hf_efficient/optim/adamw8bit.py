@@ -23,10 +23,12 @@ and must give the eager kernel's codes on a probe before it is used. It decodes 
 byte tables where the CPU has them) and finds the decade from the float's exponent, which inductor cannot
 express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.3-1.4x torch's fused fp32 AdamW
 step, against ~6x for the compiled kernel and ~30x for bitsandbytes' CPU kernel (docs/results/bench_step.md).
-Everything else (fp16 weights, other layouts, ``compile=True``, CUDA) gets one ``torch.compile``'d kernel
-per tensor and step. What bounds that one: decoding and encoding make the generated loop ~200 vector
-operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks at a time,
-which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
+On CUDA, contiguous fp32, bf16 and fp16 weights go through a Triton kernel (:mod:`.blockwise_triton`: one pass
+per tensor, ~16 bytes per fp32 parameter, no host synchronisation), with the eager kernel's codes.
+Everything else (fp16 weights on CPU, other layouts, ``compile=True``) gets one
+``torch.compile``'d kernel per tensor and step. What bounds that one: decoding and encoding make the generated
+loop ~200 vector operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks
+at a time, which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
 bounded chunks: same numbers, ~30x slower (~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
 """
 
@@ -90,9 +92,10 @@ class AdamW8bit(Blockwise8bit):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
         min_8bit_size: tensors with fewer elements keep fp32 moments (bitsandbytes' default: 4096).
         fp32_state_params: parameters (or their ``id()``) that keep fp32 moments, e.g. embeddings.
-        compile: None (automatic): the C kernel for contiguous fp32/bf16 tensors on CPU, else the torch.compile'd
-            kernel (inductor: C++ on CPU, Triton on CUDA); True: the compiled kernel; False: always eager. A
-            compiled kernel that fails to compile falls back to the eager kernel with a warning.
+        compile: None (automatic): the Triton kernel for contiguous tensors on CUDA, the C kernel for contiguous
+            fp32/bf16 tensors on CPU, else the torch.compile'd kernel (inductor: C++ on CPU, Triton on CUDA); True:
+            the compiled kernel; False: always eager. A compiled kernel that fails to compile falls back to the eager
+            kernel with a warning.
 
     Example::
 
@@ -123,4 +126,4 @@ class AdamW8bit(Blockwise8bit):
                          [st["exp_avg_sq"] for st in states], None, [st["step"] for st in states], lr=group["lr"],
                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
-                         keys=[it[3] for it in items], c_kernel=group["compile"] is None)
+                         keys=self.noise_keys(items), c_kernel=group["compile"] is None)

@@ -14,8 +14,10 @@ moves nothing but the decay.
 State per 8-bit parameter: ``step`` and ``exp_avg`` (uint8 codes into the signed map of :mod:`.quant8`) with
 ``exp_avg_absmax`` (fp32, one per block of 256): 1 byte per element + 4 per 256 = 1.016. Tensors under
 ``min_8bit_size`` elements and ``fp32_state_params`` (the registry passes the embeddings) keep an fp32 ``exp_avg``.
-Kernels, layout and checkpoints as every 8-bit family (:mod:`._blockwise`): the C kernel ``lion8bit_cpu.c`` (the
-op ``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, else the compiled or eager kernel.
+Kernels, layout and checkpoints as every 8-bit family (:mod:`._blockwise`): the Triton kernel
+(:mod:`.blockwise_triton`) for contiguous tensors on CUDA, the C kernel ``lion8bit_cpu.c`` (the op
+``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, else the compiled or eager kernel. The
+fp32-momentum tensors: :func:`lion` (on CUDA :mod:`.lion_triton`, small tensors batched in one launch).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from array import array
 import torch
 from torch import Tensor
 
-from . import _dispatch, quant8
-from ._blockwise import Blockwise8bit
+from . import _dispatch, _triton, quant8
+from ._blockwise import Blockwise8bit, on_device
 from .compensation import step_in_fp32
 
 __all__ = ["Lion8bit", "lion"]
@@ -52,11 +54,23 @@ def _coefficients(group: dict, step: int) -> list[float]:
 
 
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
-         weight_decay: float, compensation: str = "none", comps=None, keys=None, c_kernel: bool = True) -> None:
+         weight_decay: float, compensation: str = "none", comps=None, keys=None, c_kernel: bool = True, steps=None,
+         positions=None, found_inf=None, tables=None) -> None:
     """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
     low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`), bf16 weights on CPU
-    by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never)."""
+    by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never).
+
+    With ``steps`` (each tensor's step count, float32 on its device) and ``positions`` (its index among the
+    optimizer's parameters), the tensors (contiguous, where :func:`._triton.applies`) go through the Triton kernel
+    (:mod:`.lion_triton`), which counts the steps (not where ``found_inf``, a flag on the device, is set) and keys
+    the noise itself: no host synchronisation. ``tables``: a dict the caller keeps between steps for its pointer
+    tables. ``keys`` are then unused."""
     comps = [None] * len(params) if comps is None else comps
+    if steps is not None:
+        from . import lion_triton
+
+        coef = _c_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        return lion_triton.lion(params, grads, exp_avgs, comps, steps, positions, found_inf, tables, coef, compensation)
     keys = [0] * len(params) if keys is None else keys
     states = [(m,) for m in exp_avgs]
     native, rest = ([], None) if not c_kernel or torch.is_tensor(lr) else _KERNEL.split(
@@ -111,9 +125,9 @@ class Lion8bit(Blockwise8bit):
         weight_decay: decoupled, ``p *= 1 - lr * weight_decay``.
         min_8bit_size: tensors with fewer elements keep an fp32 momentum (bitsandbytes' default: 4096).
         fp32_state_params: parameters (or their ``id()``) that keep an fp32 momentum, e.g. embeddings.
-        compile: None (automatic): the C kernel for contiguous fp32/bf16 tensors on CPU, else the torch.compile'd
-            kernel; True: the compiled kernel; False: always eager. A compiled kernel that fails to compile falls
-            back to the eager kernel with a warning.
+        compile: None (automatic): the Triton kernels for contiguous tensors on CUDA, the C kernel for contiguous
+            fp32/bf16 tensors on CPU, else the torch.compile'd kernel; True: the compiled kernel; False: always
+            eager. A compiled kernel that fails to compile falls back to the eager kernel with a warning.
 
     Example::
 
@@ -123,6 +137,7 @@ class Lion8bit(Blockwise8bit):
     NAME = "lion8bit"
     FAMILY = "Lion8bit"
     MOMENTS = (("exp_avg", True),)
+    TRITON_FP32 = True
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)
 
@@ -132,12 +147,26 @@ class Lion8bit(Blockwise8bit):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, min_8bit_size=min_8bit_size,
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
+        self._tables = {}  # id(param group) -> the Triton kernel's pointer tables (lion_triton.lion)
 
     def step_32bit(self, group: dict, items) -> None:
+        """fp32-state tensors: those on CUDA through the Triton kernel (device steps, no host sync), others through
+        torch's operations or the C kernel (steps counted here)."""
         beta1, beta2 = group["betas"]
-        for it in items:
-            it[2]["step"] += 1
-        lion([p for p, *_ in items], [g for _, g, *_ in items], [it[2]["exp_avg"] for it in items],
-             lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-             compensation=group["compensation"], comps=[it[2].get("kahan_comp") for it in items],
-             keys=[it[3] for it in items], c_kernel=group["compile"] is None)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                     compensation=group["compensation"], c_kernel=group["compile"] is None)
+        uses = [self._uses_triton(it[0], group) for it in items]  # their steps are on the device (_init_state)
+        tri, rest = [it for it, u in zip(items, uses) if u], [it for it, u in zip(items, uses) if not u]
+        for device in {it[0].device for it in tri}:
+            mine = [it for it in tri if it[0].device == device]
+            with on_device(device):
+                lion([p for p, *_ in mine], [g for _, g, *_ in mine], [it[2]["exp_avg"] for it in mine],
+                     comps=[it[2].get("kahan_comp") for it in mine], steps=[it[2]["step"] for it in mine],
+                     positions=[it[3] for it in mine], found_inf=_triton.flag(self, device),
+                     tables=self._tables.setdefault(id(group), {}), **hyper)
+        if rest:
+            keys = self.noise_keys(rest)
+            for it in rest:
+                it[2]["step"] += 1
+            lion([p for p, *_ in rest], [g for _, g, *_ in rest], [it[2]["exp_avg"] for it in rest],
+                 comps=[it[2].get("kahan_comp") for it in rest], keys=keys, **hyper)

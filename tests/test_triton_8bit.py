@@ -1,0 +1,316 @@
+"""The 8-bit families' Triton kernels (``optim/blockwise_triton.py``, codec ``optim/quant8_triton.py``), run on CPU
+under Triton's interpreter through the optimizers' own ``step()``, against the eager kernel (``compile=False``).
+
+Tolerances: codes and absmaxes equal exactly (the codec is the eager one operation for operation, decoding by the
+eager decoder's table); fp32 weights within 4 ulp (the interpreter's fp32 sqrt is correctly rounded, torch's
+vectorized CPU sqrt is not always, see ``Blockwise8bit._probe``), so Kahan buffers within 4 fp32 ulp of their
+weight; bf16/fp16 weights equal (seen; an fp32 ulp could cross a rounding boundary, none of these cases does).
+Resume on the same kernel: everything bit for bit.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, triton  # noqa: F401
+from hf_efficient.optim import _triton, quant8
+from hf_efficient.optim.adamw8bit import AdamW8bit
+from hf_efficient.optim.lion8bit import Lion8bit
+
+B = pytest.importorskip("hf_efficient.optim.blockwise_triton")
+
+N = 5 * 256 + 37  # two programs of 4 blocks, the last block partial
+CASES = [(torch.float32, "none"), (torch.bfloat16, "kahan"), (torch.bfloat16, "stochastic"), (torch.bfloat16, "none"),
+         (torch.float16, "kahan"), (torch.float16, "stochastic")]
+KERNEL = {AdamW8bit: "adamw8bit_kernel", Lion8bit: "lion8bit_kernel"}
+
+
+class Spy:
+    """Counts the launches of a Triton kernel (``kernel[grid](...)``) and passes them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    for cls in KERNEL:  # probed (its launches not counted), and it passed: the kernel agrees with the eager one
+        assert cls.triton_fn(torch.device("cpu")) is not None
+    spies = {}
+    for name in KERNEL.values():
+        spies[name] = Spy(getattr(B, name))
+        monkeypatch.setattr(B, name, spies[name])
+    return spies
+
+
+def make(cls, dtype, mode, compile=None, seed=0):
+    """An 8-bit tensor (``N`` elements) and a small fp32-state one, and their optimizer."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(N, generator=gen).to(dtype)),
+              torch.nn.Parameter(torch.randn(7, generator=gen).to(dtype))]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, compensation=mode, compile=compile, min_8bit_size=1000)
+    return params, opt
+
+
+def run(params, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for t in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 10.0 ** -(t % 3)).to(p.dtype)
+        opt.step()
+
+
+def assert_same(pa, oa, pb, ob, fp32_ulps=4):
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    for i in sa:
+        for k in sa[i]:
+            if k == "kahan_comp":  # what the weight did not absorb: carries the fp32 update's ulp (weight's scale)
+                ulps = fp32_ulps * 2.0**-23 * pa[i].detach().float().abs()
+                assert ((sa[i][k].float() - sb[i][k].float()).abs() <= ulps).all(), k
+            elif k == "step":
+                assert float(sa[i][k]) == float(sb[i][k])
+            elif sa[i][k].dtype == torch.uint8 or k.endswith("absmax"):
+                assert torch.equal(sa[i][k], sb[i][k]), k
+            else:
+                assert torch.allclose(sa[i][k].float(), sb[i][k].float(), rtol=1e-6, atol=1e-12), k
+    for a, b in zip(pa, pb):
+        if a.dtype == torch.float32:
+            assert torch.allclose(a, b, rtol=fp32_ulps * 2.0**-23, atol=1e-9)
+        else:
+            assert torch.equal(a, b)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("dtype,mode", CASES)
+def test_triton_step_gives_the_eager_kernels_codes(on_cpu, spy, cls, dtype, mode):
+    pt, ot = make(cls, dtype, mode)
+    pe, oe = make(cls, dtype, mode, compile=False)
+    run(pt, ot, 2)
+    assert spy[KERNEL[cls]].launches == 2  # the kernel code ran: one launch per 8-bit tensor and step
+    run(pe, oe, 2)
+    assert ot.state[pt[0]]["step"].device == pt[0].device and ot.state[pt[0]]["step"].dtype == torch.float32
+    assert_same(pt, ot, pe, oe)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_void_flag_changes_nothing_and_empty_groups_launch_nothing(on_cpu, spy, cls):
+    params, opt = make(cls, torch.bfloat16, "kahan")
+    run(params, opt, 1)
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
+    opt.found_inf = torch.ones(1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    # the 8-bit tensor; and Lion's fp32-state one (its Triton kernel). AdamW8bit's fp32-state tensors go through
+    # adamw.adamw_fp32_state, whose flag-aware CUDA path is adamw.py's own (not this kernel's)
+    for p, (w, st) in list(zip(params, before))[:None if cls is Lion8bit else 1]:
+        assert torch.equal(w, p) and all(torch.equal(v, opt.state[p][k]) for k, v in st.items())  # step included
+    del opt.found_inf
+    empty = cls([{"params": []}, {"params": [torch.nn.Parameter(torch.zeros(N))]}], compile=None)
+    launches = spy[KERNEL[cls]].launches
+    empty.step()  # no gradient anywhere
+    assert spy[KERNEL[cls]].launches == launches and not empty.state
+
+
+@needs_interpreter
+def test_a_failed_probe_falls_back_to_the_next_kernel_with_one_warning(on_cpu, monkeypatch, caplog, spy):
+    from hf_efficient.optim import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})  # nothing built yet: the Triton kernel is probed again
+    monkeypatch.setattr(_dispatch, "_LOGGED", set())
+    real = AdamW8bit._probe.__func__
+    monkeypatch.setattr(AdamW8bit, "_probe", classmethod(
+        lambda cls, fn, device=None: False if device is not None else real(cls, fn)))  # the Triton probe disagrees
+    pt, ot = make(AdamW8bit, torch.float32, "none")
+    pe, oe = make(AdamW8bit, torch.float32, "none", compile=False)
+    with caplog.at_level("WARNING", logger="hf_efficient.optim._dispatch"):
+        run(pt, ot, 2)
+    assert spy["adamw8bit_kernel"].launches == 0
+    assert [r.getMessage() for r in caplog.records if "triton" in r.getMessage()] == [
+        "hf_efficient: kernel ('triton', 'adamw8bit', device(type='cpu')) unavailable (RuntimeError: the Triton "
+        "kernel disagrees with the eager one on its probe); using the next path (same results, slower)"]
+    run(pe, oe, 2)
+    assert_same(pt, ot, pe, oe)  # the C kernel took the steps
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_stepping_in_buckets_equals_one_step(on_cpu, cls):
+    """Gradient release steps the tensors whose gradients are ready, a bucket at a time: the same bits as one step."""
+    runs = []
+    for buckets in ([[0, 1]], [[1], [0]]):
+        params, opt = make(cls, torch.bfloat16, "stochastic")
+        gen = torch.Generator().manual_seed(1)
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+        for bucket in buckets:
+            for i, p in enumerate(params):
+                p.grad = grads[i] if i in bucket else None
+            opt.step()
+        runs.append((params, opt))
+    assert_same(*runs[0], *runs[1], fp32_ulps=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+def test_resume_on_the_triton_kernel_is_exact(on_cpu, cls):
+    pa, oa = make(cls, torch.bfloat16, "stochastic")
+    run(pa, oa, 4)
+    pb, ob = make(cls, torch.bfloat16, "stochastic")
+    run(pb, ob, 2)
+    sd = ob.state_dict()
+    pc, oc = make(cls, torch.bfloat16, "stochastic")
+    with torch.no_grad():
+        for c, b in zip(pc, pb):
+            c.copy_(b)
+    oc.load_state_dict(sd)
+    gen_state = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the gradients of steps 1-2, drawn and dropped
+        for p in pc:
+            torch.randn(p.shape, generator=gen_state)
+    for t in range(2, 4):
+        for p in pc:
+            p.grad = (torch.randn(p.shape, generator=gen_state) * 10.0 ** -(t % 3)).to(p.dtype)
+        oc.step()
+    assert_same(pa, oa, pc, oc, fp32_ulps=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("first", ["triton", "cpu"])
+def test_checkpoints_move_between_triton_and_the_cpu_kernel(on_cpu, cls, first):
+    """2 steps on one path, its state_dict loaded by the other path's optimizer, which continues 2 steps like the
+    first path continuing: codes equal, weights within tolerance (fp32 and bf16 weights: the C kernel's types)."""
+    for dtype, mode in ((torch.float32, "none"), (torch.bfloat16, "kahan")):
+        def path(name):
+            _triton.interpret_on_cpu(name == "triton")
+            return make(cls, dtype, mode)
+
+        p0, o0 = path(first)
+        run(p0, o0, 2)
+        sd = o0.state_dict()
+        other = "cpu" if first == "triton" else "triton"
+        runs = []
+        for name in (first, other):
+            p, o = path(name)
+            with torch.no_grad():
+                for a, b in zip(p, p0):
+                    a.copy_(b)
+            o.load_state_dict(sd)
+            run(p, o, 2, seed=2)
+            runs.append((p, o))
+        _triton.interpret_on_cpu(True)
+        assert_same(*runs[0], *runs[1])
+
+
+@needs_interpreter
+def test_state_is_in_bitsandbytes_canonical_layout(on_cpu):
+    params, opt = make(AdamW8bit, torch.float32, "none")
+    run(params, opt, 2)
+    st = opt.state_dict()["state"][0]
+    for key, signed in AdamW8bit.MOMENTS:
+        values = quant8.dequantize_blockwise(st[key], st[f"{key}_absmax"], signed)
+        codes, _ = quant8.quantize_blockwise(values, signed)  # (the map's top code below 1.0 lowers the absmax)
+        assert torch.equal(codes, st[key])
+        assert torch.equal(quant8.from_canonical(st[key], params[0], signed), opt.state[params[0]][key])
+
+
+def _signature(kernel, dtype):
+    t = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    if kernel == "lion_kernel":
+        return {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32",
+                **{s: "fp32" for s in "b1 omb1 b2 omb2 decay lr".split()},
+                **{c: "constexpr" for c in ("MODE", "OUT", "GRAD", "BLOCK")}}
+    moments = ["wm_ptr", "wv_ptr", "am_ptr", "av_ptr"] if kernel == "adamw8bit_kernel" else ["wm_ptr", "am_ptr"]
+    sig = {"p_ptr": t, "g_ptr": t, **{m: "*i32" if m.startswith("w") else "*fp32" for m in moments},
+           "comp_ptr": "*bf16" if dtype != torch.float32 else t, "step_ptr": "*fp32", "flag_ptr": "*fp32",
+           "table_ptr": "*fp32", "n": "i64", "nb": "i64", "position": "i32"}
+    scalars = ("b1 omb1 b2 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
+               if kernel == "adamw8bit_kernel" else "b1 omb1 b2 omb2 decay lr").split()
+    return {**sig, **{s: "fp32" for s in scalars}, "MODE": "constexpr", "OUT": "constexpr", "NB": "constexpr"}
+
+
+def test_every_launched_variant_compiles_for_hopper():
+    """Each kernel compiled for sm_90 on each weight dtype, the three compensation paths among them (fp32 weights
+    ignore the mode; the other (dtype, mode) pairs differ only inside ``_triton_lib.compensated``, whose every mode
+    test_triton_common compiles), in parallel subprocesses (each ~10 s)."""
+    from hf_efficient.optim import lion_triton
+
+    names = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
+    jobs = [("blockwise_triton", kernel, dtype, mode, {"NB": B.NB}) for kernel in KERNEL.values()
+            for dtype, mode in ((torch.float32, 2), (torch.bfloat16, 0), (torch.float16, 1))]
+    jobs += [("lion_triton", "lion_kernel", dtype, mode, {"GRAD": names[dtype], "BLOCK": lion_triton.BLOCK})
+             for dtype, mode in ((torch.float32, 2), (torch.bfloat16, 0), (torch.float16, 1))]
+    with ThreadPoolExecutor(3) as pool:
+        infos = list(pool.map(lambda j: compile_for_hopper(
+            f"hf_efficient.optim.{j[0]}", j[1], _signature(j[1], j[2]), {"MODE": j[3], "OUT": names[j[2]], **j[4]}),
+            jobs))
+    assert all(info["cubin"] > 0 for info in infos)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,mode,per_launch", [(*case, 65535) for case in CASES] + [(torch.float32, "none", 1)])
+def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtype, mode, per_launch):
+    """Lion8bit's fp32-state tensors (small ones, and one over lion_triton.SMALL: its own launch) through the
+    Triton kernel equal torch's operations (compile=False): weights bit for bit, momenta within fp32 rounding.
+    ``per_launch`` 1: a batch over the grid's limit on tensors is split."""
+    from hf_efficient.optim import lion_triton
+
+    launches = Spy(lion_triton.lion_kernel)
+    monkeypatch.setattr(lion_triton, "lion_kernel", launches)
+    monkeypatch.setattr(lion_triton, "SMALL", 50)
+    monkeypatch.setattr(lion_triton, "_MAX_TENSORS", per_launch)
+    runs = []
+    for compile in (None, False):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (7, 33, 1100)]
+        opt = Lion8bit(params, lr=1e-2, weight_decay=0.1, compensation=mode, compile=compile,
+                       fp32_state_params=params)
+        run(params, opt, 2)
+        runs.append((params, opt))
+    assert launches.launches == (4 if per_launch > 1 else 6)  # per step: the two small tensors, then the large one
+    assert runs[0][1].state[runs[0][0][0]]["step"].device == runs[0][0][0].device
+    assert_same(*runs[0], *runs[1], fp32_ulps=0)
+
+
+@needs_interpreter
+def test_the_guard_checks_on_the_device_where_every_tensor_takes_a_triton_kernel(on_cpu, monkeypatch):
+    """takes_found_inf(): True where every tensor with a gradient goes to a Triton kernel (Lion8bit: its 8-bit and
+    fp32-state tensors; AdamW8bit: only with every tensor 8-bit, its fp32-state ones going through adamw.py); then an
+    inf gradient under nonfinite=skip voids the step through the flag, read nowhere in step()."""
+    import hf_efficient as hfe
+    from hf_efficient import guard
+
+    monkeypatch.setattr(guard, "_DEVICE_FLAG_ON_CPU", True)
+
+    def setup(name, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 80)  # a weight of 5120 elements (8-bit), a bias of 80 (fp32 state)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape)
+        return model, hfe.create_optimizer(model, name, lr=0.1, weight_decay=0.01, nonfinite="skip", **options)
+
+    assert not setup("adam8bit")[1].takes_found_inf()
+    assert setup("adam8bit", min_8bit_size=1)[1].takes_found_inf()
+    _triton.interpret_on_cpu(False)
+    assert not setup("lion8bit")[1].takes_found_inf()  # the C kernel reads no flag
+    _triton.interpret_on_cpu(True)
+    model, opt = setup("lion8bit")
+    assert opt.takes_found_inf() and guard._device_check_applies(opt, scaled=False)
+    opt.step()
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in model.parameters()]
+    model.weight.grad[3, 4] = float("inf")
+    with monkeypatch.context() as m:
+        for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+            m.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("a tensor was read on the host in step()"))
+        opt.step()
+    for p, (w, st) in zip(model.parameters(), before):
+        assert torch.equal(w, p) and all(torch.equal(v, opt.state[p][k]) for k, v in st.items())
