@@ -146,11 +146,12 @@ def _table(name: str, lists, sizes, device):
     return table.get(lists, sizes, device)
 
 
-def launch(kernel, name: str, tensors, keys, flag, scalars, small: int = SMALL, **constexprs) -> None:
+def launch(kernel, name: str, tensors, keys, flag, scalars, small: int | None = None, **constexprs) -> None:
     """``kernel`` over each tensor of ``tensors`` = (params, grads, exp_avgs, exp_avg_sqs, comps, steps): one launch
     per tensor of ``small`` elements or more, one per (weight, gradient) dtype pair over the others. ``comps``
     entries may be None where the mode reads none (the weight stands in). ``keys``: each tensor's int key."""
     params, grads, ms, vs, comps, steps = tensors
+    small = SMALL if small is None else small
     comps = [p if c is None else c for p, c in zip(params, comps)]
     opts = dict(num_warps=NUM_WARPS, enable_fp_fusion=False, BLOCK=BLOCK, **constexprs)
     batched = {}
@@ -173,7 +174,7 @@ def launch(kernel, name: str, tensors, keys, flag, scalars, small: int = SMALL, 
 
 
 def fp32_state_step(params, grads, exp_avgs, exp_avg_sqs, comps, steps, keys, flag, *, keyed: bool, lr, beta1,
-                    beta2, eps, weight_decay, compensation: str, small: int = SMALL) -> None:
+                    beta2, eps, weight_decay, compensation: str, small: int | None = None) -> None:
     """:func:`.adamw.adamw_fp32_state` on the device (steps advanced here): ``keys`` are positions, or noise keys
     with ``keyed``."""
     _triton.advance_steps(steps, flag)
@@ -185,7 +186,7 @@ def fp32_state_step(params, grads, exp_avgs, exp_avg_sqs, comps, steps, keys, fl
 
 
 def bf16_state_step(params, grads, exp_avgs, exp_avg_sqs, comps, steps, positions, flag, *, lr, beta1, beta2, eps,
-                    weight_decay, compensation: str, small: int = SMALL) -> None:
+                    weight_decay, compensation: str, small: int | None = None) -> None:
     """:func:`.adamw_bf16.adamw_bf16`'s low-precision tensors on the device (steps advanced here); ``positions``:
     each tensor's noise id."""
     _triton.advance_steps(steps, flag)
