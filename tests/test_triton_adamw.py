@@ -210,6 +210,32 @@ def test_bf16_state_kernel_keeps_overflowing_moments_finite(on_cpu):
     assert torch.equal(runs[0], runs[1]) and bool(runs[0].isfinite().all())
 
 
+@needs_interpreter
+@pytest.mark.parametrize("family", ["fp32_state", "bf16_state"])
+def test_kernels_write_only_their_elements(on_cpu, monkeypatch, family):
+    """Each tensor is a view at the start of a larger buffer whose tail holds a sentinel: a launch of its own (3000
+    elements) and a batched one (37) leave every tail as it was (masks bound every load and store)."""
+    monkeypatch.setattr(adamw_triton, "SMALL", 1024)
+    sizes, tail = (3000, 37), 2100  # past the last block of either
+
+    def views(dtype):
+        bufs = [torch.full((n + tail,), 0.5, dtype=dtype) for n in sizes]
+        return bufs, [b[:n] for b, n in zip(bufs, sizes)]
+
+    state = torch.float32 if family == "fp32_state" else torch.bfloat16
+    (pb, ps), (gb, gs), (mb, ms), (vb, vs), (cb, cs) = (views(d) for d in (
+        torch.bfloat16, torch.bfloat16, state, state, torch.bfloat16))
+    steps = [torch.tensor(0.0) for _ in sizes]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, compensation="kahan")
+    if family == "fp32_state":
+        adamw.adamw_fp32_state(ps, gs, ms, vs, None, steps, comps=cs, positions=[0, 1], **kw)
+    else:
+        adamw_bf16.adamw_bf16(ps, gs, ms, vs, cs, steps, noise_ids=[0, 1], **kw)
+    assert all(float(s) == 1.0 for s in steps) and not torch.equal(ps[0], torch.full_like(ps[0], 0.5))
+    for bufs in (pb, gb, mb, vb, cb):
+        assert all(bool((b[n:] == 0.5).all()) for b, n in zip(bufs, sizes))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Both: the void flag, no host sync, resume, checkpoints across paths, the fallback
 # ----------------------------------------------------------------------------------------------------
