@@ -128,29 +128,35 @@ def _counting(fn, calls):
 
 
 @needs_interpreter
-def test_fp32_state_kernel_launches(on_cpu, monkeypatch):
-    """One launch per tensor of SMALL+ elements, one per (weight, gradient) dtype pair over the smaller ones."""
-    monkeypatch.setattr(adamw_triton, "SMALL", 1024)
+@pytest.mark.parametrize("small,grids", [
+    (1024, [(2,), (1,), (1, 1), (1, 1)]),  # 3000 and 2048 alone (blocks,); 37 (fp32 gradient) and 35 batched
+    (5000, [(3, 2), (1, 1)]),  # all batched (tensors, blocks): 3000, 35, 2048; 37 on its own dtype pair
+])
+def test_fp32_state_kernel_launches(on_cpu, monkeypatch, small, grids):
+    """One launch per tensor of SMALL+ elements, one per (weight, gradient) dtype pair over the smaller ones (tensors
+    on the grid's first dimension, the only one with room for more than 65535); empty tensors none."""
+    monkeypatch.setattr(adamw_triton, "SMALL", small)
     assert adamw._triton_kernel(torch.device("cpu")) is not None  # probed before counting
-    grids = []
+    launched = []
 
     class Counting:
         def __init__(self, kernel):
             self.kernel = kernel
 
         def __getitem__(self, grid):
-            grids.append(grid)
+            launched.append(grid)
             return self.kernel[grid]
 
     monkeypatch.setattr(adamw_triton, "fp32_state_kernel", Counting(adamw_triton.fp32_state_kernel))
     params = _params(torch.bfloat16)
     grads = _grads(params, 0)
     grads[1] = grads[1].float()  # another dtype pair: a batched launch of its own
-    adamw.adamw_fp32_state(params, grads, [torch.zeros(p.shape) for p in params],
-                           [torch.zeros(p.shape) for p in params], None, [torch.tensor(0.0) for _ in params],
-                           lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, compensation="stochastic",
+    ms, vs = [torch.zeros(p.shape) for p in params], [torch.zeros(p.shape) for p in params]
+    adamw.adamw_fp32_state(params, grads, ms, vs, None, [torch.tensor(0.0) for _ in params], lr=1e-3, beta1=0.9,
+                           beta2=0.999, eps=1e-8, weight_decay=0.0, compensation="stochastic",
                            positions=list(range(len(params))))
-    assert sorted(grids) == sorted([(2,), (1,), (1, 1), (1, 1)])  # 3000, 2048; (37,) fp32 grad; (5, 7) bf16
+    assert sorted(launched) == sorted(grids)
+    assert all(bool((m != 0).all()) for m in ms if m.numel())  # every element of every tensor stepped
 
 
 @needs_interpreter

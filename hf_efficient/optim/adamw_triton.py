@@ -3,7 +3,7 @@
 the state and the compensated weight (:func:`._triton_lib.compensated`): no fp32 copy of the weights.
 
 Launches: a tensor of ``SMALL`` elements or more gets one launch (a grid over its blocks); the smaller ones of a
-(weight dtype, gradient dtype) share one launch over a :class:`._triton.PointerTable` (grid: blocks x tensors).
+(weight dtype, gradient dtype) share one launch over a :class:`._triton.PointerTable` (grid: tensors x blocks).
 Nothing is read on the host: each tensor's step count lives on its device (advanced by
 :func:`._triton.advance_steps` before the launch), the kernel computes its bias corrections and noise keys from it,
 and returns at once when the step's void flag is set. Conventions: see :mod:`._triton`.
@@ -37,10 +37,14 @@ _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16
 
 @triton.jit
 def _tensor(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes, n, key, count, TABLE: tl.constexpr):
-    """This program's tensor: the arguments as given, or (``TABLE``) row ``program_id(1)`` of the pointer table
-    (``ptrs``: p, g, m, v, c, step addresses, each ``count`` long; ``sizes``: numels, then keys)."""
+    """This program's tensor and block: the arguments as given and block ``program_id(0)``, or (``TABLE``) row
+    ``program_id(0)`` of the pointer table (``ptrs``: p, g, m, v, c, step addresses, each ``count`` long; ``sizes``:
+    numels, then keys) and block ``program_id(1)``: tensors on the grid's first dimension, which has room for 2**31
+    of them (the others 65535)."""
+    blk = tl.program_id(0).to(tl.int64)
     if TABLE:
-        t = tl.program_id(1)
+        t = tl.program_id(0)
+        blk = tl.program_id(1).to(tl.int64)
         p_ptr = tl.load(ptrs + t).to(tl.pointer_type(p_ptr.dtype.element_ty))
         g_ptr = tl.load(ptrs + count + t).to(tl.pointer_type(g_ptr.dtype.element_ty))
         m_ptr = tl.load(ptrs + 2 * count + t).to(tl.pointer_type(m_ptr.dtype.element_ty))
@@ -49,7 +53,7 @@ def _tensor(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes, n, key, co
         step_ptr = tl.load(ptrs + 5 * count + t).to(tl.pointer_type(tl.float32))
         n = tl.load(sizes + t)
         key = tl.load(sizes + count + t).to(tl.int32)
-    return p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, n.to(tl.int64), key
+    return p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, n.to(tl.int64), key, blk
 
 
 @triton.jit
@@ -65,7 +69,7 @@ def _write(pp, cp, offs, mask, old, new, wkey, MODE: tl.constexpr):
     tl.store(pp + offs, w, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "key", "count"])  # a key or size of 1 must not become a constant
 def fp32_state_kernel(flag_ptr, p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes, n, key, count,
                       lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, b2, omb2, lerp_w, decay, eps,
                       MODE: tl.constexpr, KEYED: tl.constexpr, TABLE: tl.constexpr, BLOCK: tl.constexpr):
@@ -73,10 +77,10 @@ def fp32_state_kernel(flag_ptr, p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptr
     compensated. ``key``: the tensor's position (its noise key is ``weight_key(position, step)``), or with
     ``KEYED`` the key itself."""
     if tl.load(flag_ptr) == 0:
-        pp, gp, mp, vp, cp, sp, numel, tkey = _tensor(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes, n,
-                                                      key, count, TABLE)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        if tl.program_id(0).to(tl.int64) * BLOCK < numel:
+        pp, gp, mp, vp, cp, sp, numel, tkey, blk = _tensor(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes,
+                                                           n, key, count, TABLE)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        if blk * BLOCK < numel:
             mask = offs < numel
             step = tl.load(sp).to(tl.int32)
             bc1 = 1.0 - L.pow_int(b1_hi, b1_lo, step)  # float64, as torch's Python scalars
@@ -97,17 +101,17 @@ def fp32_state_kernel(flag_ptr, p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptr
             _write(pp, cp, offs, mask, old, new, wkey, MODE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "key", "count"])
 def bf16_state_kernel(flag_ptr, p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes, n, key, count,
                       lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, b1, omb1, b2, omb2, eps, decay,
                       MODE: tl.constexpr, TABLE: tl.constexpr, BLOCK: tl.constexpr):
     """``adamw_bf16``'s eager kernel (``_adamw_update`` then ``write``): moments stored in bf16, ``exp_avg_sq``
     rounded stochastically except under none; ``key``: the tensor's position (its noise id)."""
     if tl.load(flag_ptr) == 0:
-        pp, gp, mp, vp, cp, sp, numel, tkey = _tensor(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes, n,
-                                                      key, count, TABLE)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        if tl.program_id(0).to(tl.int64) * BLOCK < numel:
+        pp, gp, mp, vp, cp, sp, numel, tkey, blk = _tensor(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptrs, sizes,
+                                                           n, key, count, TABLE)
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        if blk * BLOCK < numel:
             mask = offs < numel
             step = tl.load(sp).to(tl.int32)
             one = tl.full((), 1.0, tl.float64)
@@ -169,7 +173,7 @@ def launch(kernel, name: str, tensors, keys, flag, scalars, small: int | None = 
         numels = [params[i].numel() for i in idx]
         ptrs, sizes = _table(name, lists, numels + [keys[i] for i in idx], params[idx[0]].device)
         first = [ts[0] for ts in lists]
-        kernel[(triton.cdiv(max(numels), BLOCK), len(idx))](flag, *first, ptrs, sizes, 0, 0, len(idx), *scalars,
+        kernel[(len(idx), triton.cdiv(max(numels), BLOCK))](flag, *first, ptrs, sizes, 0, 0, len(idx), *scalars,
                                                             TABLE=True, **opts)
 
 
