@@ -380,3 +380,16 @@ VARIANTS = [("fp32_state_kernel", "bf16", "fp32", False, 0, False), ("fp32_state
 def test_kernels_compile_for_hopper(kernel, p, g, table, mode, keyed):
     sig, constexprs = _signature(kernel, p, g, table, mode, keyed)
     assert compile_for_hopper("hf_efficient.optim.adamw_triton", kernel, sig, constexprs)["cubin"] > 0
+
+
+def test_missing_triton_on_cuda_warns_once(monkeypatch, caplog):
+    """A CUDA tensor and no Triton (both families ask the same function): one warning, naming the package to
+    install; the torch paths then run."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(_triton, "available", lambda: False)
+    assert adamw_bf16.note_missing_triton is adamw.note_missing_triton
+    with caplog.at_level(logging.WARNING):
+        for device in ("cuda", "cuda", "cpu"):
+            adamw.note_missing_triton(SimpleNamespace(device=torch.device(device)))
+    assert [r.getMessage().count("pip install triton") for r in caplog.records] == [1]

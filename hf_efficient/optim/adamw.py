@@ -11,6 +11,12 @@ On CPU, bf16 weights (fp32 or bf16 gradients, no amsgrad or maximize) go through
 (``adamw_cpu.c``, the op ``hf_efficient::adamw_step``): torch's fused step and the compensated write in one pass over
 the tensors, no copy. It gives the torch path's bits (torch 2.13, x86), and must agree with it on a probe before
 it is used. 8-bit AdamW's fp32-state tensors (biases, norms) take this path too.
+
+On CUDA, every weight dtype (no amsgrad, maximize or tensor lr: those keep the torch path) goes through a Triton
+kernel (:mod:`.adamw_triton`), once it agreed with the torch path on a probe on that device: the same one pass,
+no fp32 copy, no host synchronisation (step counts live on the device, the guard's ``found_inf`` voids the step
+there). Without Triton, or where the probe fails, the torch path runs, one warning logged; its fp32 copies are
+made in bounded chunks (:func:`.compensation.step_in_fp32`).
 """
 
 from __future__ import annotations
@@ -142,12 +148,18 @@ def _triton_eligible(p, g, m, v, comp, step, compensation: str) -> bool:
     count too: the kernel reads it there), fp32 moments, a bf16 Kahan buffer where the write uses one."""
     kahan = compensation == "kahan" and p.dtype in LOW_PRECISION
     tensors = (p, g, m, v, step) + ((comp,) if kahan else ())
-    if p.device.type == "cuda" and not _triton.available():
-        _dispatch.log_once(logging.WARNING, ("triton", "missing"), "hf_efficient: Triton is not installed; AdamW "
-                           "steps on CUDA take torch's kernels on fp32 copies (same results, slower)")
+    note_missing_triton(p)
     return (p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES and m.dtype == v.dtype == step.dtype
             == torch.float32 and (not kahan or (comp is not None and comp.dtype == torch.bfloat16))
             and _triton.applies(*tensors) and all(t.is_contiguous() for t in tensors))
+
+
+def note_missing_triton(p: Tensor) -> None:
+    """One warning per process where a CUDA tensor finds no Triton: the AdamW families then step it on their torch
+    paths."""
+    if p.device.type == "cuda" and not _triton.available():
+        _dispatch.log_once(logging.WARNING, ("triton", "missing"), "hf_efficient: Triton is not installed; AdamW "
+                           "steps on CUDA take torch's kernels (same results, slower): pip install triton")
 
 
 def _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation: str):

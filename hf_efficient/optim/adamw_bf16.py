@@ -38,6 +38,11 @@ first step checks), and with ``cpp.dynamic_threads``: the loop is parallel whate
 call, the probe's. In ``scripts/bench_step.py`` on a 2-core AVX-512 CPU (28M parameters) the C kernel takes
 0.8x torch's fused fp32 AdamW step (it moves 18 bytes per parameter against 28), the compiled kernel several
 times more: inductor turns the bit operations of stochastic rounding into scalar code.
+
+On CUDA (automatic path), bf16/fp16 weights go through a Triton kernel (:mod:`.adamw_triton`) once it agreed with
+the eager kernel on a probe on that device: the eager kernel's operations and noise in one pass, one launch per
+large tensor and one for the small ones, step counts on the device, nothing read on the host. Without Triton, or
+where the probe fails, the foreach path runs, one warning logged.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native, _triton
+from .adamw import note_missing_triton
 from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
                            noise_key, round_stochastic, write, drop_unused_buffers)
 
@@ -470,6 +476,7 @@ def _triton_split(low, params, grads, exp_avgs, exp_avg_sqs, comps, steps, compe
     contiguous, on one device with their bf16 state and step count, on a device where its probe passed)."""
     mine = {}
     for i in low:
+        note_missing_triton(params[i])
         kahan = (comps[i],) if compensation == "kahan" else ()
         tensors = (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i], *kahan)
         if (all(t is not None and t.dtype == torch.bfloat16 for t in (exp_avgs[i], exp_avg_sqs[i], *kahan))
