@@ -162,9 +162,17 @@ def note_missing_triton(p: Tensor) -> None:
                            "steps on CUDA take torch's kernels (same results, slower): pip install triton")
 
 
+def triton_may_apply(params) -> bool:
+    """A cheap test before the per-tensor ones, so that a CPU step costs what it did: a CUDA tensor among
+    ``params``, or CPU tensors under the interpreter (tests)."""
+    return any(p.is_cuda for p in params) or (bool(params) and _triton.applies(params[0]))
+
+
 def _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation: str):
     """``({device: indices}, other indices)``: the tensors the Triton kernel steps (eligible, on a device where its
     probe passed), and the others."""
+    if not triton_may_apply(params):
+        return {}, list(range(len(params)))
     mine = {}
     for i, p in enumerate(params):
         if _triton_eligible(p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i], steps[i], compensation):
@@ -247,8 +255,8 @@ class AdamW(torch.optim.AdamW):
             keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
             for key in keys:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        elif state["step"].device != _step_device(p):  # loaded, or saved by the other path: moved once
-            state["step"] = state["step"].to(_step_device(p))
+        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != _step_device(p):
+            state["step"] = state["step"].to(_step_device(p))  # loaded, or saved by the other path: moved once
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
             state["kahan_comp"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
         return state

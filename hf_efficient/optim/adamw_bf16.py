@@ -61,7 +61,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native, _triton
-from .adamw import note_missing_triton
+from .adamw import note_missing_triton, triton_may_apply
 from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
                            noise_key, round_stochastic, write, drop_unused_buffers)
 
@@ -474,6 +474,8 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
 def _triton_split(low, params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation: str):
     """``({device: indices}, other indices)`` of ``low`` (bf16/fp16 tensors): those the Triton kernel steps (plain,
     contiguous, on one device with their bf16 state and step count, on a device where its probe passed)."""
+    if not triton_may_apply([params[i] for i in low]):
+        return {}, low
     mine = {}
     for i in low:
         note_missing_triton(params[i])
@@ -537,6 +539,12 @@ def _triton_agrees(step_fn, device: torch.device) -> bool:
 
 
 _TRITON_PROBE = dict(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _step_device(p: Tensor) -> torch.device:
+    """Where ``p``'s step count lives: on its device where the Triton kernel may step it (a bf16/fp16 weight: the
+    kernel reads the count there), else on the CPU (the host reads it for free)."""
+    return p.device if p.dtype in _LOW_PRECISION and _triton.applies(p) else torch.device("cpu")
 
 
 def _state_dtype(p: Tensor) -> torch.dtype:
@@ -608,17 +616,15 @@ class AdamWBF16(Optimizer):
 
     def _init_state(self, p: Tensor, compensation: str) -> dict:
         state = self.state[p]
-        # a bf16/fp16 tensor the Triton kernel may step keeps its step count on its device (the kernel reads it there)
-        step_device = p.device if p.dtype in _LOW_PRECISION and _triton.applies(p) else torch.device("cpu")
         if not state:
             dtype = _state_dtype(p)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=_step_device(p))
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if compensation == "kahan" and p.dtype in _LOW_PRECISION:
                 state["kahan_comp"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        elif torch.is_tensor(state.get("step")) and state["step"].device != step_device:  # loaded: moved once
-            state["step"] = state["step"].to(step_device)
+        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != _step_device(p):
+            state["step"] = state["step"].to(_step_device(p))  # loaded, or saved by the other path: moved once
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
