@@ -393,3 +393,15 @@ def test_missing_triton_on_cuda_warns_once(monkeypatch, caplog):
         for device in ("cuda", "cuda", "cpu"):
             adamw.note_missing_triton(SimpleNamespace(device=torch.device(device)))
     assert [r.getMessage().count("pip install triton") for r in caplog.records] == [1]
+
+
+@needs_interpreter
+def test_fp32_state_c_kernel_false_keeps_the_torch_path(on_cpu, monkeypatch):
+    """8-bit AdamW's compile=False (``c_kernel=False``) means eager torch operations: no Triton kernel either."""
+    monkeypatch.setattr(adamw_triton, "launch", lambda *a, **k: pytest.fail("Triton kernel launched"))
+    params = _params(torch.bfloat16)
+    steps = [torch.tensor(0.0) for _ in params]
+    adamw.adamw_fp32_state(params, _grads(params, 0), [torch.zeros(p.shape) for p in params],
+                           [torch.zeros(p.shape) for p in params], None, steps, lr=1e-3, beta1=0.9, beta2=0.999,
+                           eps=1e-8, weight_decay=0.0, compensation="none", c_kernel=False)
+    assert all(float(s) == 1.0 for s in steps)

@@ -44,12 +44,12 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
     each tensor's noise key, or ``positions``: each tensor's index across groups, its key then being
     ``weight_key(position, step)`` of the step being taken), bf16 weights on CPU by the C kernel where it applies
-    (``_KERNEL.split``; ``c_kernel`` False: never). On CUDA, the Triton kernel (:mod:`.adamw_triton`) steps the
+    (``_KERNEL.split``; ``c_kernel`` False: never, nor the Triton kernel). On CUDA, the Triton kernel (:mod:`.adamw_triton`) steps the
     tensors whose step count lives on their device, without reading anything on the host; ``found_inf`` (a float32
     scalar, torch's name) set voids the step, step counts included. Increments ``steps``."""
     n = len(params)
     comps = [None] * n if comps is None else comps
-    if not (amsgrad or maximize or torch.is_tensor(lr)):
+    if c_kernel and not (amsgrad or maximize or torch.is_tensor(lr)):
         mine, rest = _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation)
         for device, idx in mine.items():
             pick = lambda xs: [xs[i] for i in idx]  # noqa: E731

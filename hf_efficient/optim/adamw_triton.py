@@ -17,6 +17,7 @@ xor ``WEIGHT_STREAM``). Each kernel is used once a probe on the device agreed wi
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 import triton
@@ -155,7 +156,15 @@ def launch(kernel, name: str, tensors, keys, flag, scalars, small: int | None = 
     per tensor of ``small`` elements or more, one per (weight, gradient) dtype pair over the others. ``comps``
     entries may be None where the mode reads none (the weight stands in). ``keys``: each tensor's int key."""
     params, grads, ms, vs, comps, steps = tensors
-    small = SMALL if small is None else small
+    if not params:
+        return
+    device = params[0].device  # Triton launches on the current device: made this tensors' one, as torch's ops do
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        _launch(kernel, name, tensors, keys, flag, scalars, SMALL if small is None else small, constexprs)
+
+
+def _launch(kernel, name, tensors, keys, flag, scalars, small, constexprs) -> None:
+    params, grads, ms, vs, comps, steps = tensors
     comps = [p if c is None else c for p, c in zip(params, comps)]
     opts = dict(num_warps=NUM_WARPS, enable_fp_fusion=False, BLOCK=BLOCK, **constexprs)
     batched = {}
