@@ -44,9 +44,10 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
     each tensor's noise key, or ``positions``: each tensor's index across groups, its key then being
     ``weight_key(position, step)`` of the step being taken), bf16 weights on CPU by the C kernel where it applies
-    (``_KERNEL.split``; ``c_kernel`` False: never, nor the Triton kernel). On CUDA, the Triton kernel (:mod:`.adamw_triton`) steps the
-    tensors whose step count lives on their device, without reading anything on the host; ``found_inf`` (a float32
-    scalar, torch's name) set voids the step, step counts included. Increments ``steps``."""
+    (``_KERNEL.split``; ``c_kernel`` False: never, nor the Triton kernel). On CUDA, the Triton kernel
+    (:mod:`.adamw_triton`) steps the tensors whose step count lives on their device, without reading anything on the
+    host; ``found_inf`` (a float32 scalar, torch's name) set voids the step, step counts included. Increments
+    ``steps``."""
     n = len(params)
     comps = [None] * n if comps is None else comps
     if c_kernel and not (amsgrad or maximize or torch.is_tensor(lr)):
@@ -196,9 +197,9 @@ def _triton_kernel(device: torch.device):
 
 def _triton_probe(kernel, device: torch.device) -> bool:
     """On fresh tensors of ``device`` (a launch of its own and a batched one, every mode and weight dtype), the
-    kernel agrees with the torch path: moments within 1e-6 of their largest value, weights within one spacing of their dtype,
-    Kahan buffers within 1% (weights 1.0, updates of about a quarter of a bf16 spacing: a lost compensation
-    fails)."""
+    kernel agrees with the torch path: moments within 1e-6 of their largest value, weights within one spacing of
+    their dtype, Kahan buffers within 1% (weights 1.0, updates of about a quarter of a bf16 spacing: a lost
+    compensation fails)."""
     gen = torch.Generator().manual_seed(0)
     sizes = (3000, 37)
     grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
