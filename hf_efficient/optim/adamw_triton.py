@@ -33,7 +33,6 @@ NUM_WARPS = 4
 SMALL = 1 << 16  # tensors below this share one launch; the batched grid wastes < SMALL / BLOCK programs per tensor
 _BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bf16's largest finite value (adamw_bf16._BF16_MAX)
 _STREAM = tl.constexpr(WEIGHT_STREAM)
-_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
