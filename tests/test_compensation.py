@@ -359,3 +359,35 @@ def test_fp16_kahan_takes_foreach_without_compiling_in_vain(monkeypatch):
     adamw_bf16._choose("stochastic", cpu, torch.float16, None, None)
     adamw_bf16._choose("kahan", cpu, torch.float16, None, True)
     assert tried == [("stochastic", cpu, torch.float16), ("kahan", cpu, torch.float16)]
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic"])
+def test_step_in_fp32_bounds_its_fp32_copies(mode, monkeypatch):
+    """The torch path's fp32 copies (CUDA without Triton, fp16 weights on CPU) hold at most CHUNK elements (a larger
+    tensor alone), so its temporaries do not grow with the model; the weights and Kahan buffers equal those of one
+    copy of everything (each tensor's noise is numbered by its own elements)."""
+    from hf_efficient.optim import compensation as C
+
+    shapes = [(30,), (50,), (20, 3), (200,), (7,), (40,)]
+    runs = []
+    for chunk in (1 << 30, 100):
+        monkeypatch.setattr(C, "CHUNK", chunk)
+        g = torch.Generator().manual_seed(3)
+        ps = [(torch.randn(s, generator=g) + 1).to(torch.float16) for s in shapes]
+        deltas = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+        comps = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes] if mode == "kahan" else None
+        calls = []
+
+        def step(idx, work):
+            calls.append([i for i in idx])
+            for i, w in zip(idx, work):
+                w.add_(deltas[i])
+
+        C.step_in_fp32(ps, step, mode, comps, list(range(len(ps))))
+        runs.append((ps, comps or []))
+        sizes = [sum(math.prod(shapes[i]) for i in idx) for idx in calls]
+        assert sorted(i for idx in calls for i in idx) == list(range(len(shapes)))
+        assert len(calls) == 1 if chunk > 1000 else all(n <= chunk or len(idx) == 1 for n, idx in zip(sizes, calls))
+    assert len(calls) == 4  # [30, 50], [60], [200], [7, 40]
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -11,10 +11,17 @@ On CPU, bf16 weights (fp32 or bf16 gradients, no amsgrad or maximize) go through
 (``adamw_cpu.c``, the op ``hf_efficient::adamw_step``): torch's fused step and the compensated write in one pass over
 the tensors, no copy. It gives the torch path's bits (torch 2.13, x86), and must agree with it on a probe before
 it is used. 8-bit AdamW's fp32-state tensors (biases, norms) take this path too.
+
+On CUDA, every weight dtype (no amsgrad, maximize or tensor lr: those keep the torch path) goes through a Triton
+kernel (:mod:`.adamw_triton`), once it agreed with the torch path on a probe on that device: the same one pass,
+no fp32 copy, no host synchronisation (step counts live on the device, the guard's ``found_inf`` voids the step
+there). Without Triton, or where the probe fails, the torch path runs, one warning logged; its fp32 copies are
+made in bounded chunks (:func:`.compensation.step_in_fp32`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from array import array
 
@@ -23,21 +30,47 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_saved, start_step
-from . import _dispatch
-from .compensation import LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32, weight_key
+from . import _dispatch, _triton
+from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
+                           weight_key)
 
 __all__ = ["AdamW", "adamw_fp32_state"]
 
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                      weight_decay, amsgrad: bool = False, maximize: bool = False, compensation: str = "none",
-                     comps=None, keys=None, c_kernel: bool = True) -> None:
+                     comps=None, keys=None, c_kernel: bool = True, positions=None, found_inf=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
-    each tensor's noise key), bf16 weights on CPU by the C kernel where it applies (``_KERNEL.split``; ``c_kernel``
-    False: never). Increments ``steps``."""
-    comps = [None] * len(params) if comps is None else comps
-    keys = [0] * len(params) if keys is None else keys
+    each tensor's noise key, or ``positions``: each tensor's index across groups, its key then being
+    ``weight_key(position, step)`` of the step being taken), bf16 weights on CPU by the C kernel where it applies
+    (``_KERNEL.split``; ``c_kernel`` False: never, nor the Triton kernel). On CUDA, the Triton kernel
+    (:mod:`.adamw_triton`) steps the tensors whose step count lives on their device, without reading anything on the
+    host; ``found_inf`` (a float32 scalar, torch's name) set voids the step, step counts included. Increments
+    ``steps``."""
+    n = len(params)
+    comps = [None] * n if comps is None else comps
+    if c_kernel and not (amsgrad or maximize or torch.is_tensor(lr)):
+        mine, rest = _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation)
+        for device, idx in mine.items():
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            flag = found_inf if found_inf is not None and found_inf.device == device else _triton.zero_flag(device)
+            _triton_kernel(device)(
+                pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(comps), pick(steps),
+                pick(positions) if keys is None and positions is not None else pick(keys or [0] * n), flag,
+                keyed=keys is not None or positions is None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, compensation=compensation)
+        if mine:
+            pick = lambda xs: None if xs is None else [xs[i] for i in rest]  # noqa: E731
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, comps, keys, positions = map(
+                pick, (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, comps, keys, positions))
+            if not params:
+                return
+    if found_inf is not None and bool(found_inf):  # off the Triton path the flag is read here (a sync), as torch's
+        return
+    if keys is None:  # the noise key of the step about to be counted, read on the host (these paths read it anyway)
+        keys = [0] * len(params) if positions is None else [
+            weight_key(pos, int(s.item()) + 1) for pos, s in zip(positions, steps)]
     states = list(zip(exp_avgs, exp_avg_sqs))
     native, rest = ([], None) if not c_kernel or amsgrad or maximize or torch.is_tensor(lr) else _KERNEL.split(
         params, grads, states, comps, compensation)
@@ -68,7 +101,8 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     def step(idx, ps):
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         gs = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
-        fused = all(p.device.type == "cpu" for p in ps)  # CUDA's fused kernel wants its steps on the GPU
+        # torch's fused kernel: on CPU, and on CUDA where the steps live on the device (CUDA's wants them there)
+        fused = all(p.device.type == "cpu" or steps[i].device == p.device for i, p in zip(idx, ps))
         _torch_adamw(ps, gs, pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs) if amsgrad else [],
                      pick(steps), foreach=None if fused else False, fused=fused, amsgrad=amsgrad, beta1=beta1,
                      beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
@@ -103,6 +137,99 @@ _KERNEL = _dispatch.Bf16WeightKernel("adamw_step", "adamw_cpu.c", "adamw_step", 
                                      lambda: _c_coefficients(3, **_PROBE))
 
 
+# ----------------------------------------------------------------------------------------------------
+# The Triton kernel (CUDA; CPU tensors under the interpreter in tests), probed once per device
+# ----------------------------------------------------------------------------------------------------
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton_eligible(p, g, m, v, comp, step, compensation: str) -> bool:
+    """Whether the Triton kernel can step this tensor: every tensor plain, contiguous and on one device (the step
+    count too: the kernel reads it there), fp32 moments, a bf16 Kahan buffer where the write uses one."""
+    kahan = compensation == "kahan" and p.dtype in LOW_PRECISION
+    tensors = (p, g, m, v, step) + ((comp,) if kahan else ())
+    note_missing_triton(p)
+    return (p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES and m.dtype == v.dtype == step.dtype
+            == torch.float32 and (not kahan or (comp is not None and comp.dtype == torch.bfloat16))
+            and _triton.applies(*tensors) and all(t.is_contiguous() for t in tensors))
+
+
+def note_missing_triton(p: Tensor) -> None:
+    """One warning per process where a CUDA tensor finds no Triton: the AdamW families then step it on their torch
+    paths."""
+    if p.device.type == "cuda" and not _triton.available():
+        _dispatch.log_once(logging.WARNING, ("triton", "missing"), "hf_efficient: Triton is not installed; AdamW "
+                           "steps on CUDA take torch's kernels (same results, slower): pip install triton")
+
+
+def triton_may_apply(params) -> bool:
+    """A cheap test before the per-tensor ones, so that a CPU step costs what it did: a CUDA tensor among
+    ``params``, or CPU tensors under the interpreter (tests)."""
+    return any(p.is_cuda for p in params) or (bool(params) and _triton.applies(params[0]))
+
+
+def _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation: str):
+    """``({device: indices}, other indices)``: the tensors the Triton kernel steps (eligible, on a device where its
+    probe passed), and the others."""
+    if not triton_may_apply(params):
+        return {}, list(range(len(params)))
+    mine = {}
+    for i, p in enumerate(params):
+        if _triton_eligible(p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i], steps[i], compensation):
+            mine.setdefault(p.device, []).append(i)
+    mine = {device: idx for device, idx in mine.items() if _triton_kernel(device) is not None}
+    taken = {i for idx in mine.values() for i in idx}
+    return mine, [i for i in range(len(params)) if i not in taken]
+
+
+def _triton_kernel(device: torch.device):
+    """:func:`.adamw_triton.fp32_state_step`, once its probe on ``device`` passed; else None (logged once)."""
+    def make():
+        from . import adamw_triton
+
+        if not _triton_probe(adamw_triton.fp32_state_step, device):
+            raise RuntimeError(f"the Triton kernel disagrees with torch's AdamW on its probe on {device}")
+        return adamw_triton.fp32_state_step
+
+    return _dispatch.cached(("triton", "adamw_fp32_state", str(device)), make)
+
+
+def _triton_probe(kernel, device: torch.device) -> bool:
+    """On fresh tensors of ``device`` (a launch of its own and a batched one, every mode and weight dtype), the
+    kernel agrees with the torch path: moments within 1e-6 of their largest value, weights within one spacing of
+    their dtype, Kahan buffers within 1% (weights 1.0, updates of about a quarter of a bf16 spacing: a lost
+    compensation fails)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = (3000, 37)
+    grads = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    for mode in COMPENSATIONS:
+        for dtype in _TRITON_DTYPES:
+            runs = []
+            for triton in (True, False):
+                ps = [torch.ones(n, dtype=dtype, device=device) for n in sizes]
+                ms, vs = ([torch.full((n,), x, device=device) for n in sizes] for x in (1e-3, 1e-4))
+                cs = [torch.zeros(n, dtype=torch.bfloat16, device=device) if mode == "kahan" and dtype != torch.float32
+                      else None for n in sizes]
+                if triton:
+                    steps = [torch.tensor(2.0, device=device) for _ in sizes]
+                    kernel(ps, grads, ms, vs, cs, steps, [7, -9], _triton.zero_flag(device), keyed=True,
+                           compensation=mode, small=1024, **_PROBE)
+                else:
+                    _probe_reference(ps, grads, list(zip(ms, vs)), cs, [7, -9], mode)
+                runs.append((ps, ms + vs, [c for c in cs if c is not None]))
+            (pt, st, ct), (pr, sr, cr) = runs
+            spacing = torch.finfo(dtype).eps
+            # relative to each tensor's scale: a moment near zero is the difference of two larger numbers, whose
+            # last bits a device's multiply-add contraction (torch's lerp on CUDA) may round otherwise
+            close = all(torch.allclose(a, b, rtol=0.0, atol=1e-6 * float(b.abs().max())) for a, b in zip(st, sr))
+            close &= all(bool(((a.float() - b.float()).abs() <= spacing).all()) for a, b in zip(pt, pr))
+            close &= all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=0.0) for a, b in zip(ct, cr))
+            if not close:
+                return False
+    return True
+
+
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (its groups, flags and state keys) with fp32 moments and a compensated write for
     bf16/fp16 weights; see the module docstring. ``compensation``: ``"kahan"`` (default), ``"stochastic"`` or
@@ -125,10 +252,12 @@ class AdamW(torch.optim.AdamW):
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=_step_device(p))
             keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
             for key in keys:
                 state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != _step_device(p):
+            state["step"] = state["step"].to(_step_device(p))  # loaded, or saved by the other path: moved once
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
             state["kahan_comp"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
         return state
@@ -156,10 +285,9 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             items = []
             for p in group["params"]:
-                position += 1
                 if p.grad is not None:
-                    state = self._init_state(p, group)
-                    items.append((p, state, weight_key(position - 1, int(state["step"].item()) + 1)))
+                    items.append((p, self._init_state(p, group), position))
+                position += 1
             if not items:
                 continue
             states = [st for _, st, _ in items]
@@ -170,5 +298,12 @@ class AdamW(torch.optim.AdamW):
                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
                              maximize=group["maximize"], compensation=group["compensation"],
-                             comps=[st.get("kahan_comp") for st in states], keys=[k for _, _, k in items])
+                             comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
+                             found_inf=getattr(self, "found_inf", None))
         return loss
+
+
+def _step_device(p: Tensor) -> torch.device:
+    """Where ``p``'s step count lives: on its device where the Triton kernel may step it (it reads the count there,
+    as torch's fused AdamW does), else on the CPU (the host reads it for free)."""
+    return p.device if _triton.applies(p) else torch.device("cpu")

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["COMPENSATIONS", "C_MODES", "drop_unused_buffers", "LOW_PRECISION", "check_compensation", "applies", "noise_key", "weight_key", "hash_noise",
            "round_stochastic", "write", "write_all", "step_in_fp32", "fp32_copies",
-           "flat_views", "element_index"]
+           "flat_views", "element_index", "CHUNK"]
 
 COMPENSATIONS = ("kahan", "stochastic", "none")
 C_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernels' mode numbers (native.h's write_bf16)
@@ -152,23 +152,42 @@ def drop_unused_buffers(optimizer, owner: str, states=None) -> None:
                     "kahan_comp: their buffer starts at zero, as in a fresh run", owner, len(started))
 
 
+CHUNK = 1 << 22  # elements per fp32 copy of step_in_fp32: bounds its temporaries whatever the model's size
+
+
 def step_in_fp32(params, step, mode: str, comps=None, keys=None) -> None:
     """``step(idx, work)`` updates ``work``, fp32 tensors of ``params[i]``'s shapes for i in ``idx``, in place: fp32
-    weights themselves; other dtypes as views of one flat fp32 copy per device and dtype, then written back by
-    :func:`write_all` under ``mode`` (``comps``: each tensor's Kahan buffer or None; ``keys``: its noise key)."""
+    weights themselves; other dtypes as views of a flat fp32 copy per device and dtype, then written back by
+    :func:`write_all` under ``mode`` (``comps``: each tensor's Kahan buffer or None; ``keys``: its noise key). The
+    copies hold at most :data:`CHUNK` elements (a larger tensor alone), so ``step`` is called once per chunk: the
+    temporaries are bounded by the chunk or the largest tensor, not by the model."""
     kinds = {}
     for i, p in enumerate(params):
         kinds.setdefault(None if p.dtype == torch.float32 else (p.device, p.dtype), []).append(i)
     for kind, idx in kinds.items():
-        ps = [params[i].detach() for i in idx]
         if kind is None:
-            step(idx, ps)
+            step(idx, [params[i].detach() for i in idx])
             continue
-        old = fp32_copies(ps)[0]
-        new = old.clone()
-        step(idx, flat_views(new, ps))
-        write_all(ps, old, new, None if comps is None else [comps[i] for i in idx], mode,
-                  None if keys is None else [keys[i] for i in idx])
+        for chunk in _chunks(idx, [params[i].numel() for i in idx]):
+            ps = [params[i].detach() for i in chunk]
+            old = fp32_copies(ps)[0]
+            new = old.clone()
+            step(chunk, flat_views(new, ps))
+            write_all(ps, old, new, None if comps is None else [comps[i] for i in chunk], mode,
+                      None if keys is None else [keys[i] for i in chunk])
+
+
+def _chunks(idx: list[int], sizes: list[int]) -> list[list[int]]:
+    """``idx`` cut into consecutive runs of at most :data:`CHUNK` elements in all (``sizes``: each one's), a tensor
+    larger than that in a run of its own."""
+    chunks, total = [[]], 0
+    for i, n in zip(idx, sizes):
+        if chunks[-1] and total + n > CHUNK:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += n
+    return chunks
 
 
 def fp32_copies(params) -> tuple[Tensor, list[Tensor]]:
@@ -200,9 +219,10 @@ def write_all(params, old: Tensor, new: Tensor, comps, mode: str, keys) -> None:
         fresh = (old + y).to(params[0].dtype)
         torch._foreach_copy_(comps, flat_views(y - (fresh.float() - old), params))  # what the rounded weight missed
     else:
-        sizes = torch.tensor([p.numel() for p in params], device=old.device)
-        starts = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+        # each element's key and element_index, in int32: 12 bytes per element of the (chunked) buffer
+        sizes = torch.tensor([p.numel() for p in params], dtype=torch.int32, device=old.device)
+        starts = torch.repeat_interleave(torch.cumsum(sizes, 0, dtype=torch.int32) - sizes, sizes)
         key = torch.repeat_interleave(torch.tensor(keys, dtype=torch.int32, device=old.device), sizes)
-        idx = (torch.arange(old.numel(), device=old.device) - starts).to(torch.int32)  # each tensor's element_index
+        idx = torch.arange(old.numel(), dtype=torch.int32, device=old.device) - starts
         fresh = round_stochastic(old + (new - old), params[0].dtype, hash_noise(key, idx)).to(params[0].dtype)
     torch._foreach_copy_(params, flat_views(fresh, params))
