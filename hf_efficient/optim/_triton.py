@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import os
 import threading
+from array import array
 
 import torch
 
 from .compensation import C_MODES, WEIGHT_STREAM
 
 __all__ = ["available", "applies", "interpret_on_cpu", "KAHAN", "STOCHASTIC", "NONE", "flag", "zero_flag",
-           "advance_steps", "PointerTable", "jit_helpers", "split64"]
+           "advance_steps", "PointerTable", "jit_helpers", "split64", "fp32"]
 
 KAHAN, STOCHASTIC, NONE = C_MODES["kahan"], C_MODES["stochastic"], C_MODES["none"]
 _ON_CPU = False
@@ -72,11 +73,16 @@ def applies(*tensors: torch.Tensor) -> bool:
         t.device == device for t in tensors) and available()
 
 
+def fp32(x: float) -> float:
+    """``x`` rounded to fp32 (the value a kernel's fp32 argument holds), computed on the host without a tensor."""
+    return array("f", [x])[0]
+
+
 def split64(x: float) -> tuple[float, float]:
     """A float64 as two fp32 halves whose sum is within ~2**-48 of it (Triton passes Python floats as fp32): what
     ``pow_int`` and any other float64 constant of a kernel takes."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+    hi = fp32(x)
+    return hi, fp32(x - hi)
 
 
 _ZERO: dict = {}

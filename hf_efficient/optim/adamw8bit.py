@@ -39,7 +39,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import quant8
+from . import _triton, quant8
 from ._blockwise import Blockwise8bit
 from .adamw import adamw_fp32_state
 from .quant8 import BLOCK, dynamic_map, quantize_moments
@@ -109,6 +109,7 @@ class AdamW8bit(Blockwise8bit):
     NAME = "adamw8bit"
     FAMILY = "AdamW8bit"
     MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
+    TRITON_FP32 = True  # step_32bit's CUDA tensors take adamw_fp32_state's Triton kernel (device step counts)
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)
 
@@ -120,10 +121,14 @@ class AdamW8bit(Blockwise8bit):
         super().__init__(params, defaults, fp32_state_params)
 
     def step_32bit(self, group: dict, items) -> None:
+        """fp32-state tensors through :func:`.adamw.adamw_fp32_state`: on CUDA its Triton kernel (their step counts
+        live on the device, :attr:`TRITON_FP32`; keys from positions, the void flag read in the kernel), elsewhere the
+        C kernel or torch's (keys from the steps, read on the host there)."""
         beta1, beta2 = group["betas"]
         states = [it[2] for it in items]
         adamw_fp32_state([p for p, *_ in items], [g for _, g, *_ in items], [st["exp_avg"] for st in states],
                          [st["exp_avg_sq"] for st in states], None, [st["step"] for st in states], lr=group["lr"],
                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
-                         keys=self.noise_keys(items), c_kernel=group["compile"] is None)
+                         positions=[it[3] for it in items], found_inf=_triton.flag(self, items[0][0].device),
+                         c_kernel=group["compile"] is None)

@@ -190,7 +190,7 @@ def fp32_state_step(params, grads, exp_avgs, exp_avg_sqs, comps, steps, keys, fl
     """:func:`.adamw.adamw_fp32_state` on the device (steps advanced here): ``keys`` are positions, or noise keys
     with ``keyed``."""
     _triton.advance_steps(steps, flag)
-    w = float(torch.tensor(1.0 - beta1, dtype=torch.float32))
+    w = _triton.fp32(1.0 - beta1)
     scalars = (*_triton.split64(lr), *_triton.split64(beta1), *_triton.split64(beta2), beta2, 1.0 - beta2, w,
                1.0 - lr * weight_decay, eps)
     launch(fp32_state_kernel, "fp32_state", (params, grads, exp_avgs, exp_avg_sqs, comps, steps), keys, flag,
