@@ -251,6 +251,25 @@ def test_a_stalled_scan_in_release_moves_the_guards_scan_to_one_thread(monkeypat
     assert nonfinite._HOOKS[opt].threads == 1 and release.release_info(opt).skipped_tensors == 1
 
 
+@pytest.mark.skipif(nonfinite._scan_kernel() is None, reason="no C compiler: no scan in backward")
+def test_the_backward_scans_stand_aside_while_release_checks(monkeypatch):
+    """Attached, each gradient is read once, by the release's check: the guard's backward scans (here hooked for
+    every size) leave it alone (nonfinite.defer_scans); detached, they scan again."""
+    monkeypatch.setattr(nonfinite, "_HOOK_MIN", 1)
+    calls, real = [], nonfinite._scan
+    monkeypatch.setattr(nonfinite, "_scan", lambda fn, grads, threads=None: calls.append(grads[0].numel())
+                        or real(fn, grads, threads))
+    model, opt, _ = _mlp_with_bad_grad("skip")
+    model(torch.randn(2, 4)).sum().backward()
+    assert sorted(calls) == sorted([1, 4, 4, 16, 4, 16])  # once each (twice if the guard's hooks scanned too)
+    opt.step()
+    opt.zero_grad()
+    release.detach(opt)
+    calls.clear()
+    model(torch.randn(2, 4)).sum().backward()
+    assert sorted(calls) == sorted([1, 4, 4, 16, 4, 16]) and model[1].weight.grad is not None  # the guard's hooks
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
 
 
