@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .memory import MB, MemoryEstimate, _describe, _estimate, _T
+from .memory import MB, Described, MemoryEstimate, describe_params, predict
 from .options import parse_options
-from .registry import PREFIX, get_spec
+from .registry import PICKERS, PREFIX, get_spec
 
 __all__ = ["choose_auto", "AutoChoice", "free_memory_bytes", "AUTO_MARGIN", "AUTO_ORDER", "AUTO_ORDER_BF16"]
 
@@ -90,20 +90,19 @@ def choose_auto(model, options: Mapping[str, Any] | None = None, *, device: torc
     :data:`AUTO_MARGIN` of it is kept free because activations are unknown here. When nothing fits, the
     smallest is chosen and the warning says so.
     """
-    tensors, _, model_dev, resident = _describe(model, param_dtype)
-    dev = torch.device(device) if device is not None else model_dev
-    return choose_from(tensors, dev, resident and dev == model_dev and param_dtype is None, dict(options or {}),
-                       source)
+    return choose_from(describe_params(model, param_dtype, device), dict(options or {}), source)
 
 
-def choose_from(tensors: list[_T], dev: torch.device, resident: bool, given: dict, source: str) -> AutoChoice:
+def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
+    """:func:`choose_auto` for a model already described (:func:`~hf_efficient.memory.describe_params`)."""
+    tensors, dev = described.tensors, described.device
     auto = get_spec("auto")
     opts = parse_options(auto.name, auto.options, given, source=source)
     if opts["budget_gb"] is not None:
         available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
     else:
         free = free_memory_bytes(dev)
-        held = sum(t.elements * t.dtype.itemsize for t in tensors) if resident else 0
+        held = sum(t.elements * t.dtype.itemsize for t in tensors) if described.resident else 0
         available, where = free + held, f"free on {dev} {_gb(free)} + parameters already there {_gb(held)}"
     usable = int(available * (1 - AUTO_MARGIN))
     train = [t for t in tensors if t.trainable]
@@ -111,7 +110,7 @@ def choose_from(tensors: list[_T], dev: torch.device, resident: bool, given: dic
     candidates = []
     for name in AUTO_ORDER_BF16 if bf16 else AUTO_ORDER:
         mine = {k: v for k, v in given.items() if k in get_spec(name).options}
-        candidates.append(_estimate(tensors, name, dev, None, mine, None))
+        candidates.append(predict(tensors, name, dev, options=mine))
     fitting = [c for c in candidates if c.total_bytes <= usable]
     best = fitting[0] if fitting else min(candidates, key=lambda c: c.total_bytes)
     name = best.name.removeprefix(PREFIX)
@@ -119,3 +118,11 @@ def choose_from(tensors: list[_T], dev: torch.device, resident: bool, given: dic
                         where, tuple(candidates), bool(fitting))
     logger.log(logging.INFO if choice.fits else logging.WARNING, "%s", choice.summary())  # nothing fits: a warning
     return choice
+
+
+def _estimate_choice(described: Described, options: dict) -> MemoryEstimate:
+    """``estimate_memory(model, "auto")``: the prediction for the name ``hf_eff_auto`` picks (see registry.PICKERS)."""
+    return choose_from(described, options, "estimate_memory").chosen
+
+
+PICKERS["auto"] = _estimate_choice

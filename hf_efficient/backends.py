@@ -348,7 +348,7 @@ def torch_keeps_8bit(optimizer):
     return rule
 
 
-# --- memory rules: predicted state bytes of a list of tensors (memory._T: numel, shape, dtype, embedding, count) ---
+# --- memory rules: predicted state bytes of a list of memory.ParamShape (numel, shape, dtype, embedding, count) ---
 
 _STEP = 4  # torch / torchao / our optimizers keep ``step`` as a float32 scalar tensor per parameter
 _QMAP = 256 * 4  # an 8-bit code book: 256 float32 values

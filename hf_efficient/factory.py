@@ -6,73 +6,26 @@ Everything is validated before anything is built, so a mistake leaves no half-ma
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from .guard import check_params, protect, read_voided
+from .auto import choose_auto
+from .guard import check_params, protect
+# re-exported: the package and its integrations read them from here, and optimizers pickled by earlier versions name
+# hf_efficient.factory.OptimizerInfo
+from .info import OptimizerInfo, optimizer_info
 from .optim import _native
 from .options import check_flags, check_hyperparams, check_unique, parse_options
-from .param_groups import DecaySplit, build_param_groups, named_params, param_device, split_parameters
+from .param_groups import build_param_groups, named_params, param_device, split_parameters
 from .optim.compensation import LOW_PRECISION
-from .registry import Resolution, compensation_of, get_spec, resolve
+from .registry import compensation_of, get_spec, resolve
+from .release import attach
 
 __all__ = ["create_optimizer", "OptimizerInfo", "optimizer_info"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class OptimizerInfo:
-    """What was decided for an optimizer made here; attached to it as ``optimizer.hf_efficient``.
-
-    ``steps`` and ``skipped_steps`` are exact whenever read: where the guard checks gradients on the device (CUDA,
-    see :mod:`hf_efficient.guard`), whether a step was voided is known there only, and reading either of them reads
-    it (one device read), never the step itself.
-    """
-
-    resolution: Resolution
-    options: dict[str, Any]
-    split: DecaySplit | None  # None when plain parameters (not a model) were given
-    counted_steps: int = 0  # step() calls applied, or voided on the device and not read yet (see steps)
-    counted_skips: int = 0  # steps skipped, as read so far (see skipped_steps)
-    unread_voids: torch.Tensor | None = field(default=None, repr=False)  # the guard's device count, not read yet
-
-    @property
-    def steps(self) -> int:
-        """Steps taken (saved in state_dict, so it survives a resume)."""
-        read_voided(self)
-        return self.counted_steps
-
-    @steps.setter
-    def steps(self, n: int) -> None:
-        read_voided(self)
-        self.counted_steps = n
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite gradient under nonfinite="skip"."""
-        read_voided(self)
-        return self.counted_skips
-
-    @skipped_steps.setter
-    def skipped_steps(self, n: int) -> None:
-        read_voided(self)
-        self.counted_skips = n
-
-
-def unwrap(optimizer):
-    """The optimizer :func:`create_optimizer` made, inside Accelerate's (or any ``.optimizer``) wrapper."""
-    while not hasattr(optimizer, "hf_efficient") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo | None:
-    """The :class:`OptimizerInfo` of an optimizer made by :func:`create_optimizer` (unwraps Accelerate's)."""
-    return getattr(unwrap(optimizer), "hf_efficient", None)
 
 
 def create_optimizer(model: nn.Module | Iterable, name: str, *, lr: float = 1e-3, weight_decay: float = 0.0,
@@ -102,8 +55,6 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
     """:func:`create_optimizer` with options as given by ``source`` (text or values), named in errors."""
     spec = get_spec(name)
     if spec.name == "auto":  # the name comes from the model's predicted footprint; see auto.choose_auto
-        from .auto import choose_auto
-
         model = model if isinstance(model, nn.Module) else list(model)
         choice = choose_auto(model, raw_options, source=source)
         spec, raw_options = get_spec(choice.name), choice.options
@@ -133,8 +84,6 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
     optimizer.hf_efficient = OptimizerInfo(res, options, split)
     protect(optimizer, optimizer.hf_efficient)
     if options.get("gradient_release"):  # before any LR scheduler wraps step(): the Trainer and the plugin agree
-        from .release import attach
-
         attach(optimizer)
     return optimizer
 

@@ -14,6 +14,10 @@ unit torch and nvidia-smi report in), and every message says MiB or GiB (:func:`
 Without tensor shapes (``estimate_memory(65_783_042, ...)``) the count assumes the parameters are
 2-D matrices of :data:`ASSUMED_COLUMNS` columns cut into tensors of at most 2**20 elements, none an
 embedding and none below ``min_8bit_size``; the result says so in ``assumption``.
+
+To compare several names on one model (``hf_eff_auto`` does), describe it once (:func:`describe_params`) and
+:func:`predict` each name. A name that picks another per model answers ``estimate_memory`` through the registry's
+``PICKERS``.
 """
 
 from __future__ import annotations
@@ -22,19 +26,21 @@ import logging
 import resource
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
 from .backends import adamw_memory
+from .info import unwrap
 from .optim.compensation import LOW_PRECISION
 from .options import parse_options
 from .param_groups import split_parameters
-from .registry import PREFIX, compensation_of, get_spec, resolve
+from .registry import PICKERS, PREFIX, compensation_of, get_spec, resolve
 
-__all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate", "peak_memory",
-           "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS"]
+__all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate",
+           "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
+           "describe_params", "predict"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +70,7 @@ def optimizer_state_bytes(optimizer, by: str | None = None) -> int | dict[str, i
     """
     if by not in (None, "key", "dtype", "device"):
         raise ValueError(f"by={by!r}: use None (total), 'key', 'dtype' or 'device'")
-    while not hasattr(optimizer, "state") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
+    optimizer = unwrap(optimizer, until="state")
     seen: set = set()
     out: dict[str, int] = {}
     for per_param in optimizer.state.values():
@@ -92,7 +97,7 @@ def state_metrics(optimizer) -> dict[str, float] | None:
     if not measured:
         return None
     with_state = {id(p): p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)}
-    baseline = adamw_memory([_T(p.numel(), tuple(p.shape), torch.float32) for p in with_state.values()], {})
+    baseline = adamw_memory([ParamShape(p.numel(), tuple(p.shape), torch.float32) for p in with_state.values()], {})
     return {"optimizer_state_mb": measured / MB, "fp32_adamw_state_mb": baseline / MB,
             "optimizer_state_saving": 1.0 - measured / baseline if baseline else 0.0}
 
@@ -131,9 +136,10 @@ def peak_memory(device: torch.device | str) -> tuple[str, int]:
 # --------------------------------------------------------------------------------------------- predicted
 
 @dataclass(frozen=True)
-class _T:
-    """What the rules need of one parameter: size, shape, dtype, whether it is an embedding matrix, and how
-    many parameters are alike (``count``: a bare count's identical matrices are one entry, not millions)."""
+class ParamShape:
+    """What the memory rules need of one parameter: size, shape, dtype, whether it is an embedding matrix, whether
+    it trains, and how many parameters are alike (``count``: a bare count's identical matrices are one entry, not
+    millions)."""
 
     numel: int
     shape: tuple[int, ...]
@@ -210,26 +216,25 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
         >>> est = estimate_memory(model, "adam8bit")
         >>> print(f"{format_bytes(est.state_bytes)}; this saves {est.saving:.0%} against fp32 AdamW")
     """
-    tensors, assumption, model_device, resident = _describe(model, param_dtype)
-    dev = torch.device(device) if device is not None else model_device
-    if get_spec(name).name == "auto":
-        if backend is not None:
-            options["backend"] = backend
-        from .auto import choose_from  # the hf_eff_auto choice is a concern of its own, built on these counts
-
-        return choose_from(tensors, dev, resident and dev == model_device and param_dtype is None, options,
-                           "estimate_memory").chosen
-    return _estimate(tensors, name, dev, backend, options, assumption)
+    described = describe_params(model, param_dtype, device)
+    pick = PICKERS.get(get_spec(name).name)
+    if pick is not None:  # a name that picks another per model (hf_eff_auto): the estimate of the one it picks
+        return pick(described, dict(options, **({"backend": backend} if backend else {})))
+    return predict(described.tensors, name, described.device, backend=backend, options=options,
+                   assumption=described.assumption)
 
 
-def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | None, options: Mapping,
-              assumption: str | None) -> MemoryEstimate:
+def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backend: str | None = None,
+            options: Mapping[str, Any] | None = None, assumption: str | None = None) -> MemoryEstimate:
+    """The prediction of :func:`estimate_memory` for parameters already described (:func:`describe_params`): the
+    bytes of ``name`` on ``device`` by the rule of the backend the registry picks there. For callers that compare
+    several names on one model (``hf_eff_auto``) without describing it again for each."""
     spec = get_spec(name)
-    opts = parse_options(spec.name, spec.options, dict(options, **({"backend": backend} if backend else {})),
-                         source="estimate_memory")
+    given = dict(options or {}, **({"backend": backend} if backend else {}))
+    opts = parse_options(spec.name, spec.options, given, source="estimate_memory")
     opts["compensation"] = compensation_of(spec, opts["compensation"])
     low = any(t.dtype in LOW_PRECISION for t in tensors if t.trainable)
-    res = resolve(spec.name, dev, opts["backend"], log=False, compensated=low and opts["compensation"] != "none")
+    res = resolve(spec.name, device, opts["backend"], log=False, compensated=low and opts["compensation"] != "none")
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
         opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")
@@ -237,7 +242,7 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
     train = [t for t in tensors if t.trainable]
     dtypes = {_dtype_name(t.dtype) for t in train}
     return MemoryEstimate(
-        name=PREFIX + res.name, backend=res.backend, device=dev.type, num_params=sum(t.elements for t in train),
+        name=PREFIX + res.name, backend=res.backend, device=device.type, num_params=sum(t.elements for t in train),
         param_dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
         param_bytes=sum(t.elements * t.dtype.itemsize for t in tensors),
         grad_bytes=sum(t.elements * t.dtype.itemsize for t in train),
@@ -245,13 +250,31 @@ def _estimate(tensors: list[_T], name: str, dev: torch.device, backend: str | No
         options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason)
 
 
-def _as_fp32(t: _T) -> _T:
-    return _T(t.numel, t.shape, torch.float32, t.embedding, t.trainable, t.count)
+def _as_fp32(t: ParamShape) -> ParamShape:
+    return ParamShape(t.numel, t.shape, torch.float32, t.embedding, t.trainable, t.count)
 
 
-def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, bool]:
-    """``model``'s parameters as :class:`_T`, the shape assumption made (if any), its device, and whether
-    the parameters really occupy that device (False for a count, a config, a meta model)."""
+class Described(NamedTuple):
+    """A model as the predictions see it (:func:`describe_params`)."""
+
+    tensors: list[ParamShape]
+    assumption: str | None  # the shapes assumed for a bare parameter count, else None
+    device: torch.device  # where training runs: the one asked for, else the model's (see estimate_memory)
+    resident: bool  # the parameters already occupy that memory, as they will train (their bytes are not needed anew)
+
+
+def describe_params(model, param_dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None) -> Described:
+    """``model`` (anything :func:`estimate_memory` takes) as one :class:`ParamShape` per parameter, for
+    :func:`predict`; ``param_dtype`` and ``device`` as :func:`estimate_memory` takes them."""
+    tensors, assumption, model_device, resident = _read_params(model, param_dtype)
+    dev = torch.device(device) if device is not None else model_device
+    return Described(tensors, assumption, dev, resident and dev == model_device and param_dtype is None)
+
+
+def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torch.device, bool]:
+    """``model``'s parameters, the shape assumption made (if any), its device, and whether the parameters really
+    occupy that device (False for a count, a config, a meta model)."""
     dtype = _as_dtype(param_dtype)
     default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
@@ -267,7 +290,7 @@ def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, b
             raise ValueError(f"a parameter count must be positive and at most {MAX_PARAMS:.0e} (the largest models "
                              f"have ~2e12), got {model!r}: check the number")
         full, rest = divmod(n, _ASSUMED_TENSOR)
-        tensors = [_T(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32, count=c)
+        tensors = [ParamShape(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32, count=c)
                    for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
         assumption = (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
                       f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
@@ -278,14 +301,14 @@ def _describe(model, param_dtype) -> tuple[list[_T], str | None, torch.device, b
         split = split_parameters(model)
         embeddings = set(split.embeddings)
         params = dict(model.named_parameters())
-        tensors = [_T(p.numel(), tuple(p.shape), dtype or p.dtype, n in embeddings, n in split.params)
+        tensors = [ParamShape(p.numel(), tuple(p.shape), dtype or p.dtype, n in embeddings, n in split.params)
                    for n, p in params.items()]
         devices = {p.device for p in params.values()}
     else:
         items = list(model)
         params = [p for g in items for p in g["params"]] if items and isinstance(items[0], dict) else items
         params = [p[1] if isinstance(p, tuple) else p for p in params]
-        tensors = [_T(p.numel(), tuple(p.shape), dtype or p.dtype) for p in params]
+        tensors = [ParamShape(p.numel(), tuple(p.shape), dtype or p.dtype) for p in params]
         devices = {p.device for p in params}
     if not tensors:
         raise ValueError(f"{type(model).__name__} has no parameters to estimate")

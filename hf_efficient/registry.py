@@ -23,7 +23,7 @@ from . import backends
 from .optional import install_hint, version_of
 
 __all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "FAMILIES", "SPECS", "PREFIX",
-           "get_spec", "resolve", "available_optimizers", "compensation_of"]
+           "PICKERS", "get_spec", "resolve", "available_optimizers", "compensation_of"]
 
 logger = logging.getLogger(__name__)
 PREFIX = "hf_eff_"
@@ -367,6 +367,10 @@ SPECS["auto"] = OptimizerSpec(
     "auto", AUTO, float("nan"), "that of the name picked", "the most accurate of adamw > adamw_bf16 (bf16 models) > "
     "adam8bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
     tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",), estimate_rows=())
+# How a name that picks another per model answers memory.estimate_memory: (memory.Described, options) -> the
+# MemoryEstimate of the name it picks. Filled by the module that picks (auto.py, imported with the package): it is
+# built on memory's predictions, which read this table, so neither this table nor memory imports it.
+PICKERS: dict[str, Callable] = {}
 
 
 def available_optimizers() -> list[str]:

@@ -75,8 +75,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import Variable
 
-from . import guard
-from .factory import unwrap
+from . import guard, nonfinite
+from .info import unwrap
 from .param_groups import named_params
 
 __all__ = ["attach", "detach", "is_attached", "release_info", "ReleaseInfo", "check_trainer_args",
@@ -138,7 +138,7 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         or DTensor (sharded) parameters. Nothing is attached then.
     """
     opt = unwrap(optimizer)
-    if not isinstance(opt, guard._Protected):
+    if guard.backend_class(opt) is None:
         raise TypeError(f"gradient release attaches to an optimizer made by hf_efficient.create_optimizer (or the "
                         f"Trainer with an hf_eff_* optim), got {type(optimizer).__name__}: its step is what each "
                         "hook runs, with the inf/NaN policy of hf_efficient.guard")
@@ -156,6 +156,7 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
     if rel is None:
         rel = _ATTACHED[opt] = _Release(opt, bucket_bytes)
         opt.__class__ = _attached_class(type(opt))
+        nonfinite.defer_scans(opt, True)  # each tensor is checked here, in the release's hook
     rel.bucket_bytes = bucket_bytes
     rel.hook(named)
 
@@ -167,6 +168,7 @@ def detach(optimizer) -> None:
     if rel is not None:
         rel.remove()
         opt.__class__ = type(opt).__bases__[1]  # the class before attach (see _attached_class)
+        nonfinite.defer_scans(opt, False)
 
 
 def _refuse_distributed(named) -> None:
@@ -221,7 +223,7 @@ class _Release:
         self.bucket_bytes = bucket_bytes
         self.pending: list[torch.Tensor] = []  # completed gradients waiting for the bucket to fill
         self.pending_bytes = 0
-        self.step = _raw_step(type(opt)._hf_eff_base)
+        self.step = _raw_step(guard.backend_class(opt))
         self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.names: dict[int, str] = {}
         self.info = ReleaseInfo(params=0)
@@ -333,7 +335,8 @@ class _Release:
         self.held.add(id(p))
         self.zeros.discard(id(p))  # it holds this backward's gradient now, not zeros
         info = opt.hf_efficient
-        if info.options.get("nonfinite", "ignore") != "ignore" and not p.grad.is_sparse and self._bad(opt, p.grad):
+        checked = info.options.get("nonfinite", "ignore") != "ignore" and not p.grad.is_sparse
+        if checked and nonfinite.is_bad(opt, p.grad):
             self._nonfinite(opt, p, info)
             return
         self._add(opt, p)
@@ -373,7 +376,7 @@ class _Release:
         """Step the pending parameters (the only ones holding gradients) in one call of the backend's step."""
         if not self.pending:
             return
-        guard._in_param_layout(opt)  # gradients whose strides differ from their parameter's: a copy in its layout
+        guard.grads_in_param_layout(opt)  # gradients whose strides differ from their parameter's: a copy in its layout
         with torch.no_grad():
             self.step(opt)
         for q in self.pending:
@@ -381,14 +384,6 @@ class _Release:
         self.stepped += len(self.pending)
         self.info.stepped_tensors += len(self.pending)
         self.pending, self.pending_bytes = [], 0
-
-    @staticmethod
-    def _bad(opt, grad: torch.Tensor) -> bool:
-        """The guard's own scan in backward (its C scan with its stall rule, on the gradient still in cache), where the
-        guard hooked this optimizer; else, or where the C scan does not apply, torch's check (as the guard's step)."""
-        hooks = guard._HOOKS.get(opt)
-        clean = None if hooks is None else hooks.scan(grad)
-        return guard._first_bad_torch([grad]) >= 0 if clean is None else not clean
 
     def _nonfinite(self, opt, p, info) -> None:
         name, spec = self.names[id(p)], info.resolution.spec

@@ -23,7 +23,7 @@ cannot be faster than ``bytes / bandwidth``; "% of limit" is that bound over the
 
 The gradients are set once through a backward pass (``torch.autograd.backward`` on the parameters), as training
 sets them: the inf/NaN check of ``nonfinite=raise|skip`` scans large CPU gradients in backward, in its
-post-accumulate-grad hooks (``hf_efficient.guard``), so a step row holds only what ``step()`` itself does. What the
+post-accumulate-grad hooks (``hf_efficient.nonfinite``), so a step row holds only what ``step()`` itself does. What the
 check costs in backward is measured by ``--backward-reps``: forward + backward + step of a model made of the same
 layers, per optimizer, with the check's time inside backward timed on its own.
 
@@ -52,7 +52,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hf_efficient as hfe  # noqa: E402
-from hf_efficient import guard  # noqa: E402
+from hf_efficient import nonfinite  # noqa: E402
+from hf_efficient.info import unwrap  # noqa: E402
 from hf_efficient.registry import SPECS  # noqa: E402
 
 LR, WD = 1e-4, 0.01
@@ -333,9 +334,9 @@ def run(args) -> dict:
     finally:
         gc.enable()
     nbytes = 2 * src.numel() * src.element_size()  # read and write every byte, in both probes
-    large = [p.grad for m in shared.values() for p in m.parameters() if p.grad.numel() >= guard._HOOK_MIN]
+    large = [p.grad for m in shared.values() for p in m.parameters() if p.grad.numel() >= nonfinite._HOOK_MIN]
     return {"cands": cands, "bandwidth": nbytes / median(inplace_times), "copy_bandwidth": nbytes / median(copy_times),
-            "probes": len(inplace_times), "vouched": all(guard._scanned_clean(g) for g in large)}
+            "probes": len(inplace_times), "vouched": all(nonfinite._scanned_clean(g) for g in large)}
 
 
 def _paired_ratio(times: list[float], base: list[float]) -> float:
@@ -402,8 +403,7 @@ def trainer_overhead(args) -> list[dict]:
             self.marks, self.opt_times = [], []
 
         def on_train_begin(self, args, state, control, optimizer=None, **k):
-            while hasattr(optimizer, "optimizer"):  # Accelerate's wrapper: time the optimizer it wraps
-                optimizer = optimizer.optimizer
+            optimizer = unwrap(optimizer, until=None)  # Accelerate's wrapper: time the optimizer it wraps
             inner = optimizer.step  # ours: the guarded step; either way, the LR scheduler's counting wrapper
 
             def timed(*a, **kw):
@@ -521,7 +521,7 @@ class _ScanClock:
     """Time spent in the guard's C scan while ``inside`` is set (during backward: the scans its hooks run)."""
 
     def __init__(self):
-        self.inside, self.seconds, self.real = False, 0.0, guard._scan
+        self.inside, self.seconds, self.real = False, 0.0, nonfinite._scan
 
     def __enter__(self):
         def timed(*a, **kw):
@@ -533,11 +533,11 @@ class _ScanClock:
             finally:
                 self.seconds += time.perf_counter() - t
 
-        guard._scan = timed
+        nonfinite._scan = timed
         return self
 
     def __exit__(self, *exc):
-        guard._scan = self.real
+        nonfinite._scan = self.real
 
 
 def backward_run(args) -> list[dict]:

@@ -1,7 +1,7 @@
 """The guard's inf/NaN check on the device (hf_efficient.guard, "On CUDA, without a host synchronisation"): the flag
 is computed on the device and handed to the backend as ``optimizer.found_inf``; ``skip`` reads nothing, ``raise``
-raises at the next host read. CI has no GPU: the guard's private switch sends CPU tensors down the same path, and
-torch's fused CPU AdamW honours ``found_inf`` as its CUDA kernel does, so the whole logic runs here."""
+raises at the next host read. CI has no GPU: hf_efficient.nonfinite's private switch sends CPU tensors down the same
+path, and torch's fused CPU AdamW honours ``found_inf`` as its CUDA kernel does, so the whole logic runs here."""
 
 import contextlib
 
@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
-from hf_efficient import guard
+from hf_efficient import guard, nonfinite
 
 NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
 def device_flag(monkeypatch):
-    monkeypatch.setattr(guard, "_DEVICE_FLAG_ON_CPU", True)
+    monkeypatch.setattr(nonfinite, "_DEVICE_FLAG_ON_CPU", True)
 
 
 @contextlib.contextmanager
@@ -73,13 +73,17 @@ def test_fused_torch_adamw_with_found_inf_changes_nothing():
     assert float(opt.state[p]["step"]) == 1  # the step count taken back too
 
 
+def _on_device(opt, scaled: bool) -> bool:
+    return nonfinite.checks_on_device(opt, guard.backend_class(opt), scaled)
+
+
 def test_the_table_says_who_takes_the_flag():
-    assert guard._device_check_applies(_setup("skip")[1], scaled=False)  # torch's fused AdamW (CPU has it too)
-    assert not guard._device_check_applies(_setup("skip")[1], scaled=True)  # a GradScaler checked on the host
+    assert _on_device(_setup("skip")[1], scaled=False)  # torch's fused AdamW (CPU has it too)
+    assert not _on_device(_setup("skip")[1], scaled=True)  # a GradScaler checked on the host
     # this package's 8-bit AdamW on its C / compiled path: no flag read, so the host check stays
-    assert not guard._device_check_applies(_setup("skip", "adam8bit", backend="torch")[1], scaled=False)
-    guard._DEVICE_FLAG_ON_CPU = False
-    assert not guard._device_check_applies(_setup("skip")[1], scaled=False)  # CPU, outside tests
+    assert not _on_device(_setup("skip", "adam8bit", backend="torch")[1], scaled=False)
+    nonfinite._DEVICE_FLAG_ON_CPU = False
+    assert not _on_device(_setup("skip")[1], scaled=False)  # CPU, outside tests
 
 
 @pytest.mark.parametrize("value", [NAN, INF, -2.0**64])

@@ -1,4 +1,4 @@
-"""The guard's inf/NaN scan moved into backward (hf_efficient.guard, "Where that scan runs"): a gradient a hook found
+"""The guard's inf/NaN scan moved into backward (hf_efficient.nonfinite, "the backward scan"): a gradient a hook found
 clean is not read again at step(), and no change to a gradient after its hook (through torch's ops, a GradScaler, DDP)
 lets a bad value through."""
 
@@ -12,25 +12,25 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
-from hf_efficient import guard
+from hf_efficient import nonfinite
 
 NAN, INF = float("nan"), float("inf")
 BIG = 256  # nn.Linear(BIG, BIG).weight has 65,536 elements: scanned in backward; its bias (256) is left to step()
 
-pytestmark = pytest.mark.skipif(guard._scan_kernel() is None, reason="no C compiler: no scan in backward")
+pytestmark = pytest.mark.skipif(nonfinite._scan_kernel() is None, reason="no C compiler: no scan in backward")
 
 
 @pytest.fixture
 def scans(monkeypatch):
     """The number of elements of every C scan call (a hook's or the step's), in order."""
     calls = []
-    real = guard._scan
+    real = nonfinite._scan
 
     def spy(fn, grads, threads=None):
         calls.append(sum(g.numel() for g in grads))
         return real(fn, grads, threads)
 
-    monkeypatch.setattr(guard, "_scan", spy)
+    monkeypatch.setattr(nonfinite, "_scan", spy)
     return calls
 
 
@@ -82,7 +82,7 @@ def test_a_gradient_scanned_in_backward_is_not_scanned_again(name, scans):
 def test_nonfinite_ignore_adds_no_hooks():
     model = _model()
     opt = _named(model, nonfinite="ignore")
-    assert opt not in guard._HOOKS and not model.weight._post_accumulate_grad_hooks
+    assert opt not in nonfinite._HOOKS and not model.weight._post_accumulate_grad_hooks
 
 
 # --- a bad gradient never slips through -----------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_accumulation_decides_on_the_summed_gradient_like_a_scan_at_step():
     opt = _named(model)
     _backward(model, poison=2.0**65)
     _backward(model, poison=-(2.0**65))
-    assert guard._first_bad_torch([model.weight.grad]) == -1
+    assert nonfinite._first_bad_torch([model.weight.grad]) == -1
     opt.step()
     assert opt.hf_efficient.steps == 1
 
@@ -177,7 +177,7 @@ def test_a_grad_scaler_unscale_is_not_trusted(scans):
     opt = _named(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=0.5)
     _backward(model, scaler, poison=1.5 * 2.0**63)  # the poison sets the scaled gradient: clean
-    assert model.weight.grad[3].abs().max() == 1.5 * 2.0**63 and guard._scanned_clean(model.weight.grad)
+    assert model.weight.grad[3].abs().max() == 1.5 * 2.0**63 and nonfinite._scanned_clean(model.weight.grad)
     version = model.weight.grad._version
     before = model.weight.detach().clone()
     with pytest.raises(FloatingPointError, match="'weight'"):
@@ -208,7 +208,7 @@ def test_the_optimizer_made_after_a_backward_scans_those_gradients():
     _raises_and_untouched(opt, model)
     opt.zero_grad()
     _backward(model)  # now hooked
-    assert guard._scanned_clean(model.weight.grad)
+    assert nonfinite._scanned_clean(model.weight.grad)
     opt.step()
 
 
@@ -265,7 +265,7 @@ def test_hooks_go_quiet_where_the_step_scans_again_and_come_back(loop, scans, mo
     """Clipping changes every gradient after backward (torch._foreach_mul_ advances the versions); micro-batches
     accumulate into the gradients after their hooks ran: the step scans them again, so the hooks stop scanning (for
     _RETRY_STEPS steps), and the step still finds a bad gradient meanwhile."""
-    monkeypatch.setattr(guard, "_RETRY_STEPS", 3)
+    monkeypatch.setattr(nonfinite, "_RETRY_STEPS", 3)
     model = _model()
     opt = _named(model)
 
@@ -306,11 +306,11 @@ def test_a_stalled_scan_moves_the_hooks_to_one_thread(monkeypatch, scans):
     hooks scan on one thread from then on; what they find is the same."""
     model = _model()
     opt = _named(model)
-    hooks = guard._HOOKS[opt]
+    hooks = nonfinite._HOOKS[opt]
     assert hooks.threads is None
-    monkeypatch.setattr(guard, "_STALLED", float("inf"))  # every scan counts as stalled
+    monkeypatch.setattr(nonfinite, "_STALLED", float("inf"))  # every scan counts as stalled
     _backward(model)
-    assert hooks.threads == 1 and guard._scanned_clean(model.weight.grad)
+    assert hooks.threads == 1 and nonfinite._scanned_clean(model.weight.grad)
     opt.zero_grad()
     _backward(model, poison=NAN)
     _raises_and_untouched(opt, model)
@@ -395,7 +395,7 @@ def test_a_copy_has_its_own_hooks(how):
     opt.step()
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     weight = twin.param_groups[0]["params"][0]
-    assert weight is not model.weight and twin in guard._HOOKS
+    assert weight is not model.weight and twin in nonfinite._HOOKS
     assert len(weight._post_accumulate_grad_hooks) == 1 and len(model.weight._post_accumulate_grad_hooks) == 1
     weight.grad = None
     (weight.sum() * NAN).backward()
@@ -419,7 +419,7 @@ def test_a_dead_gradient_leaves_no_record():
     opt = _named(model)  # noqa: F841  alive: its hooks run
     _backward(model)
     key = id(model.weight.grad)
-    assert key in guard._CLEAN
+    assert key in nonfinite._CLEAN
     model.weight.grad = None
     gc.collect()
-    assert key not in guard._CLEAN
+    assert key not in nonfinite._CLEAN

@@ -231,7 +231,7 @@ def test_every_rank_enters_the_nonfinite_all_reduce_also_without_gradients(monke
     no gradient this step must still enter it, or the others wait for ever."""
     import torch.distributed as dist
 
-    from hf_efficient import guard
+    from hf_efficient import nonfinite
 
     class Shard(nn.Parameter):  # what the guard looks for in a DTensor: to_local()
         def to_local(self):
@@ -241,15 +241,15 @@ def test_every_rank_enters_the_nonfinite_all_reduce_also_without_gradients(monke
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: calls.append(int(t)))
     opt = hfe.create_optimizer([Shard(torch.zeros(8))], "adamw", nonfinite="skip")
-    assert guard.first_nonfinite(opt) is None and calls == [0]  # no gradient here: entered all the same
+    assert nonfinite.first_nonfinite(opt) is None and calls == [0]  # no gradient here: entered all the same
     opt.param_groups[0]["params"][0].grad = torch.full((8,), NAN)
-    assert guard.first_nonfinite(opt) == "group0.param0" and calls == [0, 1]
+    assert nonfinite.first_nonfinite(opt) == "group0.param0" and calls == [0, 1]
 
 
 def test_a_c_scan_that_misses_values_is_not_used(monkeypatch, caplog):
     """The C gradient scan is admitted by a probe over 3 threads on a range that splits unevenly: a scan that does
     only part of the range (the old split under OMP_THREAD_LIMIT=1) is refused, and the torch check is used."""
-    from hf_efficient import guard
+    from hf_efficient import nonfinite
     from hf_efficient.optim import _native
 
     if _native.load("grad_check_cpu.c") is None:
@@ -271,11 +271,11 @@ def test_a_c_scan_that_misses_values_is_not_used(monkeypatch, caplog):
     monkeypatch.setattr(_dispatch, "_COMPILED", {})  # the scan is cached, probed and logged by the dispatcher
     monkeypatch.setattr(_dispatch, "_LOGGED", set())
     with caplog.at_level("WARNING", logger="hf_efficient.optim._dispatch"):
-        assert guard._scan_kernel() is None
+        assert nonfinite._scan_kernel() is None
     assert "grad_check_cpu.c disagrees with the eager kernel on its probe" in caplog.text
     grads = [torch.zeros(300_000)]
     grads[0][-1] = NAN
-    assert guard._first_bad_native(grads) is None and guard._first_bad_torch(grads) == 0
+    assert nonfinite._first_bad_native(grads) is None and nonfinite._first_bad_torch(grads) == 0
 
 
 def test_a_thread_limit_below_torchs_thread_count_is_warned(monkeypatch, caplog):

@@ -325,7 +325,7 @@ def test_adamw_on_half_precision_params_keeps_fp32_moments_and_a_kahan_buffer(dt
 
 def test_a_count_is_counted_by_kinds_of_tensor_not_one_by_one():
     n = 10**12 + 5  # 953,675 assumed tensors of 2**20 elements and one of the rest: two kinds
-    tensors = memory._describe(n, None)[0]
+    tensors = memory.describe_params(n).tensors
     assert len(tensors) == 2 and sum(t.elements for t in tensors) == n
     n = memory.MAX_PARAMS  # at the cap, still instant
     est = estimate_memory(n, "adamw", device="cpu")

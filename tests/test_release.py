@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
-from hf_efficient import guard, release
+from hf_efficient import nonfinite, release
 from hf_efficient.factory import optimizer_info
 
 from conftest import ClassificationSet, tiny_bert, tiny_gpt2
@@ -180,14 +180,14 @@ def scan(request, monkeypatch):
     Returns the sizes of the gradients the check read, in order."""
     calls = []
     if request.param == "torch":
-        monkeypatch.setattr(guard, "_scan_kernel", lambda: None)
-        real = guard._first_bad_torch
-        monkeypatch.setattr(guard, "_first_bad_torch", lambda grads: calls.append(grads[0].numel()) or real(grads))
-    elif guard._scan_kernel() is None:
+        monkeypatch.setattr(nonfinite, "_scan_kernel", lambda: None)
+        real = nonfinite._first_bad_torch
+        monkeypatch.setattr(nonfinite, "_first_bad_torch", lambda grads: calls.append(grads[0].numel()) or real(grads))
+    elif nonfinite._scan_kernel() is None:
         pytest.skip("no C compiler: no C scan")
     else:
-        real_scan = guard._scan
-        monkeypatch.setattr(guard, "_scan", lambda fn, grads, threads=None: calls.append(grads[0].numel())
+        real_scan = nonfinite._scan
+        monkeypatch.setattr(nonfinite, "_scan", lambda fn, grads, threads=None: calls.append(grads[0].numel())
                             or real_scan(fn, grads, threads))
     return calls
 
@@ -240,15 +240,34 @@ def test_nonfinite_skip_skips_that_tensor_and_counts(caplog, scan):
     assert sorted(scan) == sorted([1, 4, 4, 16, 4, 16] * 2)  # every tensor of both backward passes, once
 
 
-@pytest.mark.skipif(guard._scan_kernel() is None, reason="no C compiler: no C scan")
+@pytest.mark.skipif(nonfinite._scan_kernel() is None, reason="no C compiler: no C scan")
 def test_a_stalled_scan_in_release_moves_the_guards_scan_to_one_thread(monkeypatch):
-    """Release's check is the guard's scan in backward, with its state: a stall (see guard._STALLED) moves that
+    """Release's check is the guard's scan in backward, with its state: a stall (see nonfinite._STALLED) moves that
     optimizer's scans to one thread, and they still find a bad gradient."""
-    monkeypatch.setattr(guard, "_STALLED", float("inf"))  # every scan counts as stalled
+    monkeypatch.setattr(nonfinite, "_STALLED", float("inf"))  # every scan counts as stalled
     model, opt, _ = _mlp_with_bad_grad("skip")
-    assert guard._HOOKS[opt].threads is None
+    assert nonfinite._HOOKS[opt].threads is None
     model(torch.randn(2, 4)).sum().backward()
-    assert guard._HOOKS[opt].threads == 1 and release.release_info(opt).skipped_tensors == 1
+    assert nonfinite._HOOKS[opt].threads == 1 and release.release_info(opt).skipped_tensors == 1
+
+
+@pytest.mark.skipif(nonfinite._scan_kernel() is None, reason="no C compiler: no scan in backward")
+def test_the_backward_scans_stand_aside_while_release_checks(monkeypatch):
+    """Attached, each gradient is read once, by the release's check: the guard's backward scans (here hooked for
+    every size) leave it alone (nonfinite.defer_scans); detached, they scan again."""
+    monkeypatch.setattr(nonfinite, "_HOOK_MIN", 1)
+    calls, real = [], nonfinite._scan
+    monkeypatch.setattr(nonfinite, "_scan", lambda fn, grads, threads=None: calls.append(grads[0].numel())
+                        or real(fn, grads, threads))
+    model, opt, _ = _mlp_with_bad_grad("skip")
+    model(torch.randn(2, 4)).sum().backward()
+    assert sorted(calls) == sorted([1, 4, 4, 16, 4, 16])  # once each (twice if the guard's hooks scanned too)
+    opt.step()
+    opt.zero_grad()
+    release.detach(opt)
+    calls.clear()
+    model(torch.randn(2, 4)).sum().backward()
+    assert sorted(calls) == sorted([1, 4, 4, 16, 4, 16]) and model[1].weight.grad is not None  # the guard's hooks
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

@@ -144,7 +144,7 @@ def test_the_c_scan_and_the_torch_check_agree(threads):
     """On CPU the check scans the gradients' bits in C (one call for all); elsewhere it sums them in torch. Both
     name the same first bad gradient, wherever its inf, NaN or overflowing value (|g| >= 2**64) sits (both halves
     of a split over 2 threads), and neither flags the largest values whose square is finite."""
-    from hf_efficient import guard
+    from hf_efficient import nonfinite
 
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -153,18 +153,18 @@ def test_the_c_scan_and_the_torch_check_agree(threads):
         grads = [torch.randn(300_001, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
         grads += [torch.randn(7, 5, generator=g), torch.zeros(0), torch.full((999,), 65504.0, dtype=torch.float16),
                   torch.full((999,), 1.8e19, dtype=torch.bfloat16)]  # just below 2**64: finite square
-        native = guard._first_bad_native(grads)
+        native = nonfinite._first_bad_native(grads)
         if native is None:
             pytest.skip("no C compiler: the C scan is not built here")
-        assert native == guard._first_bad_torch(grads) == -1
+        assert native == nonfinite._first_bad_torch(grads) == -1
         for i, pos, value in [(0, 300_000, float("inf")), (1, 0, float("nan")), (2, 150_000, -float("inf")),
                               (3, 34, float("nan")), (6, 998, float("inf")), (0, 7, 2e19), (1, 299_999, -3e38)]:
             bad = [t.clone() for t in grads]
             bad[i].view(-1)[pos] = value
             bad[-1].view(-1)[0] = float("nan")  # a later bad gradient: the first one is named
-            assert guard._first_bad_native(bad) == guard._first_bad_torch(bad) == i
+            assert nonfinite._first_bad_native(bad) == nonfinite._first_bad_torch(bad) == i
         strided = [grads[3].t()]  # not contiguous: the torch check
-        assert guard._first_bad_native(strided) is None and guard._first_bad_torch(strided) == -1
+        assert nonfinite._first_bad_native(strided) is None and nonfinite._first_bad_torch(strided) == -1
     finally:
         torch.set_num_threads(n)
 

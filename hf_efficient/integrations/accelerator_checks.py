@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from ..info import unwrap
 from .distributed import check_deepspeed, check_fsdp, warn_if_processes_missing
 
 __all__ = ["check_processes_joined", "check_distributed_support", "choose_backend", "fp32_state_flags",
@@ -86,9 +87,7 @@ def restore_fp32_state_ids(optimizer, flags) -> None:
     """Re-take the 32-bit-state ids from :func:`fp32_state_flags` (taken before ``prepare``) by position."""
     if flags is None:
         return
-    inner = optimizer
-    while not hasattr(inner, "_fp32_ids") and hasattr(inner, "optimizer"):
-        inner = inner.optimizer
+    inner = unwrap(optimizer, until="_fp32_ids")
     inner._fp32_ids = {id(p) for g, fl in zip(inner.param_groups, flags) for p, keep in zip(g["params"], fl) if keep}
 
 
@@ -96,9 +95,7 @@ def drop_stale_param_names(optimizer) -> None:
     """Forget ``param_names`` of groups whose parameters a wrapper replaced (DeepSpeed ZeRO: one flat partition
     per group). They no longer name the group's tensors, and a checkpoint matched by them would be refused as
     corrupt; without them it is matched by position, as torch does."""
-    inner = optimizer
-    while hasattr(inner, "optimizer"):
-        inner = inner.optimizer
+    inner = unwrap(optimizer, until=None)
     for g in inner.param_groups:
         if len(g.get("param_names", g["params"])) != len(g["params"]):
             del g["param_names"]
