@@ -288,9 +288,9 @@ def test_the_guard_checks_on_the_device_where_every_tensor_takes_a_triton_kernel
     fp32-state ones: Lion's own kernel, AdamW8bit's through adamw.py's); then an inf gradient under nonfinite=skip
     voids the step through the flag, read nowhere in step()."""
     import hf_efficient as hfe
-    from hf_efficient import guard
+    from hf_efficient import guard, nonfinite
 
-    monkeypatch.setattr(guard, "_DEVICE_FLAG_ON_CPU", True)
+    monkeypatch.setattr(nonfinite, "_DEVICE_FLAG_ON_CPU", True)
 
     def setup(**options):
         torch.manual_seed(0)
@@ -303,7 +303,7 @@ def test_the_guard_checks_on_the_device_where_every_tensor_takes_a_triton_kernel
     assert not setup()[1].takes_found_inf()  # the C kernels read no flag
     _triton.interpret_on_cpu(True)
     model, opt = setup()
-    assert opt.takes_found_inf() and guard._device_check_applies(opt, scaled=False)
+    assert opt.takes_found_inf() and nonfinite.checks_on_device(opt, guard.backend_class(opt), scaled=False)
     opt.step()
     before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in model.parameters()]
     model.weight.grad[3, 4] = float("inf")

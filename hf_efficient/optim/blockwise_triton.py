@@ -117,11 +117,10 @@ def adamw8bit(p, g, state: dict, flag, position: int, group: dict, mode: str) ->
 
 
 def lion8bit(p, g, state: dict, flag, position: int, group: dict, mode: str) -> None:
-    """One Lion8bit step of ``p`` (contiguous) and its state (step already counted, on ``p``'s device)."""
-    from .lion8bit import _c_coefficients
-
+    """One Lion8bit step of ``p`` (contiguous) and its state (step already counted, on ``p``'s device). Its scalars
+    are Lion8bit's (``lion8bit._c_coefficients``), each rounded to fp32 by the launch as there by ``array("f")``."""
     beta1, beta2 = group["betas"]
+    lr = group["lr"]
     args, kw, grid = _common(p, g, state, flag, position, mode)
-    lion8bit_kernel[grid](p, g, state["exp_avg"].view(torch.int32), state["exp_avg_absmax"], *args,
-                          *_c_coefficients(lr=group["lr"], beta1=beta1, beta2=beta2,
-                                           weight_decay=group["weight_decay"]), **kw)
+    lion8bit_kernel[grid](p, g, state["exp_avg"].view(torch.int32), state["exp_avg_absmax"], *args, beta1,
+                          1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * group["weight_decay"], lr, **kw)
