@@ -10,6 +10,8 @@ than its cases. The single-process references run in the test process.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,19 +91,24 @@ def _dcp_state(model, optimizer) -> dict:
 
 
 def fresh_run(name: str, save_to: str | None = None) -> dict:
-    """Train all steps on this mesh, saving model and optimizer through DCP after SAVE_AT steps."""
+    """Train all steps on this mesh, saving model and optimizer through DCP after SAVE_AT steps (and taking them
+    whole, as a single-file state dict, for a user who leaves FSDP)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model = shard(Tiny())
     optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
     steps = batches()
     losses = train(model, optimizer, steps[:SAVE_AT])
+    whole = None
     if save_to is not None:
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=save_to)
+        # copied: its step tensors (and replicated statistics) are the live ones, which the steps below advance
+        whole = copy.deepcopy(get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)))
     losses += train(model, optimizer, steps[SAVE_AT:])
     state = optimizer.state[model.inp.weight]
     placements = {k: str(getattr(v, "placements", "plain")) for k, v in state.items()}
-    return {"losses": losses, "params": params_of(model), "placements": placements}
+    return {"losses": losses, "params": params_of(model), "placements": placements, "whole": whole}
 
 
 def resumed_run(name: str, load_from: str) -> dict:
@@ -143,6 +150,16 @@ def refusals() -> dict:
         out["other_model"] = str(e)
     after = optimizer.state[model.inp.weight]
     out["unchanged"] = all(torch.equal(v, full(after[k])) for k, v in before.items())
+    plain = Tiny()  # a single-process state dict handed to the sharded optimizer's own load_state_dict
+    plain_opt = hf_efficient.create_optimizer(plain, "adafactor", **OPTS["adafactor"])
+    train(plain, plain_opt, batches()[:1])
+    try:
+        optimizer.load_state_dict(plain_opt.state_dict())
+        out["plain_into_shards"] = None
+    except ValueError as e:
+        out["plain_into_shards"] = str(e)
+    after = optimizer.state[model.inp.weight]
+    out["unchanged"] &= all(torch.equal(v, full(after[k])) for k, v in before.items())
     return out
 
 
@@ -236,6 +253,20 @@ def test_dcp_save_on_two_ranks_resumes_on_another_mesh(ranks, name, world):
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][SAVE_AT:], rel=RTOL)
 
 
+@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+def test_a_whole_state_taken_on_two_ranks_resumes_in_one_process(ranks, name):
+    # DCP's full_state_dict: the single-file state a user leaving FSDP loads with the ordinary load_state_dict
+    run = ranks[2][0][name]
+    model_sd, optim_sd = run["whole"]
+    model = Tiny()
+    model.load_state_dict(model_sd)
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    optimizer.load_state_dict(optim_sd)
+    losses = train(model, optimizer, batches()[SAVE_AT:])
+    _close(params_of(model), run["params"])
+    assert losses == pytest.approx(run["losses"][SAVE_AT:], rel=RTOL)
+
+
 def test_stochastic_rounding_on_shards_rounds_as_one_process(ranks):
     one = stochastic_vector(0)["w"]
     for r in ranks[2]:
@@ -252,4 +283,5 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(ranks):
     for r in ranks[2]:
         refused = r["refusals"]
         assert refused["other_model"] is not None and "another model" in refused["other_model"], refused
+        assert "full_state_dict=True" in refused["plain_into_shards"], refused
         assert refused["unchanged"]
