@@ -186,7 +186,8 @@ def stochastic_vector(world: int) -> dict:
 
 
 def two_ranks(adafactor_dir: str, adamw_dir: str) -> dict:
-    return {"adafactor": fresh_run("adafactor", adafactor_dir), "adafactor_2to2": resumed_run("adafactor", adafactor_dir),
+    return {"adafactor": fresh_run("adafactor", adafactor_dir),
+            "adafactor_2to2": resumed_run("adafactor", adafactor_dir),
             "adamw": fresh_run("adamw", adamw_dir), "adamw_2to2": resumed_run("adamw", adamw_dir),
             "stochastic": stochastic_vector(2), "refusals": refusals()}
 

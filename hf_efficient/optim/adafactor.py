@@ -17,6 +17,12 @@ gathered in the same read of the gradient as the statistics: the C kernel then r
 and once more from cache. Where even these sums overflow (|g| near fp32's largest, late in training), the clip
 factor is 0 and the matrix keeps its weights for that step.
 
+FSDP2 (DTensor parameters, Shard(0) on a 1-D mesh: see :mod:`._sharded`): each rank steps its shard with the eager
+step, whose rounds (:func:`_eager_rounds`) sum over the shard group what needs the whole matrix: the column sums and
+row mean where the rows are split (one all-reduce per mesh for all of them), then the RMS clip's sums of squares
+(one more). The update is single-process Adafactor's up to the order of those sums. State: DTensors placed like the
+parameter; column statistics of a row-split matrix whole on every rank.
+
 Kernels. On CPU, contiguous fp32 and bf16 weights with gradients of their dtype go through a C kernel
 (``adafactor_cpu.c``, the op ``hf_efficient::adafactor_step``, built once per machine, see :mod:`._native`): all
 such tensors of a step in one call on torch's threads, the compensation in the same pass as the update. It must
