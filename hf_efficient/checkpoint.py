@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from .optim import _sharded
 from .optim.compensation import drop_unused_buffers
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
 from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
@@ -188,6 +189,7 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
     for key, value in st.items():
         if key == "step":
             continue
+        _check_sharding(value, key, p, where)
         wanted = _dtype_error(family, st, key, value)
         if wanted is not None:
             raise ValueError(f"{where} has {key} of dtype {value.dtype}, but {family.name} state keeps it in {wanted}: "
@@ -200,6 +202,22 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
             raise ValueError(f"{where} has {key} of shape {tuple(value.shape)}, but {key} of a parameter of shape "
                              f"{tuple(p.shape)} has shape {expected}: the checkpoint is for another model or "
                              "another optimizer")
+
+
+def _check_sharding(value: torch.Tensor, key: str, p: torch.Tensor, where: str) -> None:
+    """A sharded parameter (FSDP2's DTensor) takes DTensor state, a plain one plain state: the other kind would be
+    stepped as the wrong tensor (a whole state beside a shard, or a shard beside the whole weight)."""
+    if _sharded.is_sharded(value) == _sharded.is_sharded(p):
+        return
+    if _sharded.is_sharded(p):
+        raise ValueError(f"{where} has {key} as a plain tensor, but the parameter is sharded (FSDP2): load a whole "
+                         "(single-file) optimizer state into a sharded model with torch.distributed.checkpoint's "
+                         "set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions("
+                         "full_state_dict=True)), which shards it. Nothing was loaded")
+    raise ValueError(f"{where} has {key} as a DTensor (FSDP2 shards), but the parameter is a plain tensor: take a "
+                     "whole optimizer state from the sharded run with torch.distributed.checkpoint's "
+                     "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)). "
+                     "Nothing was loaded")
 
 
 def _check_group(g: dict, gi: int, uses_eps: bool = True) -> None:

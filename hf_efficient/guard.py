@@ -261,10 +261,11 @@ class _Protected:
             _raise_voided(self, "state_dict()")  # no checkpoint taken past a voided step unsaid
         return checkpoint.save(super().state_dict(), info.resolution.spec, info.resolution.backend, info)
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch's parameter name: torch.distributed.checkpoint's set_optimizer_state_dict passes it by keyword
         info = self.hf_efficient
-        checkpoint.load(self, super().load_state_dict, sd, info.resolution.spec, info.resolution.backend, info,
-                        _names(self))
+        checkpoint.load(self, super().load_state_dict, state_dict, info.resolution.spec, info.resolution.backend,
+                        info, _names(self))
         _VOIDS.pop(self, None)  # a step voided before the state was replaced is no longer this run's
 
     def __reduce_ex__(self, protocol):

@@ -17,6 +17,12 @@ gathered in the same read of the gradient as the statistics: the C kernel then r
 and once more from cache. Where even these sums overflow (|g| near fp32's largest, late in training), the clip
 factor is 0 and the matrix keeps its weights for that step.
 
+FSDP2 (DTensor parameters, Shard(0) on a 1-D mesh: see :mod:`._sharded`): each rank steps its shard with the eager
+step, whose rounds (:func:`_eager_rounds`) sum over the shard group what needs the whole matrix: the column sums and
+row mean where the rows are split (one all-reduce per mesh for all of them), then the RMS clip's sums of squares
+(one more). The update is single-process Adafactor's up to the order of those sums. State: DTensors placed like the
+parameter; column statistics of a row-split matrix whole on every rank.
+
 Kernels. On CPU, contiguous fp32 and bf16 weights with gradients of their dtype go through a C kernel
 (``adafactor_cpu.c``, the op ``hf_efficient::adafactor_step``, built once per machine, see :mod:`._native`): all
 such tensors of a step in one call on torch's threads, the compensation in the same pass as the update. It must
@@ -38,8 +44,9 @@ import torch
 from torch import Tensor
 
 from ..options import check_group, check_hyperparams, check_saved, start_step
-from . import _dispatch, _native, _triton
-from .compensation import C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, weight_key, write
+from . import _dispatch, _native, _sharded, _triton
+from .compensation import (C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, element_index,
+                           weight_key, write)
 
 __all__ = ["Adafactor"]
 
@@ -77,8 +84,13 @@ class Adafactor(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
-        super().add_param_group(check_group(self, param_group, "Adafactor", _check_family_keys))
+        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice) and
+        :func:`._sharded.check` (a DTensor placed as the step can serve)."""
+        param_group = check_group(self, param_group, "Adafactor", _check_family_keys)
+        params = param_group.get("params", ()) if isinstance(param_group, dict) else ()
+        for i, p in enumerate([params] if torch.is_tensor(params) else params):
+            _sharded.check(p, "Adafactor", f"parameter {i} of the new param group")
+        super().add_param_group(param_group)
 
     def __setstate__(self, state: dict) -> None:
         # torch accepts a Python number as a saved ``step`` (older checkpoints): make it the tensor step() uses
@@ -115,49 +127,60 @@ class Adafactor(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, "Adafactor")  # closure, then sparse gradients refused: nothing half-done
-        todo, position = [], 0  # position: the parameter's index across groups, as in state_dict(): its noise stream
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    todo.append((p, group, _fill_state(self.state[p], p, group), position))
+        live, position = [], 0  # position: the parameter's index across groups, as in state_dict(): its noise stream
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:  # placements checked for all before any state is made (FSDP2 swaps parameters
+                    _sharded.check(p, "Adafactor", f"parameter {i} of param group {gi}")  # in after construction)
+                    live.append((p, group, position))
                 position += 1
+        todo = [(p, group, _fill_state(self.state[p], p, group), position) for p, group, position in live]
         todo = _step_triton(self, todo)  # CUDA (Triton): the rest, if any, takes the paths below
         if not todo:
             return loss
         steps = [state["step"] for _, _, state, _ in todo]
         fn = _native_fn() if any(p.is_cpu for p, _, _, _ in todo) else None
-        native, eager = [], []
+        native, eager = [], []  # eager: (whole parameter, item): the item's tensors are its shards where it has them
         for (p, group, state, position), step in zip(todo, (s.item() + 1 for s in steps)):
             if not p.numel():
                 continue
             mode = group["compensation"]
             key = weight_key(position, int(step)) if mode == "stochastic" and p.dtype in LOW_PRECISION else 0
+            if _sharded.is_sharded(p):  # FSDP2: the local shards, through the eager step's rounds
+                eager.append((p, (_sharded.local(p), _sharded.local(p.grad), _sharded.to_local_state(state),
+                                  _coefficients(p, group, step), mode, key, group["beta1"] is not None)))
+                continue
             grad = p.grad
             if fn is not None and p.dtype in _DTYPES and p.is_contiguous() and not grad.is_contiguous():
                 grad = grad.contiguous()  # a transposed gradient: one copy, and the C kernel steps it
             item = (p, grad, state, _coefficients(p, group, step), mode, key, group["beta1"] is not None)
-            (native if fn is not None and _native_fits(*item) else eager).append(item)
+            if fn is not None and _native_fits(*item):
+                native.append(item)
+            else:
+                eager.append((p, item))
         if native:  # first: the one call that could fail (no memory for its scratch) before anything changed
             _native_items(_op, native)
-        for item in eager:
-            _eager_step(*item)
+        _drive([(whole, _eager_rounds(*item, whole=whole)) for whole, item in eager])
         torch._foreach_add_(steps, 1)
         return loss
 
 
 def _fill_state(state: dict, p: Tensor, group: dict) -> dict:
-    """``p``'s ``state``, with what its group needs now created at zero (a group may gain beta1 or kahan later)."""
+    """``p``'s ``state``, with what its group needs now created at zero (a group may gain beta1 or kahan later). For
+    a DTensor ``p``, DTensors placed like it (column statistics of a matrix whose rows are split: whole on every
+    rank), so that torch.distributed.checkpoint saves and reshards them."""
     if not state:
         state["step"] = torch.tensor(0.0)
         if p.dim() >= 2:
-            state["exp_avg_sq_row"] = torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device)
-            state["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32, device=p.device)
+            state["exp_avg_sq_row"] = _sharded.zeros(p, p.shape[:-1], torch.float32)
+            state["exp_avg_sq_col"] = _sharded.zeros(p, p.shape[:-2] + p.shape[-1:], torch.float32,
+                                                     replicate=_splits_rows(p))
         else:
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = _sharded.zeros(p, p.shape, torch.float32)
     if group["beta1"] is not None and "exp_avg" not in state:
-        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        state["exp_avg"] = _sharded.zeros(p, p.shape, torch.float32)
     if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
-        state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+        state["kahan_comp"] = _sharded.zeros(p, p.shape, torch.bfloat16)
     return state
 
 
@@ -195,33 +218,75 @@ def _coefficients(p: Tensor, group: dict, step: float) -> list[float]:
 
 def _eager_step(p: Tensor, grad: Tensor, state: dict, coef: list[float], mode: str, key: int, beta1: bool) -> None:
     """One tensor's step in torch ops, any device, dtype and layout: the reference the C kernel is held to."""
+    _drive([(p, _eager_rounds(p, grad, state, coef, mode, key, beta1))])
+
+
+def _drive(entries: list) -> None:
+    """Run ``(whole, generator)`` pairs of :func:`_eager_rounds` to their end, round by round: the partial sums a
+    generator yields for a sharded ``whole`` are summed over its shard group, those of one mesh in one all-reduce,
+    before any generator goes on. A plain ``whole``'s sums are already whole."""
+    while entries:
+        live, parts = [], {}
+        for whole, gen in entries:
+            try:
+                sums = next(gen)
+            except StopIteration:
+                continue
+            live.append((whole, gen))
+            if _sharded.is_sharded(whole):
+                parts.setdefault(whole.device_mesh, (whole, []))[1].extend(sums)
+        for whole, sums in parts.values():
+            _sharded.sum_across(sums, whole)
+        entries = live
+
+
+def _splits_rows(p) -> bool:
+    """The shard splits each matrix's rows (Shard(0) of a 2-D DTensor): column statistics, the row mean and the
+    clip's sum of squares are sums over every rank's rows. Else (a plain tensor, a batch of matrices sharded along
+    the batch) every matrix is whole on its rank."""
+    return _sharded.is_sharded(p) and p.dim() == 2
+
+
+def _eager_rounds(p: Tensor, grad: Tensor, state: dict, coef: list[float], mode: str, key: int, beta1: bool,
+                  whole=None):
+    """:func:`_eager_step` as a generator, for tensors that may be shards: ``p``, ``grad`` and ``state``'s tensors are
+    local (a shard of ``whole``, the DTensor parameter, where given), and it yields twice the partial sums that
+    must become sums over the whole tensor, summed in place by :func:`_drive` before it goes on: the column sums and
+    row mean where the rows are split, then the update's sum of squares (the RMS clip)."""
+    whole = p if whole is None else whole
     inv_k, k_cols, k_rows, eps, w, decay, lr, omb1, clip = coef
     # fp32 scratch: g / k, then the update; ``grad`` is only read
     buf = torch.empty(p.shape, dtype=torch.float32, device=p.device)
     if "exp_avg_sq_row" in state:
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        n, m = whole.shape[-2], whole.shape[-1]
         # g * g / k, scaled before the square completes: no sum below overflows unless the mean it gives does,
         # and a mean beyond fp32 (|g| near fp32's max) is held at fp32's max instead of becoming inf
         g_k = _scaled_copy(buf, grad, inv_k)
         sq = torch.mul(g_k, grad)
         row.lerp_(sq.sum(dim=-1).mul_(k_cols).add_(eps).clamp_(max=_FP32_MAX), w)
-        col.lerp_(sq.sum(dim=-2).mul_(k_rows).add_(eps).clamp_(max=_FP32_MAX), w)
+        col_sums = sq.sum(dim=-2)
+        # v ~ outer(row, col) / mean(row): the rank-1 estimate that minimises the I-divergence
+        row_mean = row.div(n).sum(dim=-1, keepdim=True, dtype=torch.float64)
+        yield [col_sums, row_mean] if _splits_rows(whole) else []
+        col.lerp_(col_sums.mul_(k_rows).add_(eps).clamp_(max=_FP32_MAX), w)
+        row_mean = row_mean.float().clamp_(max=_FP32_MAX)
         # the update's sum of squares, factored: u = g * r * c with r**2 = mean / row and c**2 = 1 / col, so
         # sum(u * u) = k * mean * sum_j D_j / col_j, D_j = sum_i (g_ij / k) * (g_ij / row_i) (no square formed)
         d = torch.mul(grad, row.reciprocal().unsqueeze(-1), out=sq).mul_(g_k).sum(dim=-2)
-        # v ~ outer(row, col) / mean(row): the rank-1 estimate that minimises the I-divergence
-        row_mean = row.div(p.shape[-2]).sum(dim=-1, keepdim=True, dtype=torch.float64).float().clamp_(max=_FP32_MAX)
         over_cols = (d.double() / col.double()).sum(dim=-1)
-        sumsq = (row_mean.double().squeeze(-1) * over_cols).sum() * max(p.shape[-2], p.shape[-1])
+        sumsq = (row_mean.double().squeeze(-1) * over_cols).sum() * max(n, m)
         r = row.div(row_mean).rsqrt_().unsqueeze(-1)
         update = torch.mul(grad, r, out=buf).mul_(col.rsqrt().unsqueeze(-2))  # (g * r) * c stays finite
     else:  # vectors are small: clamp the gradient so that its square, and so g / sqrt(v), stay exact
+        yield []
         update = _scaled_copy(buf, grad, 1.0).clamp_(-_SQRT_FP32_MAX, _SQRT_FP32_MAX)
         v = state["exp_avg_sq"].lerp_(update.square().add_(eps), w)
         update.mul_(v.rsqrt())
         # the update's sum of squares in double: no square overflows, and the C kernel's sum agrees
         sumsq = torch.linalg.vector_norm(update, dtype=torch.float64) ** 2
-    scale = _clip_scale(sumsq, update.numel(), clip)
+    yield [sumsq]
+    scale = _clip_scale(sumsq, _sharded.global_numel(whole), clip)
     if beta1:
         if not (isinstance(scale, float) and scale == 1.0):
             update.mul_(scale)
@@ -237,7 +302,8 @@ def _eager_step(p: Tensor, grad: Tensor, state: dict, coef: list[float], mode: s
     p32 = p.float()
     fresh = torch.mul(update, step, out=buf).add_(p32 if decay == 1.0 else p32 * decay)
     key_t = torch.tensor(key, dtype=torch.int32, device=p.device) if mode == "stochastic" else None
-    write(p, p32, fresh.sub_(p32), state.get("kahan_comp"), mode, key_t, None)
+    idx = element_index(p, _sharded.global_offset(whole)) if mode == "stochastic" and whole is not p else None
+    write(p, p32, fresh.sub_(p32), state.get("kahan_comp"), mode, key_t, idx)
 
 
 def _clip_scale(sumsq: Tensor, numel: int, clip: float) -> float | Tensor:

@@ -1,0 +1,81 @@
+"""A multi-process harness for FSDP2 tests on CPU: N gloo processes on 127.0.0.1, a function run on each, its
+results back in the test process; plus the sharding every FSDP2 test does the same way.
+
+``run_ranks(fn, n, *args)`` spawns ``n`` processes (one thread each: the CI machine has few cores), each calls
+``fn(*args)`` with the default process group up, and returns the list of what each rank returned. A rank that
+raises fails the test with its traceback; a hung collective ends the ranks after :data:`WATCHDOG_S` with their
+stacks, instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+WATCHDOG_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
+    import faulthandler
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = ("ok", fn(*args))
+    except BaseException:  # noqa: BLE001 - sent to the test process whole
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args) -> list:
+    """``fn(*args)`` on ``world`` gloo processes; each rank's return value (picklable), in rank order."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_entry, (world, _free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            assert status == "ok", f"rank {rank} of {world} raised:\n{value}"
+            results.append(value)
+    return results
+
+
+def shard(model: torch.nn.Module, mesh_shape: tuple[int, ...] | None = None) -> torch.nn.Module:
+    """FSDP2 as users apply it: ``fully_shard`` on each child module that has parameters, then on the model, over a
+    CPU mesh of all ranks (``mesh_shape``: another shape, e.g. ``(1, 2)`` for HSDP)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh_shape = mesh_shape or (dist.get_world_size(),)
+    names = ("replicate", "shard")[-len(mesh_shape):]  # HSDP's 2-D mesh must name its dims
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full(t) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every rank calls it), a plain tensor as it is; detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()

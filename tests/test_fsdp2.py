@@ -1,0 +1,288 @@
+"""FSDP2 (torch's ``fully_shard``: DTensor parameters, Shard(0) on a 1-D mesh) on 1, 2 and 4 gloo CPU processes.
+
+Adafactor steps the shards and equals one process stepping the merged batch; its state is DTensors that
+torch.distributed.checkpoint (DCP) saves on 2 ranks and loads on 1, 2 and 4; hf_eff_adamw resumes through DCP's
+loader; a mesh the step cannot serve and a checkpoint of another model are refused before anything changes.
+
+Three launches in all (2 ranks, then 1 and 4), each running every case for its world size: a launch costs more
+than its cases. The single-process references run in the test process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hf_efficient
+from fsdp_helpers import full, run_ranks, shard
+
+STEPS, SAVE_AT = 4, 2
+OPTS = {"adafactor": dict(lr=1e-2, weight_decay=0.01, beta1=0.9), "adamw": dict(lr=1e-2, weight_decay=0.01)}
+# Adafactor on shards vs one process: the column sums, row means and the clip's sum of squares add the ranks'
+# partial sums, and FSDP2's gradients are the ranks' mean gradients averaged: the same numbers summed in another
+# order, a few fp32 ulps per step. Relative 1e-5 of a weight holds them after 4 steps with room; a lost shard, a
+# local (not global) column statistic or RMS clip moves weights by ~1e-3 (the step size) and fails it.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Tiny(nn.Module):
+    """Row counts that 4 ranks do not divide (10: 3+3+3+1), a matrix with fewer rows than 4 ranks (3: a rank with
+    none), a batch of matrices (sharded along the batch), vectors."""
+
+    def __init__(self, hidden: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.mix = nn.Parameter(torch.randn(3, hidden, hidden) / hidden**0.5)
+        self.out = nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        h = self.norm(torch.tanh(self.inp(x)))
+        return self.out(torch.tanh(torch.einsum("bi,kij->bj", h, self.mix)))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def train(model, optimizer, steps) -> list[float]:
+    """Steps on each rank's contiguous share of every batch (all of it in one process); the merged batch's losses."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    losses = []
+    for x, y in steps:
+        loss = F.cross_entropy(model(x.view(world, -1, 6)[rank]), y.view(world, -1)[rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(loss := loss.detach().clone())
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+def params_of(model) -> dict:
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def reference(name: str, steps=None) -> tuple[list[float], dict]:
+    """One process, the merged batches: what every mesh must reproduce."""
+    model = Tiny()
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    losses = train(model, optimizer, batches() if steps is None else steps)
+    return losses, params_of(model)
+
+
+# ------------------------------------------------------------------------------------------- rank workers
+
+
+def _dcp_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def fresh_run(name: str, save_to: str | None = None) -> dict:
+    """Train all steps on this mesh, saving model and optimizer through DCP after SAVE_AT steps (and taking them
+    whole, as a single-file state dict, for a user who leaves FSDP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = shard(Tiny())
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    steps = batches()
+    losses = train(model, optimizer, steps[:SAVE_AT])
+    whole = None
+    if save_to is not None:
+        dcp.save(_dcp_state(model, optimizer), checkpoint_id=save_to)
+        # copied: its step tensors (and replicated statistics) are the live ones, which the steps below advance
+        whole = copy.deepcopy(get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)))
+    losses += train(model, optimizer, steps[SAVE_AT:])
+    state = optimizer.state[model.inp.weight]
+    placements = {k: str(getattr(v, "placements", "plain")) for k, v in state.items()}
+    return {"losses": losses, "params": params_of(model), "placements": placements, "whole": whole}
+
+
+def resumed_run(name: str, load_from: str) -> dict:
+    """Build afresh on this mesh, load what :func:`fresh_run` saved (DCP reshards it), train the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model = shard(Tiny())
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    sd = _dcp_state(model, optimizer)
+    dcp.load(sd, checkpoint_id=load_from)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, optimizer, sd["optim"])
+    losses = train(model, optimizer, batches()[SAVE_AT:])
+    return {"losses": losses, "params": params_of(model)}
+
+
+def refusals() -> dict:
+    """Bad input on 2 ranks: each refusal's message, and whether anything changed."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    out = {}
+    hsdp = shard(Tiny(), mesh_shape=(1, 2))  # HSDP: (Replicate(), Shard(0)) on a 2-D mesh
+    try:
+        hf_efficient.create_optimizer(hsdp, "adafactor", **OPTS["adafactor"])
+        out["hsdp"] = None
+    except ValueError as e:
+        out["hsdp"] = str(e)
+    model, other = shard(Tiny()), shard(Tiny(hidden=12))
+    optimizer = hf_efficient.create_optimizer(model, "adafactor", **OPTS["adafactor"])
+    other_opt = hf_efficient.create_optimizer(other, "adafactor", **OPTS["adafactor"])
+    train(model, optimizer, batches()[:1])
+    train(other, other_opt, batches()[:1])
+    before = {k: full(v) for k, v in optimizer.state[model.inp.weight].items()}
+    try:
+        set_optimizer_state_dict(model, optimizer, _dcp_state(other, other_opt)["optim"])
+        out["other_model"] = None
+    except ValueError as e:
+        out["other_model"] = str(e)
+    after = optimizer.state[model.inp.weight]
+    out["unchanged"] = all(torch.equal(v, full(after[k])) for k, v in before.items())
+    plain = Tiny()  # a single-process state dict handed to the sharded optimizer's own load_state_dict
+    plain_opt = hf_efficient.create_optimizer(plain, "adafactor", **OPTS["adafactor"])
+    train(plain, plain_opt, batches()[:1])
+    try:
+        optimizer.load_state_dict(plain_opt.state_dict())
+        out["plain_into_shards"] = None
+    except ValueError as e:
+        out["plain_into_shards"] = str(e)
+    after = optimizer.state[model.inp.weight]
+    out["unchanged"] &= all(torch.equal(v, full(after[k])) for k, v in before.items())
+    return out
+
+
+def stochastic_vector(world: int) -> dict:
+    """A bf16 vector stepped under stochastic rounding from the same gradient (set whole, then sharded): the noise
+    is keyed by the global element index, so the shards round exactly as one process does."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = torch.linspace(-1, 1, 37).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(37, generator=g).to(torch.bfloat16) for _ in range(3)]
+    model = nn.Module()
+    model.w = nn.Parameter(w.clone())
+    if world:
+        shard(model)
+    # no clip (the threshold is far above any RMS): the update is elementwise, so the result is exact
+    optimizer = hf_efficient.create_optimizer(model, "adafactor", lr=1e-3, compensation="stochastic",
+                                              clip_threshold=1e9)
+    for grad in grads:
+        p = model.w
+        p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)]) if world else grad.clone()
+        optimizer.step()
+    return {"w": full(model.w)}
+
+
+def two_ranks(adafactor_dir: str, adamw_dir: str) -> dict:
+    return {"adafactor": fresh_run("adafactor", adafactor_dir),
+            "adafactor_2to2": resumed_run("adafactor", adafactor_dir),
+            "adamw": fresh_run("adamw", adamw_dir), "adamw_2to2": resumed_run("adamw", adamw_dir),
+            "stochastic": stochastic_vector(2), "refusals": refusals()}
+
+
+def other_ranks(adafactor_dir: str, adamw_dir: str) -> dict:
+    return {"adafactor": fresh_run("adafactor"), "adafactor_resumed": resumed_run("adafactor", adafactor_dir),
+            "adamw_resumed": resumed_run("adamw", adamw_dir)}
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every rank's results: {world size: [rank 0's dict, ...]}; the 2-rank run writes the checkpoints."""
+    dirs = [str(tmp_path_factory.mktemp(name)) for name in ("adafactor_ckpt", "adamw_ckpt")]
+    out = {2: run_ranks(two_ranks, 2, *dirs)}
+    for world in (1, 4):
+        out[world] = run_ranks(other_ranks, world, *dirs)
+    return out
+
+
+def _close(a: dict, b: dict) -> None:
+    for n in b:
+        torch.testing.assert_close(a[n], b[n], rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_adafactor_on_two_ranks_equals_one_process_on_the_merged_batch(ranks):
+    losses, params = reference("adafactor")
+    for r in ranks[2]:
+        _close(r["adafactor"]["params"], params)
+        assert r["adafactor"]["losses"] == pytest.approx(losses, rel=RTOL)
+
+
+def test_adafactor_state_is_placed_like_its_parameter(ranks):
+    # row statistics and moments sharded like the rows; column statistics whole on every rank
+    placed = ranks[2][0]["adafactor"]["placements"]
+    assert placed["exp_avg_sq_row"] == placed["exp_avg"] == "(Shard(dim=0),)"
+    assert placed["exp_avg_sq_col"] == "(Replicate(),)"
+    assert placed["step"] == "plain"
+
+
+def test_adafactor_final_loss_does_not_depend_on_the_mesh(ranks):
+    losses, _ = reference("adafactor")
+    for world in (1, 2, 4):
+        assert ranks[world][0]["adafactor"]["losses"] == pytest.approx(losses, rel=RTOL), world
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+def test_dcp_save_on_two_ranks_resumes_exactly_on_two(ranks, name):
+    for r in ranks[2]:
+        uninterrupted, resumed = r[name], r[f"{name}_2to2"]
+        assert resumed["losses"] == uninterrupted["losses"][SAVE_AT:]
+        for n, p in uninterrupted["params"].items():
+            assert torch.equal(resumed["params"][n], p), n
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+@pytest.mark.parametrize("world", [1, 4])
+def test_dcp_save_on_two_ranks_resumes_on_another_mesh(ranks, name, world):
+    uninterrupted = ranks[2][0][name]
+    resumed = ranks[world][0][f"{name}_resumed"]
+    _close(resumed["params"], uninterrupted["params"])
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][SAVE_AT:], rel=RTOL)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+def test_a_whole_state_taken_on_two_ranks_resumes_in_one_process(ranks, name):
+    # DCP's full_state_dict: the single-file state a user leaving FSDP loads with the ordinary load_state_dict
+    run = ranks[2][0][name]
+    model_sd, optim_sd = run["whole"]
+    model = Tiny()
+    model.load_state_dict(model_sd)
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    optimizer.load_state_dict(optim_sd)
+    losses = train(model, optimizer, batches()[SAVE_AT:])
+    _close(params_of(model), run["params"])
+    assert losses == pytest.approx(run["losses"][SAVE_AT:], rel=RTOL)
+
+
+def test_stochastic_rounding_on_shards_rounds_as_one_process(ranks):
+    one = stochastic_vector(0)["w"]
+    for r in ranks[2]:
+        assert torch.equal(r["stochastic"]["w"], one)
+
+
+def test_a_mesh_the_step_cannot_serve_is_refused_by_name(ranks):
+    message = ranks[2][0]["refusals"]["hsdp"]
+    assert message is not None, "an HSDP (2-D mesh) model was accepted"
+    assert "Shard(0) on a 1-D device mesh" in message and "Replicate()" in message
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(ranks):
+    for r in ranks[2]:
+        refused = r["refusals"]
+        assert refused["other_model"] is not None and "another model" in refused["other_model"], refused
+        assert "full_state_dict=True" in refused["plain_into_shards"], refused
+        assert refused["unchanged"]
