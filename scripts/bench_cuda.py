@@ -342,11 +342,12 @@ def main(argv: list[str] | None = None) -> dict:
         del models
         if args.device == "cuda":
             torch.cuda.empty_cache()
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))  # the step rows kept, whatever happens to the end-to-end ones
         if args.e2e_layers and args.device == "cuda":
             result["e2e"] = e2e_rows(args)
             result["e2e_params"] = result["e2e"][0].get("params", 0)
-        args.out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+            path.write_text(json.dumps(result, indent=1))
     print(render_results.render(path))
     return result
 
