@@ -220,7 +220,8 @@ def measure_step(label, dtype, build, models, args) -> dict:
         row["state_bytes_per_param"] = state_bytes(opt) / n
         pb = dtype.itemsize
         row["min_bytes_per_param"] = 3 * pb + 2 * row["state_bytes_per_param"]  # p read+write, g read, state r+w
-        row["backend"] = getattr(getattr(opt, "hf_efficient", None), "backend", None)
+        info = getattr(opt, "hf_efficient", None)
+        row["backend"] = info.resolution.backend if info is not None else None
         del opt
     except Exception as e:  # noqa: BLE001 - a row that cannot run says why; the others still run
         row["error"] = f"{type(e).__name__}: {e}"[:300]

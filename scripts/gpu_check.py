@@ -86,7 +86,7 @@ def run_case(name, dtype, comp, steps) -> dict:
     total = sum(sd_cpu[i][k].numel() for i, k in eight)
     tol = 3e-2 if total else 1e-3
     row.update(max_diff=worst, max_update=biggest, rel=worst / max(biggest, 1e-30), syncs=syncs,
-               codes_equal=(same / total) if total else None, backend=opts["cuda"].hf_efficient.backend)
+               codes_equal=(same / total) if total else None, backend=opts["cuda"].hf_efficient.resolution.backend)
     row["ok"] = bool(row["rel"] <= tol and syncs == 0 and (total == 0 or same / total >= 0.99))
     if dtype != torch.float32 and row["rel"] > tol:  # low-precision weights: a rounding boundary crossed
         row["ok"] = row["syncs"] == 0 and worst <= 2 * torch.finfo(dtype).eps * max(
