@@ -114,20 +114,31 @@ def advance_steps(steps: list[torch.Tensor], found_inf: torch.Tensor) -> None:
 
 
 class PointerTable:
-    """Device arrays of the addresses (int64) of lists of tensors, and of their sizes, for one launch over many small
-    tensors. Rebuilt (one host-to-device copy) only when an address or size changes: parameters and state do not
-    move, and the caching allocator mostly gives a step's gradients the same addresses as the last one's."""
+    """Device arrays of the addresses (int64) of lists of tensors, and of their sizes, for one launch over many
+    tensors. Rebuilt only when an address or size changes (parameters and state do not move, and the caching
+    allocator mostly gives a step's gradients the same addresses as the last one's), and then copied from pinned
+    memory without blocking: no host synchronisation either way.
+
+    ``aligned``: every address is a multiple of 16 bytes, so a kernel may promise 16-byte vector loads
+    (``tl.multiple_of``) on pointers it read from the table, which the compiler cannot see by itself."""
 
     def __init__(self):
         self._key = None
         self.tables: tuple[torch.Tensor, ...] = ()
+        self.aligned = False
 
     def get(self, lists: list[list[torch.Tensor]], sizes: list[int], device: torch.device):
         """``(addresses, sizes)``: ``addresses`` of shape ``(len(lists), count)``, ``sizes`` int64 of ``count``."""
         key = (tuple(tuple(t.data_ptr() for t in ts) for ts in lists), tuple(sizes), device)
         if key != self._key:
+            device = torch.device(device)
+            pin = device.type == "cuda"
             ptrs = torch.tensor([[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64)
-            self.tables = (ptrs.to(device), torch.tensor(sizes, dtype=torch.int64).to(device))
+            counts = torch.tensor(sizes, dtype=torch.int64)
+            if pin:  # the caching host allocator keeps a pinned buffer until the copy that reads it is done
+                ptrs, counts = ptrs.pin_memory(), counts.pin_memory()
+            self.tables = (ptrs.to(device, non_blocking=pin), counts.to(device, non_blocking=pin))
+            self.aligned = all(a % 16 == 0 for row in key[0] for a in row)
             self._key = key
         return self.tables
 
