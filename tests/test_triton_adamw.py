@@ -30,6 +30,14 @@ from hf_efficient.optim.adamw_bf16 import AdamWBF16
 # the interpreter computes in numpy, which warns where a gradient's square overflows fp32 (probes and one test)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 SHAPES = [(3000,), (37,), (5, 7), (0,), (2048,)]  # not multiples of the block, empty, exactly one block
+# how they are launched: "shared": one launch over a pointer table, 3000 = a program of a whole block and a partial
+# one; "alone": programs of one block, and a tensor of more than one program (3000) gets a launch of its own
+LAYOUTS = {"shared": {}, "alone": {"BLOCKS": 1, "MAX_PROGRAMS": 1}}
+
+
+def _layout(monkeypatch, layout):
+    for name, value in LAYOUTS[layout].items():
+        monkeypatch.setattr(adamw_triton, name, value)
 
 
 def _params(dtype, seed=0):
@@ -101,10 +109,11 @@ def _fresh_logs():
 # ----------------------------------------------------------------------------------------------------
 
 @needs_interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["kahan", "stochastic", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp32_state_kernel_matches_the_torch_path(on_cpu, monkeypatch, mode, dtype):
-    monkeypatch.setattr(adamw_triton, "SMALL", 1024)  # 3000 and 2048 get launches of their own, the rest one
+def test_fp32_state_kernel_matches_the_torch_path(on_cpu, monkeypatch, mode, dtype, layout):
+    _layout(monkeypatch, layout)
     assert adamw._triton_kernel(torch.device("cpu")) is not None  # probed before counting
     launched = []
     monkeypatch.setattr(adamw_triton, "launch", _counting(adamw_triton.launch, launched))
@@ -129,36 +138,82 @@ def _counting(fn, calls):
     return wrapped
 
 
-@needs_interpreter
-@pytest.mark.parametrize("small,grids", [
-    (1024, [(2,), (1,), (1, 1), (1, 1)]),  # 3000 and 2048 alone (blocks,); 37 (fp32 gradient) and 35 batched
-    (5000, [(3, 2), (1, 1)]),  # all batched (tensors, blocks): 3000, 35, 2048; 37 on its own dtype pair
-])
-def test_fp32_state_kernel_launches(on_cpu, monkeypatch, small, grids):
-    """One launch per tensor of SMALL+ elements, one per (weight, gradient) dtype pair over the smaller ones (tensors
-    on the grid's first dimension, the only one with room for more than 65535); empty tensors none."""
-    monkeypatch.setattr(adamw_triton, "SMALL", small)
+_FP32_STATE_KERNEL = adamw_triton.fp32_state_kernel
+
+
+class _Counting:
+    """A kernel whose launches are recorded: (grid, TABLE, ALIGNED)."""
+
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launched.append((grid, kwargs["TABLE"], kwargs["ALIGNED"]))
+            return self.kernel[grid](*args, **kwargs)
+        return run
+
+
+def _fp32_state_launches(monkeypatch, params, grads):
+    """The launches of one ``adamw_fp32_state`` call on these tensors (fresh state); asserts every element stepped."""
     assert adamw._triton_kernel(torch.device("cpu")) is not None  # probed before counting
     launched = []
-
-    class Counting:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(adamw_triton, "fp32_state_kernel", Counting(adamw_triton.fp32_state_kernel))
-    params = _params(torch.bfloat16)
-    grads = _grads(params, 0)
-    grads[1] = grads[1].float()  # another dtype pair: a batched launch of its own
+    monkeypatch.setattr(adamw_triton, "fp32_state_kernel", _Counting(_FP32_STATE_KERNEL, launched))
     ms, vs = [torch.zeros(p.shape) for p in params], [torch.zeros(p.shape) for p in params]
     adamw.adamw_fp32_state(params, grads, ms, vs, None, [torch.tensor(0.0) for _ in params], lr=1e-3, beta1=0.9,
                            beta2=0.999, eps=1e-8, weight_decay=0.0, compensation="stochastic",
                            positions=list(range(len(params))))
-    assert sorted(launched) == sorted(grids)
     assert all(bool((m != 0).all()) for m in ms if m.numel())  # every element of every tensor stepped
+    return launched
+
+
+@needs_interpreter
+@pytest.mark.parametrize("layout,grids", [
+    ("shared", [((3, 1), True, True), ((1, 1), True, True)]),  # (tensors, programs): 3000, 35, 2048; 37 (fp32 grad)
+    ("alone", [((2,), False, False), ((2, 1), True, True), ((1, 1), True, True)]),  # 3000 alone (programs,)
+])
+def test_fp32_state_kernel_launches(on_cpu, monkeypatch, layout, grids):
+    """One launch per (weight, gradient) dtype pair (tensors on the grid's first dimension, the only one with room for
+    more than 65535), except a tensor of more than MAX_PROGRAMS programs: one of its own; empty tensors none. Table
+    launches of 16-byte aligned tensors say so (ALIGNED)."""
+    _layout(monkeypatch, layout)
+    params = _params(torch.bfloat16)
+    grads = _grads(params, 0)
+    grads[1] = grads[1].float()  # another dtype pair: a launch of its own
+    assert sorted(_fp32_state_launches(monkeypatch, params, grads)) == sorted(grids)
+
+
+@needs_interpreter
+def test_misaligned_tensors_take_no_alignment_hint(on_cpu, monkeypatch):
+    """Weights at an address that is not a multiple of 16 bytes (a view 2 bytes into a buffer): the table launch
+    promises no alignment (a misaligned vector load is a CUDA error), and steps them as it steps aligned ones."""
+    aligned = _params(torch.bfloat16)
+    misaligned = []
+    for p in _params(torch.bfloat16):
+        buf = torch.empty(p.numel() + 1, dtype=p.dtype)
+        buf[1:] = p.reshape(-1)
+        misaligned.append(buf[1:].view(p.shape))
+    runs = []
+    for params in (aligned, misaligned):
+        assert [l[1:] for l in _fp32_state_launches(monkeypatch, params, _grads(params, 0))] == [
+            (True, params is aligned)]
+        runs.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_llama_1b_shapes_take_two_launches_per_step():
+    """The shapes of Llama-1B (24 layers of 7 matrices and 2 norms; embeddings apart), in two param groups (decay:
+    the matrices; none: the norms): each group's bf16 tensors share one launch, none is too large for the table."""
+    d, ff = 2048, 5632
+    layer = [(d, d)] * 4 + [(ff, d)] * 2 + [(d, ff)]
+    groups = [[torch.empty(s, dtype=torch.bfloat16, device="meta") for _ in range(24) for s in layer],
+              [torch.empty(d, dtype=torch.bfloat16, device="meta") for _ in range(48)]]
+    plans = [adamw_triton.plan(ps, ps) for ps in groups]
+    assert plans == [([], [list(range(168))]), ([], [list(range(48))])]
+    big = [torch.empty((128256, d), dtype=torch.bfloat16, device="meta")]  # the embedding: still shared
+    assert adamw_triton.plan(big, big) == ([], [[0]])
+    huge = [torch.empty(adamw_triton.MAX_PROGRAMS * adamw_triton.BLOCK * adamw_triton.BLOCKS + 1, device="meta")]
+    assert adamw_triton.plan(huge, huge) == ([0], [])
 
 
 @needs_interpreter
@@ -186,10 +241,11 @@ def test_fp32_state_noise_keys_as_the_torch_path(on_cpu, keyed):
 # ----------------------------------------------------------------------------------------------------
 
 @needs_interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["kahan", "stochastic", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bf16_state_kernel_matches_eager(on_cpu, monkeypatch, mode, dtype):
-    monkeypatch.setattr(adamw_triton, "SMALL", 1024)
+def test_bf16_state_kernel_matches_eager(on_cpu, monkeypatch, mode, dtype, layout):
+    _layout(monkeypatch, layout)
     ref_p, tri_p = _params(dtype), _params(dtype)
     ref = _train(AdamWBF16, ref_p, 3, triton_on=False, compensation=mode, foreach=False)
     tri = _train(AdamWBF16, tri_p, 3, triton_on=True, compensation=mode)
@@ -219,11 +275,13 @@ def test_bf16_state_kernel_keeps_overflowing_moments_finite(on_cpu):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", ["fp32_state", "bf16_state"])
-def test_kernels_write_only_their_elements(on_cpu, monkeypatch, family):
-    """Each tensor is a view at the start of a larger buffer whose tail holds a sentinel: a launch of its own (3000
-    elements) and a batched one (37) leave every tail as it was (masks bound every load and store)."""
-    monkeypatch.setattr(adamw_triton, "SMALL", 1024)
+def test_kernels_write_only_their_elements(on_cpu, monkeypatch, family, layout):
+    """Each tensor is a view at the start of a larger buffer whose tail holds a sentinel: launched alone or shared
+    (3000 elements, a whole block and a partial one; 37) they leave every tail as it was (masks bound every load and
+    store of a partial block, and nothing reads or writes past the tensor's last block)."""
+    _layout(monkeypatch, layout)
     sizes, tail = (3000, 37), 2100  # past the last block of either
 
     def views(dtype):
@@ -356,7 +414,7 @@ def test_probe_failure_falls_back_with_one_warning(on_cpu, monkeypatch, caplog, 
 # Compiled for the GPU (the interpreter accepts what the compiler may refuse)
 # ----------------------------------------------------------------------------------------------------
 
-def _signature(kernel: str, p: str, g: str, table: bool, mode: int, keyed: bool | None):
+def _signature(kernel: str, p: str, g: str, table: bool, mode: int, keyed: bool | None, aligned: bool):
     state = "fp32" if kernel == "fp32_state_kernel" else "bf16"
     sig = {"flag_ptr": "*fp32", "p_ptr": f"*{p}", "g_ptr": f"*{g}", "m_ptr": f"*{state}", "v_ptr": f"*{state}",
            "c_ptr": "*bf16" if mode == 0 and p != "fp32" else f"*{p}", "step_ptr": "*fp32",
@@ -365,7 +423,8 @@ def _signature(kernel: str, p: str, g: str, table: bool, mode: int, keyed: bool 
     scalars = ["lr_hi", "lr_lo", "b1_hi", "b1_lo", "b2_hi", "b2_lo"] + (
         ["b2", "omb2", "lerp_w", "decay", "eps"] if state == "fp32" else ["b1", "omb1", "b2", "omb2", "eps", "decay"])
     sig.update({s: "fp32" for s in scalars})
-    constexprs = {"MODE": mode, "TABLE": table, "BLOCK": adamw_triton.BLOCK}
+    constexprs = {"MODE": mode, "TABLE": table, "ALIGNED": table and aligned, "BLOCK": adamw_triton.BLOCK,
+                  "BLOCKS": adamw_triton.BLOCKS}
     if keyed is not None:
         constexprs["KEYED"] = keyed
     sig.update({k: "constexpr" for k in constexprs})
@@ -373,17 +432,17 @@ def _signature(kernel: str, p: str, g: str, table: bool, mode: int, keyed: bool 
 
 
 # every constexpr value and weight dtype of each kernel at least once (each compile takes seconds)
-VARIANTS = [("fp32_state_kernel", "bf16", "fp32", False, 0, False),
-            ("fp32_state_kernel", "fp16", "fp16", True, 1, True),
-            ("fp32_state_kernel", "fp32", "bf16", True, 2, False),
-            ("bf16_state_kernel", "bf16", "fp32", False, 0, None),
-            ("bf16_state_kernel", "fp16", "bf16", True, 1, None),
-            ("bf16_state_kernel", "bf16", "bf16", True, 2, None)]
+VARIANTS = [("fp32_state_kernel", "bf16", "fp32", False, 0, False, False),
+            ("fp32_state_kernel", "fp16", "fp16", True, 1, True, True),
+            ("fp32_state_kernel", "fp32", "bf16", True, 2, False, False),
+            ("bf16_state_kernel", "bf16", "fp32", False, 0, None, False),
+            ("bf16_state_kernel", "fp16", "bf16", True, 1, None, False),
+            ("bf16_state_kernel", "bf16", "bf16", True, 2, None, True)]
 
 
-@pytest.mark.parametrize("kernel,p,g,table,mode,keyed", VARIANTS)
-def test_kernels_compile_for_hopper(kernel, p, g, table, mode, keyed):
-    sig, constexprs = _signature(kernel, p, g, table, mode, keyed)
+@pytest.mark.parametrize("kernel,p,g,table,mode,keyed,aligned", VARIANTS)
+def test_kernels_compile_for_hopper(kernel, p, g, table, mode, keyed, aligned):
+    sig, constexprs = _signature(kernel, p, g, table, mode, keyed, aligned)
     assert compile_for_hopper("hf_efficient.optim.adamw_triton", kernel, sig, constexprs)["cubin"] > 0
 
 
