@@ -17,12 +17,14 @@ Conventions, shared by every Triton kernel (the C kernels use the same names and
 - Noise for stochastic rounding: :func:`hash_noise` of (the tensor's key, the element index), the key being
   :func:`weight_key` of (the parameter's position, its step), bit for bit as :mod:`.compensation`'s torch code, so
   a resumed run, the CPU kernels and these round alike.
-- Batching: large tensors get a launch each (a grid over their blocks); the many small ones one launch over a
-  :class:`PointerTable` (device arrays of their addresses and sizes, rebuilt only when an address changes).
+- Batching: the tensors of a step share few launches over a :class:`PointerTable` (device arrays of their addresses
+  and sizes, rebuilt only when an address changes): Triton's launcher costs the host tens of microseconds a call,
+  so one launch per tensor made the step wait on the host (see docs/results/bench_cuda.md).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from array import array
@@ -39,8 +41,10 @@ _ON_CPU = False
 _LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """Triton imports (a CUDA build of torch ships it; on CPU only the interpreter can run its kernels)."""
+    """Triton imports (a CUDA build of torch ships it; on CPU only the interpreter can run its kernels). Asked once
+    per process: every step asks it per tensor."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -69,8 +73,8 @@ def applies(*tensors: torch.Tensor) -> bool:
     device = tensors[0].device
     if device.type != "cuda" and not (_ON_CPU and device.type == "cpu"):
         return False
-    return all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors) and all(
-        t.device == device for t in tensors) and available()
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return all(type(t) in plain and t.device == device for t in tensors) and available()
 
 
 def fp32(x: float) -> float:
