@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -227,3 +228,36 @@ def test_relative_cache_builds_once_and_loads(tmp_path):
     assert first.index(notice[0]) < first.index("stepped")
     assert not [line for line in second if "compiling" in line], second
     assert len(list(tmp_path.glob("adamw8bit_cpu-*.so"))) == 1
+
+
+_OPTIM = Path(_native.__file__).parent
+
+
+@needs_compiler
+@pytest.mark.parametrize("header", sorted(p.name for p in _OPTIM.glob("*.h")))
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512vbmi"], ["-mno-avx512f"]],
+                         ids=["as built here", "AVX-512 without VBMI", "plain C"])
+def test_each_header_compiles_alone(header, flags, tmp_path):
+    """Each kernel header includes what it uses: a file that includes it alone compiles, with the kernels' flags and
+    OpenMP, on every instruction set the kernels branch on (quant8.h once needed native.h first)."""
+    cc = [*shlex.split(_native.c_compiler()), *_native._FLAGS, _native._OPENMP]
+    if "-march=native" not in cc and flags:
+        pytest.skip("not an x86 build: the AVX-512 branches are not compiled here")
+    src = tmp_path / "alone.c"
+    src.write_text(f'#include "{header}"\n')
+    out = subprocess.run([*cc, *flags, "-Werror=implicit-function-declaration", "-I", str(_OPTIM), "-fsyntax-only",
+                          str(src)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@needs_compiler
+def test_c_compensation_modes_are_the_python_numbers(tmp_path):
+    """native.h's named modes are compensation.C_MODES's numbers (which the Triton kernels use too)."""
+    from hf_efficient.optim.compensation import C_MODES
+
+    src, lib = tmp_path / "modes.c", tmp_path / "modes.so"
+    src.write_text('#include "native.h"\nconst int modes[3] = {KAHAN, STOCHASTIC, NONE};\n')
+    cc = [*shlex.split(_native.c_compiler()), *_native._FLAGS]
+    subprocess.run([*cc, "-I", str(_OPTIM), str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+    modes = (ctypes.c_int * 3).in_dll(ctypes.CDLL(str(lib)), "modes")
+    assert list(modes) == [C_MODES["kahan"], C_MODES["stochastic"], C_MODES["none"]]

@@ -168,7 +168,7 @@ typedef struct {
 /* One weight: the clipped update (through the first moment if any) applied, then written under the mode. */
 static inline __attribute__((always_inline)) void write_one(void *p, float *restrict m1, uint16_t *restrict comp,
                                                              int64_t e, int64_t idx, float u, const write_t c,
-                                                             const int bf16, const int mode, const int beta1) {
+                                                             const int bf16, const comp_mode_t mode, const int beta1) {
     if (beta1) {
         u = lerpf(m1[e], u * c.scale, c.omb1);
         m1[e] = u;
@@ -181,15 +181,15 @@ static inline __attribute__((always_inline)) void write_one(void *p, float *rest
     uint16_t *pb = p;
     const float p32 = bf16_to_f32(pb[e]);
     const float fresh = p32 * c.decay + u * c.step;
-    pb[e] = write_bf16(p32, fresh - p32, mode == 0 ? &comp[e] : NULL, mode == 1 ? hash32(c.key, (uint32_t)idx) : 0,
-                       mode);
+    pb[e] = write_bf16(p32, fresh - p32, mode == KAHAN ? &comp[e] : NULL,
+                       mode == STOCHASTIC ? hash32(c.key, (uint32_t)idx) : 0, mode);
 }
 
 /* P3 on rows [i0, i1) of a matrix (p, g, m1, comp at its first element; idx0: the index of that element). */
 static inline __attribute__((always_inline)) void p3_matrix(void *p, const void *g, float *m1, uint16_t *comp,
                                                              const float *rinv, const float *cinv, int64_t m,
                                                              int64_t i0, int64_t i1, int64_t idx0, const write_t c,
-                                                             const int bf16, const int mode, const int beta1) {
+                                                             const int bf16, const comp_mode_t mode, const int beta1) {
     for (int64_t i = i0; i < i1; i++) {
         const float r = rinv[i];
         for (int64_t j = 0; j < m; j++) {
@@ -228,7 +228,7 @@ static inline __attribute__((always_inline)) double p1_vector(const void *g, flo
 
 static inline __attribute__((always_inline)) void p3_vector(void *p, const void *g, float *m1, uint16_t *comp,
                                                              const float *v, int64_t a, int64_t b, const write_t c,
-                                                             const int bf16, const int mode, const int beta1) {
+                                                             const int bf16, const comp_mode_t mode, const int beta1) {
     for (int64_t e = a; e < b; e++)
         write_one(p, m1, comp, e, e, clamp_sq(load(g, e, bf16)) * (1.0f / sqrtf(v[e])), c, bf16, mode, beta1);
 }
@@ -237,14 +237,14 @@ static inline __attribute__((always_inline)) void p3_vector(void *p, const void 
 
 #define WRITE_CASES(CALL)                                                                                          \
     switch ((bf16 ? 1 + mode : 0) * 2 + beta1) {                                                                   \
-    case 0: CALL(0, 2, 0); break;                                                                                  \
-    case 1: CALL(0, 2, 1); break;                                                                                  \
-    case 2: CALL(1, 0, 0); break;                                                                                  \
-    case 3: CALL(1, 0, 1); break;                                                                                  \
-    case 4: CALL(1, 1, 0); break;                                                                                  \
-    case 5: CALL(1, 1, 1); break;                                                                                  \
-    case 6: CALL(1, 2, 0); break;                                                                                  \
-    default: CALL(1, 2, 1); break;                                                                                 \
+    case 0: CALL(0, NONE, 0); break;                                                                                  \
+    case 1: CALL(0, NONE, 1); break;                                                                                  \
+    case 2: CALL(1, KAHAN, 0); break;                                                                                  \
+    case 3: CALL(1, KAHAN, 1); break;                                                                                  \
+    case 4: CALL(1, STOCHASTIC, 0); break;                                                                                  \
+    case 5: CALL(1, STOCHASTIC, 1); break;                                                                                  \
+    case 6: CALL(1, NONE, 0); break;                                                                                  \
+    default: CALL(1, NONE, 1); break;                                                                                 \
     }
 
 typedef struct {
@@ -344,7 +344,7 @@ static void run_p3(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
     const int64_t *meta = s->meta + t * NMETA;
     const int bf16 = meta[DTYPE] == 1, beta1 = meta[FIRST] != 0;
-    const int mode = bf16 ? (int)meta[MODE] : 2;
+    const comp_mode_t mode = bf16 ? (comp_mode_t)meta[MODE] : NONE;
     const write_t c = finish_scale(s, t);
     int64_t b, i0, i1;
     unit_rows(pl, u, &b, &i0, &i1);

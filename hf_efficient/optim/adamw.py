@@ -115,7 +115,8 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
 # ----------------------------------------------------------------------------------------------------
 
 def _c_coefficients(step: int, *, lr, beta1, beta2, eps, weight_decay) -> list[float]:
-    """The C kernel's scalars for ``step`` (see ``adamw_cpu.c``): computed in double, as torch's fused CPU kernel
+    """The C kernel's scalars for ``step``, in the order of ``adamw_cpu.c``'s ``adamw_coef_t`` (decay: the
+    multiplicative ``1 - lr * wd`` every AdamW-family C kernel takes): computed in double, as torch's fused CPU kernel
     computes them, then rounded to fp32 once."""
     lerp = array("f", [1.0 - beta1])[0]
     toward_m = abs(lerp) < 0.5  # torch's lerp: from the moment's side for small weights, else from the gradient's

@@ -74,6 +74,7 @@ def _kernel(p: Tensor, g: Tensor, wm: Tensor, wv: Tensor, m_absmax: Tensor, v_ab
 
 
 def _coefficients(group: dict, step: int) -> list[float]:
+    """The kernels' scalars, in the order of ``adamw8bit_cpu.c``'s ``adamw8bit_coef_t`` (decay: ``1 - lr * wd``)."""
     beta1, beta2 = group["betas"]
     lr = group["lr"]
     return [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(1.0 - beta2**step), group["eps"],

@@ -81,6 +81,8 @@ _hash, _round_stochastic, _noise_key, _WEIGHT_STREAM = hash_noise, round_stochas
 # Kernels. One set of tensor-level functions is both the single-tensor path (called as is) and the
 # compiled path (torch.compile of the same functions), so the two cannot drift apart.
 # coef = [beta1, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2**t), eps, -lr * wd, lr / (1 - beta1**t)]
+# (adamw_bf16_cpu.c's adamw_bf16_coef_t). -lr * wd, not the other families' decay 1 - lr * wd: these kernels return
+# the step's delta, which the compensated write adds; p * (1 - lr * wd) - p would round it otherwise.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -404,7 +406,8 @@ def _choose(mode: str, device: torch.device, dtype: torch.dtype, foreach: bool |
 
 
 def _coefficients(*, lr, beta1, beta2, eps, weight_decay, step) -> list[float]:
-    """Per-step scalars, rounded to fp32 once so every path multiplies by exactly the same numbers."""
+    """Per-step scalars, rounded to fp32 once so every path multiplies by exactly the same numbers (the layout of
+    ``adamw_bf16_cpu.c``'s ``adamw_bf16_coef_t``; see the kernels' comment for why weight decay is ``-lr * wd``)."""
     raw = [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(1.0 - beta2**step), eps,
            -lr * weight_decay, lr / (1.0 - beta1**step)]
     return torch.tensor(raw, dtype=torch.float32).tolist()

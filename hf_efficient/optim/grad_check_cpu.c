@@ -28,10 +28,10 @@ static int any_nonfinite(const void *data, int kind, int64_t a, int64_t b) {
 /* The first tensor in [start, end) holding an inf, a NaN or (fp32, bf16) |x| >= 2**64, or -1. */
 static int64_t scan_range(int64_t count, const void *const *data, const int64_t *numel, const int32_t *kind,
                           int64_t start, int64_t end) {
-    FOR_EACH_PIECE(count, numel[t], start, end, {
-        if (any_nonfinite(data[t], kind[t], piece_start, piece_end))
+    int64_t lo, hi;
+    for (int64_t t = 0, offset = 0; t < count && offset < end; offset += numel[t], t++)
+        if (piece(start, end, offset, numel[t], &lo, &hi) && any_nonfinite(data[t], kind[t], lo, hi))
             return t;
-    });
     return -1;
 }
 
@@ -39,11 +39,16 @@ static int64_t scan_range(int64_t count, const void *const *data, const int64_t 
 int64_t first_nonfinite(int64_t count, const void *const *data, const int64_t *numel, const int32_t *kind,
                         int64_t start, int64_t end, int threads) {
     int64_t first = -1;
-    PARALLEL_RANGES(start, end, threads, {
-        int64_t found = scan_range(count, data, numel, kind, range_start, range_end);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi, found = -1;
+        if (thread_range(start, end, &lo, &hi))
+            found = scan_range(count, data, numel, kind, lo, hi);
         if (found >= 0) {
-            _Pragma("omp critical") if (first < 0 || found < first) first = found;
+#pragma omp critical
+            if (first < 0 || found < first)
+                first = found;
         }
-    });
+    }
     return first;
 }

@@ -99,7 +99,8 @@ def _torch_path(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, comp
 
 
 def _c_coefficients(*, lr, beta1, beta2, weight_decay) -> list[float]:
-    """The C kernels' scalars (``lion8bit_cpu.c``), each rounded to fp32 once as torch rounds a Python scalar."""
+    """The C kernels' scalars, in the order of ``lion8bit_cpu.c``'s ``lion_coef_t`` (decay: ``1 - lr * wd``), each
+    rounded to fp32 once as torch rounds a Python scalar."""
     return array("f", [beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay, lr]).tolist()
 
 

@@ -1,10 +1,25 @@
-/* Shared by this package's C kernels: bf16 conversions as torch's, the compensated write of a bf16 weight (and the
- * loops of a step with fp32 state around it), the tensors a range of their concatenation covers, the split of a
- * range over threads, and the clamps that keep moments finite. */
+/* Shared by this package's C kernels: the compensation modes, bf16 conversions as torch's, the compensated write of a
+ * bf16 weight, the tensors a range of their concatenation covers, the split of a range over threads, and the clamps
+ * that keep moments finite.
+ *
+ * The kernels' interface: a compensation mode is a comp_mode_t; a kernel's per-tensor scalars are a struct of named
+ * floats (the Python builder writes them in the struct's order, one float each); weight decay is the multiplicative
+ * `decay` = 1 - lr * wd (torch's decoupled p *= 1 - lr * wd) unless a kernel's reference needs another form (its
+ * struct then names it otherwise and says why). Kernels are specialized by always-inline functions called with
+ * constant arguments, never by macros that take code. */
 #ifndef HF_EFF_NATIVE_H
 #define HF_EFF_NATIVE_H
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* How an update reaches a bf16 weight: compensation.C_MODES's numbers (and optim/_triton.py's). */
+typedef enum { KAHAN = 0, STOCHASTIC = 1, NONE = 2 } comp_mode_t;
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
@@ -39,18 +54,32 @@ static inline uint16_t round_stochastic(float x, uint32_t noise) {
     return (uint16_t)((b + (noise >> 16)) >> 16);
 }
 
-/* compensation.write for a bf16 weight: p32 + delta under mode 0 (kahan: *c carries what the rounded weight did not
- * absorb), 1 (stochastic, with `noise`) or 2 (nearest). Inlined with a constant mode, the other branches vanish. */
-static inline uint16_t write_bf16(float p32, float delta, uint16_t *c, uint32_t noise, int mode) {
-    if (mode == 0) {
+/* compensation.write for a bf16 weight: p32 + delta under KAHAN (*c carries what the rounded weight did not absorb),
+ * STOCHASTIC (with `noise`) or NONE (nearest). Inlined with a constant mode, the other branches vanish. */
+static inline uint16_t write_bf16(float p32, float delta, uint16_t *c, uint32_t noise, comp_mode_t mode) {
+    if (mode == KAHAN) {
         float y = delta + bf16_to_f32(*c);
         uint16_t fresh = f32_to_bf16(p32 + y);
         *c = f32_to_bf16(y - (bf16_to_f32(fresh) - p32));
         return fresh;
     }
-    if (mode == 1)
+    if (mode == STOCHASTIC)
         return round_stochastic(p32 + delta, noise);
     return f32_to_bf16(p32 + delta);
+}
+
+/* The new value `fresh` of element i of a bf16 weight (p32 before the step) as compensation.write_all writes it:
+ * write_bf16 of the step's delta (c: the Kahan buffer under KAHAN; key: the weight noise key under STOCHASTIC), or
+ * under NONE `fresh` itself rounded, as torch's copy_ (not p32 + (fresh - p32)). */
+ALWAYS_INLINE uint16_t write_weight(float p32, float fresh, uint16_t *c, uint32_t key, int64_t i, comp_mode_t mode) {
+    if (mode == NONE)
+        return f32_to_bf16(fresh);
+    return write_bf16(p32, fresh - p32, mode == KAHAN ? &c[i] : NULL, hash32(key, (uint32_t)i), mode);
+}
+
+/* Element i of x (fp32, or bf16 where is_bf16) as fp32. */
+ALWAYS_INLINE float load_f32(const void *x, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 #if defined(__AVX512F__)
@@ -82,11 +111,11 @@ static inline __m512i hash32x16(uint32_t key, __m512i idx) { /* hash32 of each *
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
 
-/* write_bf16 of 16 weights p32 + delta under mode 0 (kahan: *c holds the buffer's bits, in the low 16, and gets the
- * new ones) or 1 (stochastic, with `noise`): the new weights' bits, in each lane's low 16. Round to nearest is
+/* write_bf16 of 16 weights p32 + delta under KAHAN (*c holds the buffer's bits, in the low 16, and gets the new ones)
+ * or STOCHASTIC (with `noise`): the new weights' bits, in each lane's low 16. Round to nearest (NONE) is
  * f32x16_to_bf16 of the new value itself. */
-static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512i noise, int mode) {
-    if (mode == 0) {
+static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512i noise, comp_mode_t mode) {
+    if (mode == KAHAN) {
         __m512 y = _mm512_add_ps(delta, bf16x16_value(*c));
         __m512i h = f32x16_to_bf16(_mm512_add_ps(p32, y));
         *c = f32x16_to_bf16(_mm512_sub_ps(y, _mm512_sub_ps(bf16x16_value(h), p32)));
@@ -97,36 +126,6 @@ static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512
 }
 #endif
 
-/* The loops of a step over elements [start, end) of one bf16 weight tensor p with fp32 state: per element, BODY
- * computes the new weight `fresh` (fp32) from `p32` (the weight) and `g32` (the gradient: bf16 where g_bf16, else
- * fp32), updating the state of element i, and the weight is written under compensation `mode` (write_bf16; c: the
- * Kahan buffer under mode 0; key: the weight noise key under 1; mode 2 rounds `fresh` itself, as torch's copy_).
- * One loop per gradient dtype and mode, each a constant in its loop: a branch inside would stop the vectorizer. */
-#define BF16_WEIGHT_LOOP_(p, G32, c, key, MODE, start, end, BODY)                                           \
-    for (int64_t i = (start); i < (end); i++) {                                                           \
-        float p32 = bf16_to_f32((p)[i]), g32 = (G32), fresh;                                              \
-        BODY;                                                                                             \
-        (p)[i] = MODE == 2 ? f32_to_bf16(fresh)                                                           \
-                           : write_bf16(p32, fresh - p32, MODE == 0 ? &(c)[i] : NULL,                      \
-                                        hash32((uint32_t)(key), (uint32_t)i), MODE);                       \
-    }
-#define BF16_WEIGHT_MODES_(p, G32, c, key, mode, start, end, BODY)                                          \
-    if ((mode) == 0) {                                                                                    \
-        BF16_WEIGHT_LOOP_(p, G32, c, key, 0, start, end, BODY)                                            \
-    } else if ((mode) == 1) {                                                                             \
-        BF16_WEIGHT_LOOP_(p, G32, c, key, 1, start, end, BODY)                                            \
-    } else {                                                                                              \
-        BF16_WEIGHT_LOOP_(p, G32, c, key, 2, start, end, BODY)                                            \
-    }
-#define BF16_WEIGHT_LOOPS(p, g, g_bf16, c, key, mode, start, end, BODY)                                     \
-    if (g_bf16) {                                                                                         \
-        const uint16_t *restrict gb_ = (const uint16_t *)(g);                                             \
-        BF16_WEIGHT_MODES_(p, bf16_to_f32(gb_[i]), c, key, mode, start, end, BODY)                        \
-    } else {                                                                                              \
-        const float *restrict gf_ = (const float *)(g);                                                   \
-        BF16_WEIGHT_MODES_(p, gf_[i], c, key, mode, start, end, BODY)                                     \
-    }
-
 /* Largest finite values: a second moment at most this large stays finite in its storage (fp32 max rounds to bf16
  * inf). */
 #define F32_MAX 3.40282346638528859811704183484516925e+38f
@@ -135,38 +134,30 @@ static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512
 /* x limited to at most limit, as torch.clamp(max=limit): a NaN stays NaN (comparisons with it are false). */
 static inline float clamp_max(float x, float limit) { return x > limit ? limit : x; }
 
-/* BODY for each tensor t among `count` whose items [piece_start, piece_end), numbered within t, fall in
- * [start, end) of the tensors' concatenation; `items` is an expression of t: how many items tensor t has. */
-#define FOR_EACH_PIECE(count, items, start, end, BODY)                                                    \
-    for (int64_t t = 0, offset_ = 0; t < (count) && offset_ < (end); offset_ += (items), t++) {           \
-        int64_t piece_start = (start) > offset_ ? (start) - offset_ : 0;                                  \
-        int64_t piece_end = (end) - offset_ < (items) ? (end) - offset_ : (items);                        \
-        if (piece_start < piece_end) BODY;                                                                \
-    }
+/* The part of [start, end) of a concatenation that falls in its tensor of `items` items at `offset`, as items
+ * [*lo, *hi) numbered within that tensor; returns whether it is not empty. A kernel walks its tensors with it:
+ *     for (int64_t t = 0, offset = 0; t < count && offset < end; offset += items(t), t++)
+ *         if (piece(start, end, offset, items(t), &lo, &hi)) step_one(t, lo, hi); */
+ALWAYS_INLINE int piece(int64_t start, int64_t end, int64_t offset, int64_t items, int64_t *lo, int64_t *hi) {
+    *lo = start > offset ? start - offset : 0;
+    *hi = end - offset < items ? end - offset : items;
+    return *lo < *hi;
+}
 
-/* Run BODY on disjoint pieces of [start, end) that cover it, one per thread of an OpenMP team of up to `threads`,
- * each a multiple of 64 items (cache lines of every dtype) but the last, as `range_start` / `range_end`. The
- * pieces follow the team OpenMP actually gives (OMP_THREAD_LIMIT, OMP_DYNAMIC, nested regions may give fewer
- * threads than asked): splitting by the number asked for would leave the pieces of missing threads undone.
- * Without OpenMP, the whole range runs here. */
+/* This thread's piece [*lo, *hi) of [start, end), called inside `#pragma omp parallel num_threads(threads)`: the
+ * team's pieces are disjoint and cover the range, each a multiple of 64 items (cache lines of every dtype) but the
+ * last. They follow the team OpenMP actually gives (OMP_THREAD_LIMIT, OMP_DYNAMIC, nested regions may give fewer
+ * threads than asked): splitting by the number asked for would leave the pieces of missing threads undone. Without
+ * OpenMP (the pragma ignored), the whole range is this thread's. Returns whether the piece is not empty. */
+ALWAYS_INLINE int thread_range(int64_t start, int64_t end, int64_t *lo, int64_t *hi) {
 #ifdef _OPENMP
-#include <omp.h>
-#define PARALLEL_RANGES(start, end, threads, BODY)                                                        \
-    do {                                                                                                  \
-        _Pragma("omp parallel num_threads(threads)") {                                                    \
-            int64_t team_ = omp_get_num_threads();                                                        \
-            int64_t per_ = (((end) - (start) + team_ - 1) / team_ + 63) / 64 * 64; /* ceil, then to 64 */ \
-            int64_t range_start = (start) + per_ * omp_get_thread_num();                                 \
-            int64_t range_end = range_start + per_ < (end) ? range_start + per_ : (end);                  \
-            if (range_start < range_end) BODY;                                                            \
-        }                                                                                                 \
-    } while (0)
+    int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
 #else
-#define PARALLEL_RANGES(start, end, threads, BODY)                                                        \
-    do {                                                                                                  \
-        int64_t range_start = (start), range_end = (end);                                                 \
-        (void)(threads);                                                                                  \
-        BODY;                                                                                             \
-    } while (0)
+    int64_t team = 1, me = 0;
 #endif
+    int64_t per = ((end - start + team - 1) / team + 63) / 64 * 64; /* ceil, then to 64 */
+    *lo = start + per * me;
+    *hi = *lo + per < end ? *lo + per : end;
+    return *lo < *hi;
+}
 #endif

@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #endif
 
+#include "native.h"
+
 #define BLOCK 256
 #define WORDS 64
 #define EXP0 96 /* binade i of the encoding tables holds [2**(EXP0 + i - 127), twice that) */
@@ -179,33 +181,33 @@ static inline __m512i pack16(const __m512i q[4]) {
 #endif
 
 #if defined(QUANT8_VBMI)
-/* What the kernels' fused passes over whole blocks share (quant8.h needs native.h first there): 16 weights or
+/* What the kernels' fused passes over whole blocks share: 16 weights or
  * gradients at element i of x (fp32, or bf16 where is_bf16) as fp32, ... */
 static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16x16_load((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
 }
 
 /* ... the new values `fresh` of 16 weights at element i of p (fp32 values `old` before the step) written as
- * FOR_EACH_BLOCK writes them (store_bf16 under compensation `mode` for bf16: c the tensor's Kahan buffer, key its
+ * block_store writes them (store_bf16 under compensation `mode` for bf16: c the tensor's Kahan buffer, key its
  * noise key), ... */
 static inline void store_weights16(void *p, int64_t i, int is_bf16, __m512 old, __m512 fresh, uint16_t *c,
-                                   uint32_t key, int mode) {
+                                   uint32_t key, comp_mode_t mode) {
     if (!is_bf16) {
         _mm512_storeu_ps((float *)p + i, fresh);
         return;
     }
     uint16_t *pe = (uint16_t *)p + i;
-    if (mode == 2) { /* store_bf16: fresh itself rounded, not old + (fresh - old) */
+    if (mode == NONE) { /* store_bf16: fresh itself rounded, not old + (fresh - old) */
         bf16x16_store(pe, f32x16_to_bf16(fresh));
         return;
     }
-    __m512i comp = mode == 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(c + i)))
+    __m512i comp = mode == KAHAN ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(c + i)))
                              : _mm512_setzero_si512();
     __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i noise = mode == 1 ? hash32x16(key, _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i), lanes))
+    __m512i noise = mode == STOCHASTIC ? hash32x16(key, _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i), lanes))
                               : _mm512_setzero_si512();
     bf16x16_store(pe, write_bf16x16(old, _mm512_sub_ps(fresh, old), &comp, noise, mode));
-    if (mode == 0)
+    if (mode == KAHAN)
         bf16x16_store(c + i, comp);
 }
 
@@ -301,53 +303,50 @@ static inline void load_block(float *restrict out, const void *x, int64_t i, int
 }
 
 /* The new weights `fresh` of a block of bf16 weights p (`valid` elements, numbered from `first` in their tensor) from
- * their fp32 values before the step (`old`), under compensation `mode` (native.h's write_bf16; c: the block's Kahan
- * buffer under mode 0; key: the weights' noise key under mode 1). One loop per mode: each vectorizes. */
+ * their fp32 values before the step (`old`), under compensation `mode` (native.h's write_bf16; c: the block's
+ * Kahan buffer under KAHAN; key: the weights' noise key under STOCHASTIC). One loop per mode: each vectorizes. */
 static inline void store_bf16(uint16_t *restrict p, const float *restrict fresh, const float *restrict old,
-                              uint16_t *restrict c, int64_t valid, uint32_t key, int64_t first, int mode) {
-    if (mode == 0)
+                              uint16_t *restrict c, int64_t valid, uint32_t key, int64_t first, comp_mode_t mode) {
+    if (mode == KAHAN)
         for (int64_t e = 0; e < valid; e++)
-            p[e] = write_bf16(old[e], fresh[e] - old[e], &c[e], 0, 0);
-    else if (mode == 1)
+            p[e] = write_bf16(old[e], fresh[e] - old[e], &c[e], 0, KAHAN);
+    else if (mode == STOCHASTIC)
         for (int64_t e = 0; e < valid; e++)
-            p[e] = write_bf16(old[e], fresh[e] - old[e], NULL, hash32(key, (uint32_t)(first + e)), 1);
+            p[e] = write_bf16(old[e], fresh[e] - old[e], NULL, hash32(key, (uint32_t)(first + e)), STOCHASTIC);
     else
         for (int64_t e = 0; e < valid; e++)
             p[e] = f32_to_bf16(fresh[e]); /* round to nearest, as torch's copy_ */
 }
 
-/* STEP for blocks [first, last) of a tensor of n elements: weights p and gradients g (fp32, or bf16 where is_bf16)
- * as 256 floats `pb` / `gb` of block `i`. Whole blocks run FUSED instead where the fused vector pass is built
- * (QUANT8_VBMI: it reads and writes the tensors in place, with the same results); otherwise whole fp32 blocks are
- * stepped in place, others through buffers, the last, partial block zero-padded (a zero weight and gradient keep
- * zero moments there). bf16 weights are written by store_bf16 under compensation `mode` (c: the tensor's Kahan
- * buffer or NULL; key: its weights' noise key). Needs native.h. */
-#if defined(QUANT8_VBMI)
-#define FUSED_WHOLE_BLOCK_(valid, FUSED) if ((valid) == BLOCK) { FUSED; continue; }
-#else
-#define FUSED_WHOLE_BLOCK_(valid, FUSED)
-#endif
-#define FOR_EACH_BLOCK(p, g, c, key, mode, n, is_bf16, first, last, STEP, FUSED)                           \
-    for (int64_t i = (first); i < (last); i++) {                                                          \
-        int64_t valid_ = (n) - i * BLOCK < BLOCK ? (n) - i * BLOCK : BLOCK;                               \
-        FUSED_WHOLE_BLOCK_(valid_, FUSED)                                                                 \
-        if (valid_ == BLOCK && !(is_bf16)) {                                                              \
-            float *pb = (float *)(p) + i * BLOCK;                                                         \
-            const float *gb = (const float *)(g) + i * BLOCK;                                             \
-            STEP;                                                                                         \
-            continue;                                                                                     \
-        }                                                                                                 \
-        float pb[BLOCK], gb_[BLOCK], old_[BLOCK];                                                         \
-        const float *gb = gb_;                                                                            \
-        load_block(pb, (p), i, valid_, (is_bf16));                                                        \
-        load_block(gb_, (g), i, valid_, (is_bf16));                                                       \
-        if ((is_bf16) && (mode) != 2)                                                                     \
-            memcpy(old_, pb, sizeof old_);                                                                \
-        STEP;                                                                                             \
-        if (is_bf16)                                                                                      \
-            store_bf16((uint16_t *)(p) + i * BLOCK, pb, old_, (c) ? (uint16_t *)(c) + i * BLOCK : NULL,   \
-                       valid_, (uint32_t)(key), i * BLOCK, (mode));                                       \
-        else                                                                                              \
-            memcpy((float *)(p) + i * BLOCK, pb, valid_ * sizeof(float));                                 \
-    }
+/* A block the plain step works on through buffers: a partial block (zero-padded: a zero weight and gradient keep
+ * zero moments there) or one of bf16 weights. */
+typedef struct {
+    float p[BLOCK], g[BLOCK], old[BLOCK]; /* weights (stepped in place), gradients, weights before the step */
+} block_buf_t;
+
+/* Blocks of a tensor of n elements (quant8.blocks). */
+ALWAYS_INLINE int64_t quant8_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
+
+/* Elements of block i of a tensor of n elements. */
+ALWAYS_INLINE int64_t block_valid(int64_t n, int64_t i) { return n - i * BLOCK < BLOCK ? n - i * BLOCK : BLOCK; }
+
+/* Block i of weights p and gradients g (fp32, or bf16 where is_bf16) into b, keeping the weights before the step
+ * where a compensated bf16 write needs them. */
+static inline void block_load(block_buf_t *restrict b, const void *p, const void *g, int64_t i, int64_t valid,
+                              int is_bf16, comp_mode_t mode) {
+    load_block(b->p, p, i, valid, is_bf16);
+    load_block(b->g, g, i, valid, is_bf16);
+    if (is_bf16 && mode != NONE)
+        memcpy(b->old, b->p, sizeof b->old);
+}
+
+/* b's stepped weights back into block i of p: bf16 by store_bf16 under compensation `mode` (c: the tensor's Kahan
+ * buffer or NULL; key: its weights' noise key), fp32 as they are. */
+static inline void block_store(const block_buf_t *restrict b, void *p, uint16_t *c, uint32_t key, int64_t i,
+                               int64_t valid, int is_bf16, comp_mode_t mode) {
+    if (is_bf16)
+        store_bf16((uint16_t *)p + i * BLOCK, b->p, b->old, c ? c + i * BLOCK : NULL, valid, key, i * BLOCK, mode);
+    else
+        memcpy((float *)p + i * BLOCK, b->p, valid * sizeof(float));
+}
 #endif
