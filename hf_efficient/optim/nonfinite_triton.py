@@ -51,7 +51,6 @@ def scan_kernel(found_ptr, flags_ptr, g_ptr, ptrs, sizes, n, idx, count, TABLE: 
         if ALIGNED:  # the compiler cannot see a loaded address's alignment: without it, loads are not vectors
             g_ptr = tl.multiple_of(g_ptr, 16)
         n = tl.load(sizes + t)
-        idx = tl.load(sizes + count + t)
     start = blk.to(tl.int64) * (BLOCK * ITERS)
     rest = n.to(tl.int64) - start  # elements from this program's first on; <= 0: a smaller tensor's spare program
     if rest > 0:
@@ -67,7 +66,10 @@ def scan_kernel(found_ptr, flags_ptr, g_ptr, ptrs, sizes, n, idx, count, TABLE: 
                 o = i * BLOCK + offs
                 clean = clean & _clean(tl.load(gp + o, mask=o < left, other=0.0))
         if tl.min(clean.to(tl.int32), axis=0) == 0:
-            tl.store(flags_ptr + idx, 1.0)
+            at = idx
+            if TABLE:  # read only here: a clean program loads its table row's address and size alone
+                at = tl.load(sizes + count + tl.program_id(0))
+            tl.store(flags_ptr + at, 1.0)
             tl.store(found_ptr, 1.0)
 
 
