@@ -5,8 +5,9 @@ second moment would be inf). Four ways to find one, each used where it is cheape
 
 - the C scan (``grad_check_cpu.c``): plain contiguous CPU fp32/bf16/fp16 tensors, on torch's threads;
 - torch's check: one multi-tensor inf-norm and a compare, any device, one host read;
-- the device flag (CUDA, where the backend honours torch's ``optimizer.found_inf``): the same compare left on the
-  device as a float32 flag, read by nobody here (see :data:`_FLAG_TABLE`);
+- the device flag (CUDA, where the backend honours torch's ``optimizer.found_inf``): a float32 flag left on the
+  device, read by nobody here (see :data:`_FLAG_TABLE`): a Triton scan in one launch per gradient dtype
+  (:mod:`.optim.nonfinite_triton`) where it applies, else torch's check without its host read;
 - the backward scan, where the host check runs on CPU: each gradient of 65,536+ elements is scanned in backward, by a
   post-accumulate-grad hook, the moment backward completes it, and remembered clean with its version counter. At
   ``step()`` the scan cost fused fp32 AdamW's step 21-28%; in backward the gradient is still in cache (28M parameters
@@ -34,8 +35,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .optim import _native
-from .optim._dispatch import c_array, log_once, native
+from .optim import _native, _triton
+from .optim._dispatch import c_array, cached, log_once, native
 from .param_groups import named_params
 
 __all__ = ["OVERFLOW", "first_nonfinite", "checks_on_device", "flag_on_device", "check_on_host", "watch",
@@ -370,8 +371,8 @@ def checks_on_device(optimizer, backend: type, scaled: bool) -> bool:
 
 def flag_on_device(optimizer) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
     """The step's check left on the device, no host read: ``(found, flags, names)``, ``found`` the float32 flag to set
-    as ``optimizer.found_inf`` (1.0: a gradient is bad), ``flags`` per gradient (bool), ``names`` their parameters;
-    None when no gradient has an element."""
+    as ``optimizer.found_inf`` (1.0: a gradient is bad), ``flags`` per gradient (non-zero: bad), ``names`` their
+    parameters; None when no gradient has an element."""
     hooks = _HOOKS.get(optimizer)
     if hooks is not None:  # CPU in tests: the backward scans go unused
         hooks.settle(0)
@@ -379,6 +380,34 @@ def flag_on_device(optimizer) -> tuple[torch.Tensor, torch.Tensor, list[str]] | 
             if p.grad is not None and not p.grad.is_sparse and p.grad.numel()]
     if not live:
         return None
-    flags = _bad_flags([g for _, g in live])
-    return flags.any().float(), flags, [n for n, _ in live]
+    grads = [g for _, g in live]
+    scan = _triton_scan(grads)
+    if scan is not None:
+        found, flags = scan(grads, _SCAN_TABLES.setdefault(optimizer, {}))
+    else:
+        flags = _bad_flags(grads)
+        found = flags.any().float()
+    return found, flags, [n for n, _ in live]
+
+
+_SCAN_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its scan's pointer tables
+
+
+def _triton_scan(grads: list[torch.Tensor]):
+    """:func:`.optim.nonfinite_triton.scan` where it takes ``grads`` (one CUDA device, or CPU under the interpreter in
+    tests; contiguous, of its dtypes) and its probe on that device passed; else None: torch's check."""
+    if not _triton.applies(*grads):
+        return None
+    from .optim import nonfinite_triton as kernel
+
+    if not all(g.dtype in kernel.DTYPES and g.is_contiguous() for g in grads):
+        return None
+    device = grads[0].device
+
+    def make():
+        if not kernel.probe(device):
+            raise RuntimeError(f"the Triton inf/NaN scan disagrees with its probe on {device}")
+        return kernel.scan
+
+    return cached(("triton", "nonfinite", str(device)), make)
 

@@ -1,9 +1,12 @@
 """The guard's inf/NaN check on the device (hf_efficient.guard, "On CUDA, without a host synchronisation"): the flag
 is computed on the device and handed to the backend as ``optimizer.found_inf``; ``skip`` reads nothing, ``raise``
 raises at the next host read. CI has no GPU: hf_efficient.nonfinite's private switch sends CPU tensors down the same
-path, and torch's fused CPU AdamW honours ``found_inf`` as its CUDA kernel does, so the whole logic runs here."""
+path, and torch's fused CPU AdamW honours ``found_inf`` as its CUDA kernel does, so the whole logic runs here. Every
+test runs twice: the flag from torch's check, and from the Triton scan (``optim/nonfinite_triton.py``, what CUDA
+runs) executing under Triton's interpreter."""
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -11,13 +14,29 @@ from torch import nn
 
 import hf_efficient as hfe
 from hf_efficient import guard, nonfinite
+from hf_efficient.optim import _triton
 
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True)
-def device_flag(monkeypatch):
+@pytest.fixture(autouse=True, params=["torch", "triton"])
+def device_flag(request, monkeypatch):
+    """The device path on CPU; with ``triton``, its scan is the Triton kernel's (asserted to run at every check)."""
     monkeypatch.setattr(nonfinite, "_DEVICE_FLAG_ON_CPU", True)
+    if request.param == "torch":
+        yield
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _triton.available():
+        pytest.skip("the Triton scan runs on CPU under TRITON_INTERPRET=1")
+    _triton.interpret_on_cpu(True)
+    try:
+        assert nonfinite._triton_scan([torch.zeros(1)]) is not None  # probed on CPU, and it passed
+        real = nonfinite._triton_scan
+        monkeypatch.setattr(nonfinite, "_triton_scan", lambda grads: real(grads) or pytest.fail(
+            "a device check fell back to torch's"))
+        yield
+    finally:
+        _triton.interpret_on_cpu(False)
 
 
 @contextlib.contextmanager
