@@ -7,7 +7,8 @@
 - On CUDA, with no host synchronisation, where the backend honours torch's ``optimizer.found_inf`` (the one table
   :data:`~hf_efficient.nonfinite._FLAG_TABLE`: torch's fused AdamW, and this package's families whose step runs their
   Triton kernels, which they declare by a ``takes_found_inf()`` method, True for the step about to run): the step's
-  gradients are checked on the device, by one multi-tensor inf-norm and a compare, into a float32 flag set as
+  gradients are checked on the device (the Triton scan of ``optim/nonfinite_triton.py``, one launch per gradient
+  dtype; torch's multi-tensor inf-norm where Triton is missing), into a float32 flag set as
   ``optimizer.found_inf`` for the backend's step (unset after), which then updates nothing, step counts included.
   Nothing is read in ``step()``. ``"skip"``: the step is voided; ``steps`` / ``skipped_steps`` of
   ``optimizer_info(opt)`` read the device's count when read (a warning then says how many were skipped).
