@@ -16,8 +16,9 @@ programs beyond a smaller matrix's count return at once.
    (the matrices share it in proportion to their size).
 2. :func:`_cols_kernel`, a program per block of columns: adds the parts in block order (deterministic: no atomics),
    writes the new column statistics, ``1 / sqrt(col)`` for the update, and its part of the sum of squares (float64).
-3. :func:`_update_kernel`, a program per tile: sums the parts into the RMS clip scale (float64, on the device),
-   reads g again and writes the weight (``exp_avg``, the compensation) in one pass.
+3. :func:`_update_kernel`, a program per :data:`_TILES_PER_PROGRAM` tiles: sums the parts into the RMS clip scale
+   (float64, on the device) once, then for each tile reads g again and writes the weight (``exp_avg``, the
+   compensation) in one pass.
 
 Vectors (biases, norms) take one launch per kind over their own table: :func:`_vector_kernel`, a program per
 vector, reads it twice (statistics and the sum of squares, then the update).
@@ -59,6 +60,7 @@ _COLS = 512  # columns of a tile of the stats pass and of a program of the colum
 _WIDE = 1024  # columns of a tile of the update pass; narrower matrices get tiles of their width (a kind each)
 _PART = 256  # elements of the float64 parts summed at a time
 _MAX_GRID = 65535  # programs on a grid's dimension 1 (CUDA's limit): a matrix with more loops over them
+_TILES_PER_PROGRAM = 4  # update-pass tiles a program steps: its setup (table, clip scale, noise key) paid once for them
 
 # the pointer table's lists, in order (a tensor a matrix does not have: its weight's address, never read) ...
 _P, _G, _ROW, _COL, _STEP, _EA, _COMP = (tl.constexpr(i) for i in range(7))
@@ -555,7 +557,8 @@ def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _tr
     _cols_kernel[_grid(count, [b * C for (_, _, b), (_, _, C) in zip(dims, plan)])](
         ptrs, sizes, part, mean, cinv, over, found_inf, count, eps, *rate, ALIGNED=aligned, BC=_COLS, PART=_PART,
         num_warps=4, **_LAUNCH)
-    _update_kernel[_grid(count, [b * _cdiv(n, br3) * _cdiv(m, width) for n, m, b in dims])](
+    tiles = [b * _cdiv(n, br3) * _cdiv(m, width) for n, m, b in dims]
+    _update_kernel[_grid(count, [_cdiv(n, _TILES_PER_PROGRAM) for n in tiles])](
         ptrs, sizes, mean, cinv, over, found_inf, count, *_group_args(group), PDT=_TL[pdt], GDT=_TL[gdt],
         HAS_EA=has_ea, MODE=mode, ALIGNED=aligned, BR=br3, BC=width, PART=_PART, num_warps=8, **_LAUNCH)
 
