@@ -244,8 +244,8 @@ def _stats_kernel(ptrs, sizes, part_ptr, mean_ptr, flag_ptr, count, eps, rate_hi
             b = pid // P
             blk = pid % P
             _stats_rows(g_ptr + b.to(tl.int64) * n * m, row_ptr + b.to(tl.int64) * n,
-                        part_ptr + (b.to(tl.int64) * P + blk) * 2 * m, mean_ptr + pid, blk * R, tl.minimum(blk * R + R, n),
-                        n, m, inv_k, k_cols, eps, w, BR, BC)
+                        part_ptr + (b.to(tl.int64) * P + blk) * 2 * m, mean_ptr + pid, blk * R,
+                        tl.minimum(blk * R + R, n), n, m, inv_k, k_cols, eps, w, BR, BC)
 
 
 @triton.jit(do_not_specialize=["count"])
