@@ -103,9 +103,15 @@ def test_the_probe_passes_and_refuses_a_wrong_kernel(on_cpu, monkeypatch):
     monkeypatch.setattr(T, "_PROGRAMS", 2)  # several row blocks per matrix (4 "SMs" on CPU)
     orig = T._cols_kernel
 
-    class Lossy:  # the column pass of a kernel that forgets the last row block's parts
+    class Lossy:  # the column pass of a kernel that forgets each matrix's last row block's parts
         def __getitem__(self, grid):
-            return lambda *a, **kw: orig[grid](*a[:9], a[9] - 1 if a[9] > 1 else a[9], *a[10:], **kw)
+            def run(ptrs, sizes, *args, **kw):
+                count, field = args[5], T._NP.value
+                sizes = sizes.clone()
+                blocks = sizes[field * count:(field + 1) * count]
+                blocks -= (blocks > 1).long()
+                return orig[grid](ptrs, sizes, *args, **kw)
+            return run
 
     monkeypatch.setattr(T, "_cols_kernel", Lossy())
     assert not af._triton_probe(T, CPU)
@@ -205,41 +211,119 @@ def test_state_the_kernels_cannot_take_goes_to_the_eager_step(on_cpu):
     assert p.isfinite().all()
 
 
+class _Recorder:
+    """Stands in for a kernel: records each launch's grid, and runs the kernel where ``run``."""
+
+    def __init__(self, kernel, launches, run=True):
+        self.kernel, self.launches, self.run = kernel, launches, run
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append((self.kernel.__name__, grid))
+            if self.run:
+                self.kernel[grid](*args, **kw)
+        return launch
+
+
+def _record(monkeypatch, run=True) -> list:
+    launches = []
+    for name in ("_stats_kernel", "_cols_kernel", "_update_kernel", "_vector_kernel"):
+        monkeypatch.setattr(T, name, _Recorder(getattr(T, name), launches, run))
+    return launches
+
+
+def _llama(layers, dtype, scale=128, seed=0):
+    """Llama-1B's tensors per layer, shapes divided by ``scale`` (2048 -> 16, 5632 -> 44): q, k, v, o, gate, up,
+    down, two norms; and the Trainer's groups: matrices with decay, norms without."""
+    gen = torch.Generator().manual_seed(seed)
+    h, f = 2048 // scale, 5632 // scale
+    shapes = [(h, h)] * 4 + [(f, h), (f, h), (h, f), (h,), (h,)]
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for _ in range(layers) for s in shapes]
+    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    return params, groups
+
+
+def test_a_llama_step_is_four_launches(on_cpu, monkeypatch):
+    """24 layers of Llama-1B's tensors (7 matrices, 2 norms each; shapes scaled down, and the update tile's width
+    with them, so that every matrix counts as wide as Llama's): the matrices' three passes take one launch each,
+    the norms one; each matrix's programs on dim 1 of the grids. (Recorded, not run: the interpreter is slow.)"""
+    monkeypatch.setattr(T, "_WIDE", 16)
+    params, groups = _llama(24, torch.bfloat16)
+    opt = Adafactor(groups, lr=LR, beta1=0.9)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    assert af._triton_module(CPU) is T
+    launches = _record(monkeypatch, run=False)
+    opt.step()
+    assert [name for name, _ in launches] == ["_stats_kernel", "_cols_kernel", "_update_kernel", "_vector_kernel"]
+    assert all(grid[0] == 24 * 7 for _, grid in launches[:3]) and launches[3][1] == (24 * 2,)
+
+
+@pytest.mark.parametrize("dtype, compensation", [(torch.bfloat16, "kahan"), (torch.float32, "none")])
+def test_one_launch_per_pass_matches_the_eager_step(dtype, compensation, monkeypatch):
+    """Matrices of several shapes in one launch per pass, each matrix's programs looping over more blocks than the
+    grid has (its dimension 1 capped at 2, small tiles): the eager step's results, and the first step of a
+    :func:`test_a_llama_step_is_four_launches` layer in four launches."""
+    monkeypatch.setattr(af, "_native_fn", lambda: None)  # the reference: the eager step
+    for name, value in (("_WIDE", 16), ("_COLS", 16), ("_ROWS_TILE", 64), ("_TILE", 64), ("_MAX_GRID", 2)):
+        monkeypatch.setattr(T, name, value)
+    (ps, groups), (ref, ref_groups) = _llama(1, dtype), _llama(1, dtype)
+    opt, ref_opt = (Adafactor(g, lr=LR, beta1=0.9, compensation=compensation) for g in (groups, ref_groups))
+    grads = _grads(ps, 2)
+    _triton.interpret_on_cpu(True)
+    try:
+        assert af._triton_module(CPU) is T
+    finally:
+        _triton.interpret_on_cpu(False)
+    launches = _record(monkeypatch)
+    _steps(opt, ps, grads, True)
+    assert len(launches) == 2 * 4
+    grids = dict(launches[:4])
+    assert grids["_update_kernel"] == (7, 2) and grids["_cols_kernel"] == (7, 2)  # 2 < the tiles and column blocks
+    _steps(ref_opt, ref, grads, False)
+    _assert_agree(ps, opt, ref, ref_opt)
+
+
 # ------------------------------------------------------------------------------------------ sm_90
 
 
 def _variants():
     """Every variant the launches compile: the update and vector kernels per weight dtype, write and first moment;
-    the stats pass per gradient dtype; the column pass."""
+    the stats pass per gradient dtype; the column pass; each with the alignment promise, and a few without."""
     out = []
-    base = {"step_ptr": "*fp32", "flag_ptr": "*fp32"}
-    for name, gdt in (("_stats_kernel", "*fp32"), ("_stats_kernel", "*bf16"), ("_stats_kernel", "*fp16")):
-        out.append([name, {"g_ptr": gdt, "row_ptr": "*fp32", "part_ptr": "*fp32", "mean_ptr": "*fp64", **base,
-                           "n": "i32", "m": "i32", "R": "i32", "P": "i32", "inv_k": "fp32", "k_cols": "fp32",
-                           "eps": "fp32", "rate_hi": "fp32", "rate_lo": "fp32", "BR": "constexpr",
-                           "BC": "constexpr"}, {"BR": 4, "BC": 512}])
-    out.append(["_cols_kernel", {"col_ptr": "*fp32", "part_ptr": "*fp32", "mean_ptr": "*fp64", "cinv_ptr": "*fp32",
-                                 "over_ptr": "*fp64", **base, "n": "i32", "m": "i32", "P": "i32", "C": "i32",
-                                 "k_rows": "fp32", "eps": "fp32", "rate_hi": "fp32", "rate_lo": "fp32",
-                                 "BC": "constexpr", "PART": "constexpr"}, {"BC": 512, "PART": 256}])
+    table = {"ptrs": "*i64", "sizes": "*i64"}
+    rate = {"rate_hi": "fp32", "rate_lo": "fp32"}
+    for aligned, gdts in ((True, ("*fp32", "*bf16", "*fp16")), (False, ("*bf16",))):
+        for gdt in gdts:
+            out.append(["_stats_kernel", {**table, "part_ptr": "*fp32", "mean_ptr": "*fp64", "flag_ptr": "*fp32",
+                                          "count": "i32", "eps": "fp32", **rate, "GDT": "constexpr",
+                                          "ALIGNED": "constexpr", "BR": "constexpr", "BC": "constexpr"},
+                        {"GDT": "tl." + {"*fp32": "float32", "*bf16": "bfloat16", "*fp16": "float16"}[gdt],
+                         "ALIGNED": aligned, "BR": 4, "BC": 512}])
+        out.append(["_cols_kernel", {**table, "part_ptr": "*fp32", "mean_ptr": "*fp64", "cinv_ptr": "*fp32",
+                                     "over_ptr": "*fp64", "flag_ptr": "*fp32", "count": "i32", "eps": "fp32", **rate,
+                                     "ALIGNED": "constexpr", "BC": "constexpr", "PART": "constexpr"},
+                    {"ALIGNED": aligned, "BC": 512, "PART": 256}])
     scalars = {"lr_hi": "fp32", "lr_lo": "fp32", "clip_hi": "fp32", "clip_lo": "fp32", "decay": "fp32",
                "omb1": "fp32"}
     for pdt, modes in (("fp32", [2]), ("bf16", [0, 1, 2]), ("fp16", [0, 1, 2])):
+        dt = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}[pdt]
         for mode in modes:
             for ea in (True, False):
+                aligned = ea or mode != 0  # the promise's absence: once per weight dtype
                 out.append(["_update_kernel", {
-                    "p_ptr": "*" + pdt, "g_ptr": "*bf16", "row_ptr": "*fp32", "cinv_ptr": "*fp32", "mean_ptr": "*fp64",
-                    "over_ptr": "*fp64", "ea_ptr": "*fp32", "comp_ptr": "*bf16" if mode == 0 else "*" + pdt, **base,
-                    "B": "i32", "n": "i32", "m": "i32", "P": "i32", "C": "i32", "k": "i32", **scalars,
-                    "position": "i32", "HAS_EA": "constexpr", "MODE": "constexpr", "BR": "constexpr",
-                    "BC": "constexpr", "PART": "constexpr"},
-                    {"HAS_EA": ea, "MODE": mode, "BR": 4, "BC": 1024, "PART": 256}])
-                dt = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}[pdt]
-                out.append(["_vector_kernel", {"ptrs": "*i64", "sizes": "*i64", "flag_ptr": "*fp32", "count": "i32",
-                                               **scalars, "eps": "fp32", "rate_hi": "fp32", "rate_lo": "fp32",
-                                               "PDT": "constexpr", "GDT": "constexpr", "HAS_EA": "constexpr",
-                                               "MODE": "constexpr", "BLOCK": "constexpr"},
-                            {"PDT": dt, "GDT": dt, "HAS_EA": ea, "MODE": mode, "BLOCK": 1024}])
+                    **table, "mean_ptr": "*fp64", "cinv_ptr": "*fp32", "over_ptr": "*fp64", "flag_ptr": "*fp32",
+                    "count": "i32", **scalars, "PDT": "constexpr", "GDT": "constexpr", "HAS_EA": "constexpr",
+                    "MODE": "constexpr", "ALIGNED": "constexpr", "BR": "constexpr", "BC": "constexpr",
+                    "PART": "constexpr"},
+                    {"PDT": dt, "GDT": "tl.bfloat16", "HAS_EA": ea, "MODE": mode, "ALIGNED": aligned, "BR": 4,
+                     "BC": 1024, "PART": 256}])
+                out.append(["_vector_kernel", {**table, "flag_ptr": "*fp32", "count": "i32", **scalars,
+                                               "eps": "fp32", **rate, "PDT": "constexpr", "GDT": "constexpr",
+                                               "HAS_EA": "constexpr", "MODE": "constexpr", "ALIGNED": "constexpr",
+                                               "BLOCK": "constexpr"},
+                            {"PDT": dt, "GDT": dt, "HAS_EA": ea, "MODE": mode, "ALIGNED": aligned, "BLOCK": 1024}])
     return out
 
 

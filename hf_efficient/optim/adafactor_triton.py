@@ -3,20 +3,31 @@
 Imported only where Triton is (see :mod:`._triton` for the conventions every kernel follows: the void flag, device
 step counts, ``MODE``, bf16 stores, the compensated write).
 
-A matrix (a batch of ``n x m`` matrices, contiguous) takes three launches:
+Matrices (each a batch of ``B`` contiguous ``n x m`` matrices) of one kind (param group, weight and gradient dtypes,
+first moment, compensation, tile width) take three launches in all, over one :class:`._triton.PointerTable` (each
+matrix's tensors, its sizes, its program counts and its offsets in the launch's one scratch). Grid: matrices on
+dim 0, a matrix's programs on dim 1 (a pass with more than :data:`_MAX_GRID` programs for a matrix loops over them);
+programs beyond a smaller matrix's count return at once.
 
 1. :func:`_stats_kernel`, a program per block of whole rows: reads g for the row sums of g*g/k and writes the new
    row statistics, then reads the same rows again (from L2) for their part of the column sums and of
    ``D_j = sum_i (g_ij / k) * (g_ij / row_i)`` (the update's factored sum of squares, see :mod:`.adafactor`), and
-   their part of the row mean (float64). The parts go to a scratch of at most :data:`_SCRATCH_BYTES`.
+   their part of the row mean (float64). The parts go to the scratch, at most :data:`_SCRATCH_BYTES` for the launch
+   (the matrices share it in proportion to their size).
 2. :func:`_cols_kernel`, a program per block of columns: adds the parts in block order (deterministic: no atomics),
    writes the new column statistics, ``1 / sqrt(col)`` for the update, and its part of the sum of squares (float64).
-3. :func:`_update_kernel`, a program per tile: sums the parts into the RMS clip scale (float64, on the device),
-   reads g again and writes the weight (``exp_avg``, the compensation) in one pass.
+3. :func:`_update_kernel`, a program per :data:`_TILES_PER_PROGRAM` tiles: sums the parts into the RMS clip scale
+   (float64, on the device) once, then for each tile reads g again and writes the weight (``exp_avg``, the
+   compensation) in one pass.
 
-Vectors (biases, norms) take one launch per kind (dtypes, group, first moment, compensation) over a
-:class:`._triton.PointerTable`: :func:`_vector_kernel`, a program per vector, reads it twice (statistics and the sum
-of squares, then the update).
+Vectors (biases, norms) take one launch per kind over their own table: :func:`_vector_kernel`, a program per
+vector, reads it twice (statistics and the sum of squares, then the update).
+
+``ALIGNED`` (constexpr): every address in the table is 16-byte aligned and every row (vector) length a multiple of 16
+elements; the kernels then promise it to the compiler (``tl.multiple_of``), which cannot see it in values read from
+memory, and loads and stores stay 16-byte vectors. Per element, the update pass does its index arithmetic in int32
+within a tile (the tile's start in int64, once) and takes each lerp's side once per program (the weights are
+scalars), not per element.
 
 fp32 arithmetic is the eager step's, operation for operation: lerp as torch's fused multiply-add, ``rsqrt`` as
 ``1 / sqrt`` correctly rounded (``div_rn``, ``sqrt_rn``: Triton's defaults are approximate on a GPU), clamps that keep
@@ -27,6 +38,7 @@ C kernel's do, and are held to the same tolerances (:func:`.adafactor._agree`).
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 import triton
@@ -40,17 +52,32 @@ __all__ = ["step"]
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _SQRT_FP32_MAX = tl.constexpr(18446742974197923840.0)  # 2**64 (1 - 2**-24): the largest fp32 whose square is finite
-_SCRATCH_BYTES = 8 << 20  # the column and D parts of one matrix (the stats pass), whatever the model's size
-_PROGRAMS = 4  # stats-pass programs per SM aimed at (fewer where the scratch or the rows run out)
+_SCRATCH_BYTES = 32 << 20  # the column and D parts of one launch's matrices, whatever the model's size
+_PROGRAMS = 4  # stats-pass programs per SM aimed at, for all of a launch's matrices (fewer where scratch or rows end)
+_ROWS_TILE = 2048  # elements of a tile of the stats pass
 _TILE = 4096  # elements of a tile of the update pass (16-byte vector loads for every dtype)
 _COLS = 512  # columns of a tile of the stats pass and of a program of the column pass
+_WIDE = 1024  # columns of a tile of the update pass; narrower matrices get tiles of their width (a kind each)
 _PART = 256  # elements of the float64 parts summed at a time
+_MAX_GRID = 65535  # programs on a grid's dimension 1 (CUDA's limit): a matrix with more loops over them
+_TILES_PER_PROGRAM = 4  # update-pass tiles a program steps: its setup (table, clip scale, noise key) paid once for them
+
+# the pointer table's lists, in order (a tensor a matrix does not have: its weight's address, never read) ...
+_P, _G, _ROW, _COL, _STEP, _EA, _COMP = (tl.constexpr(i) for i in range(7))
+# ... and the size table's fields: sizes, programs per pass, offsets in the scratch's parts, the noise position
+_N, _M, _B, _NP, _R, _NC, _AT_PART, _AT_MEAN, _AT_CINV, _AT_OVER, _POS = (tl.constexpr(i) for i in range(11))
 
 
 @triton.jit
 def _lerp(start, end, w):
-    """torch.lerp: a fused multiply-add from the nearer end (as torch's and adafactor_cpu.c's)."""
-    return tl.where(w < 0.5, tl.fma(w, end - start, start), tl.fma(w - 1.0, end - start, end))
+    """torch.lerp with a scalar weight: a fused multiply-add from the nearer end (as torch's and adafactor_cpu.c's),
+    the end chosen once for all elements."""
+    diff = end - start
+    if w < 0.5:
+        out = tl.fma(w, diff, start)
+    else:
+        out = tl.fma(w - 1.0, diff, end)
+    return out
 
 
 @triton.jit
@@ -72,6 +99,12 @@ def _beta2_weight(step_ptr, rate_hi, rate_lo):
     halves, :func:`._triton.split64`)."""
     t = tl.load(step_ptr).to(tl.float64)
     return tl.exp(tl.log(t) * (tl.cast(rate_hi, tl.float64) + tl.cast(rate_lo, tl.float64))).to(tl.float32)
+
+
+@triton.jit
+def _ratio(a, b):
+    """``a / b`` (int32 scalars) as the host passed it: a Python float, rounded to fp32 at the launch."""
+    return (a.to(tl.float64) / b.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
@@ -99,29 +132,77 @@ def _row_mean(mean_ptr, b, P, n, PART: tl.constexpr):
     return _clamp_max(_sum_part(mean_ptr, b.to(tl.int64) * P, P, PART).to(tl.float32))
 
 
+# ----------------------------------------------------------------------------------------------------
+# Reading the tables: matrix t = program_id(0)
+# ----------------------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _stats_kernel(g_ptr, row_ptr, part_ptr, mean_ptr, step_ptr, flag_ptr, n, m, R, P, inv_k, k_cols, eps,
-                  rate_hi, rate_lo, BR: tl.constexpr, BC: tl.constexpr):
-    if tl.load(flag_ptr) != 0:
-        return
-    pid = tl.program_id(0)
-    b, blk = pid // P, pid % P
-    w = _beta2_weight(step_ptr, rate_hi, rate_lo)
-    g_base = g_ptr + b.to(tl.int64) * n * m
-    part = part_ptr + (b.to(tl.int64) * P + blk) * 2 * m  # this program's column parts, then its D parts
-    start = blk * R
-    end = tl.minimum(start + R, n)
+def _ptr(ptrs, count, t, i: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """List ``i``'s address for tensor ``t``, as a pointer to ``DT``; 16-byte aligned where ``ALIGNED`` (said to the
+    compiler: it cannot see the alignment of an address it read from memory, and would not load vectors)."""
+    ptr = tl.load(ptrs + i * count + t).to(tl.pointer_type(DT))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _dims(sizes, count, t, ALIGNED: tl.constexpr):
+    """Matrix ``t``'s rows, columns and batch (int32); with ``ALIGNED`` its rows start 16 elements apart (a row of
+    ``m`` elements keeps every tile's loads 16-byte vectors)."""
+    m = tl.load(sizes + _M * count + t).to(tl.int32)
+    if ALIGNED:
+        m = tl.multiple_of(m, 16)
+    return tl.load(sizes + _N * count + t).to(tl.int32), m, tl.load(sizes + _B * count + t).to(tl.int32)
+
+
+@triton.jit
+def _matrix(ptrs, sizes, count, t, PDT: tl.constexpr, GDT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Matrix ``t``'s tensors (weight, gradient, row and column statistics, step, exp_avg, Kahan buffer: stand-ins
+    where it has none, never read), then its programs per pass (stats P, rows per stats program R, columns C), its
+    offsets in the scratch's four parts (multiples of 16 elements) and its noise position. One call: Triton's
+    interpreter (the tests) pays for every call of a device function."""
+    p = tl.load(ptrs + _P * count + t).to(tl.pointer_type(PDT))
+    g = tl.load(ptrs + _G * count + t).to(tl.pointer_type(GDT))
+    col = tl.load(ptrs + _COL * count + t).to(tl.pointer_type(tl.float32))
+    ea = tl.load(ptrs + _EA * count + t).to(tl.pointer_type(tl.float32))
+    comp = tl.load(ptrs + _COMP * count + t).to(tl.pointer_type(tl.bfloat16))
+    at_part = tl.load(sizes + _AT_PART * count + t)
+    at_cinv = tl.load(sizes + _AT_CINV * count + t)
+    if ALIGNED:
+        p, g, col, ea, comp = (tl.multiple_of(p, 16), tl.multiple_of(g, 16), tl.multiple_of(col, 16),
+                               tl.multiple_of(ea, 16), tl.multiple_of(comp, 16))
+        at_part, at_cinv = tl.multiple_of(at_part, 16), tl.multiple_of(at_cinv, 16)
+    return (p, g, tl.load(ptrs + _ROW * count + t).to(tl.pointer_type(tl.float32)), col,
+            tl.load(ptrs + _STEP * count + t).to(tl.pointer_type(tl.float32)), ea, comp,
+            tl.load(sizes + _NP * count + t).to(tl.int32), tl.load(sizes + _R * count + t).to(tl.int32),
+            tl.load(sizes + _NC * count + t).to(tl.int32), at_part, tl.load(sizes + _AT_MEAN * count + t), at_cinv,
+            tl.load(sizes + _AT_OVER * count + t), tl.load(sizes + _POS * count + t).to(tl.int32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The three passes of the matrices
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stats_rows(g_ptr, row_ptr, part, mean_at, start, end, n, m, inv_k, k_cols, eps, w, BR: tl.constexpr,
+                BC: tl.constexpr):
+    """Rows ``start:end`` of one matrix (``g_ptr``, ``row_ptr``: its own): the new row statistics, then, from the
+    same rows again, this program's column and D parts (``part``: 2 m floats) and its part of the row mean."""
     mean = tl.zeros((BR,), tl.float64)
+    rows = tl.arange(0, BR)
     for r0 in range(start, end, BR):
-        rows = r0 + tl.arange(0, BR)
-        rmask = rows < end
+        rmask = rows < end - r0
+        g_rows = g_ptr + tl.cast(r0, tl.int64) * m  # int64 once; int32 within the rows
         rsum = tl.zeros((BR,), tl.float32)
         for c0 in range(0, m, BC):
             cols = c0 + tl.arange(0, BC)
             mask = rmask[:, None] & (cols < m)[None, :]
-            g = tl.load(g_base + rows[:, None].to(tl.int64) * m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_rows + (rows[:, None] * m + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
             rsum += tl.sum((g * inv_k) * g, axis=1)
-        row_at = row_ptr + b.to(tl.int64) * n + rows
+        row_at = row_ptr + r0 + rows
         row = _lerp(tl.load(row_at, mask=rmask, other=0.0), _clamp_max(rsum * k_cols + eps), w)
         tl.store(row_at, row, mask=rmask)
         mean += tl.where(rmask, tl.div_rn(row, tl.full((BR,), n, tl.float32)).to(tl.float64), 0.0)
@@ -130,52 +211,94 @@ def _stats_kernel(g_ptr, row_ptr, part_ptr, mean_ptr, step_ptr, flag_ptr, n, m, 
             cols = c0 + tl.arange(0, BC)
             cmask = cols < m
             mask = rmask[:, None] & cmask[None, :]
-            g = tl.load(g_base + rows[:, None].to(tl.int64) * m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_rows + (rows[:, None] * m + cols[None, :]), mask=mask, other=0.0).to(tl.float32)
             g_k = g * inv_k
             later = cmask & (tl.full((BC,), r0, tl.int32) != start)  # the program's first rows start the parts
             csum = tl.load(part + cols, mask=later, other=0.0) + tl.sum(g_k * g, axis=0)
             dsum = tl.load(part + m + cols, mask=later, other=0.0) + tl.sum((g * rinv[:, None]) * g_k, axis=0)
             tl.store(part + cols, csum, mask=cmask)
             tl.store(part + m + cols, dsum, mask=cmask)
-    tl.store(mean_ptr + b.to(tl.int64) * P + blk, tl.sum(mean, axis=0))
+    tl.store(mean_at, tl.sum(mean, axis=0))
 
 
-@triton.jit
-def _cols_kernel(col_ptr, part_ptr, mean_ptr, cinv_ptr, over_ptr, step_ptr, flag_ptr, n, m, P, C, k_rows, eps,
-                 rate_hi, rate_lo, BC: tl.constexpr, PART: tl.constexpr):
+@triton.jit(do_not_specialize=["count"])
+def _stats_kernel(ptrs, sizes, part_ptr, mean_ptr, flag_ptr, count, eps, rate_hi, rate_lo, GDT: tl.constexpr,
+                  ALIGNED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Program ``(t, j)``: row blocks ``j, j + grid[1], ...`` of matrix ``t`` (``P`` blocks of ``R`` rows each per
+    matrix of its batch)."""
     if tl.load(flag_ptr) != 0:
         return
-    pid = tl.program_id(0)
-    b, cb = pid // C, pid % C
-    w = _beta2_weight(step_ptr, rate_hi, rate_lo)
-    cols = cb * BC + tl.arange(0, BC)
-    cmask = cols < m
-    csum = tl.zeros((BC,), tl.float32)
-    dsum = tl.zeros((BC,), tl.float32)
-    part = part_ptr + b.to(tl.int64) * P * 2 * m
-    for blk in range(0, P):  # in block order: the same sums whatever the GPU runs first
-        csum += tl.load(part + blk * 2 * m + cols, mask=cmask, other=0.0)
-        dsum += tl.load(part + blk * 2 * m + m + cols, mask=cmask, other=0.0)
-    col_at = col_ptr + b.to(tl.int64) * m + cols
-    col = _lerp(tl.load(col_at, mask=cmask, other=1.0), _clamp_max(csum * k_rows + eps), w)
-    tl.store(col_at, col, mask=cmask)
-    tl.store(cinv_ptr + b.to(tl.int64) * m + cols, _rsqrt(col), mask=cmask)
-    over = tl.sum(tl.where(cmask, dsum.to(tl.float64) / col.to(tl.float64), 0.0), axis=0)
-    tl.store(over_ptr + pid, _row_mean(mean_ptr, b, P, n, PART).to(tl.float64) * over)
+    t = tl.program_id(0)
+    n, m, B = _dims(sizes, count, t, ALIGNED)  # read first: a program past the matrix's count returns
+    P = tl.load(sizes + _NP * count + t).to(tl.int32)
+    first = tl.program_id(1)
+    if first < B * P:  # else: a smaller matrix than the grid's largest, nothing to do
+        _, g_ptr, row_ptr, _, step_ptr, _, _, _, R, _, at_part, at_mean, _, _, _ = _matrix(
+            ptrs, sizes, count, t, GDT, GDT, ALIGNED)
+        w = _beta2_weight(step_ptr, rate_hi, rate_lo)
+        part_ptr += at_part
+        mean_ptr += at_mean
+        k = tl.maximum(n, m)
+        inv_k, k_cols = (1.0 / k.to(tl.float64)).to(tl.float32), _ratio(k, m)
+        for pid in range(first, B * P, tl.num_programs(1)):
+            b = pid // P
+            blk = pid % P
+            _stats_rows(g_ptr + b.to(tl.int64) * n * m, row_ptr + b.to(tl.int64) * n,
+                        part_ptr + (b.to(tl.int64) * P + blk) * 2 * m, mean_ptr + pid, blk * R,
+                        tl.minimum(blk * R + R, n), n, m, inv_k, k_cols, eps, w, BR, BC)
+
+
+@triton.jit(do_not_specialize=["count"])
+def _cols_kernel(ptrs, sizes, part_ptr, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, eps, rate_hi, rate_lo,
+                 ALIGNED: tl.constexpr, BC: tl.constexpr, PART: tl.constexpr):
+    """Program ``(t, j)``: column blocks ``j, j + grid[1], ...`` of matrix ``t`` (``C`` per matrix of its batch)."""
+    if tl.load(flag_ptr) != 0:
+        return
+    t = tl.program_id(0)
+    n, m, B = _dims(sizes, count, t, ALIGNED)
+    C = tl.load(sizes + _NC * count + t).to(tl.int32)
+    first = tl.program_id(1)
+    if first < B * C:
+        _, _, _, col_ptr, step_ptr, _, _, P, _, _, at_part, at_mean, at_cinv, at_over, _ = _matrix(
+            ptrs, sizes, count, t, tl.float32, tl.float32, ALIGNED)
+        w = _beta2_weight(step_ptr, rate_hi, rate_lo)
+        part_ptr += at_part
+        mean_ptr += at_mean
+        cinv_ptr += at_cinv
+        over_ptr += at_over
+        k_rows = _ratio(tl.maximum(n, m), n)
+        for pid in range(first, B * C, tl.num_programs(1)):
+            b = pid // C
+            cols = (pid % C) * BC + tl.arange(0, BC)
+            cmask = cols < m
+            csum = tl.zeros((BC,), tl.float32)
+            dsum = tl.zeros((BC,), tl.float32)
+            part = part_ptr + b.to(tl.int64) * P * 2 * m
+            for blk in range(0, P):  # in block order: the same sums whatever the GPU runs first
+                csum += tl.load(part + cols, mask=cmask, other=0.0)
+                dsum += tl.load(part + m + cols, mask=cmask, other=0.0)
+                part += 2 * m
+            col_at = col_ptr + b.to(tl.int64) * m + cols
+            col = _lerp(tl.load(col_at, mask=cmask, other=1.0), _clamp_max(csum * k_rows + eps), w)
+            tl.store(col_at, col, mask=cmask)
+            tl.store(cinv_ptr + b.to(tl.int64) * m + cols, _rsqrt(col), mask=cmask)
+            over = tl.sum(tl.where(cmask, dsum.to(tl.float64) / col.to(tl.float64), 0.0), axis=0)
+            tl.store(over_ptr + pid, _row_mean(mean_ptr, b, P, n, PART).to(tl.float64) * over)
 
 
 @triton.jit
-def _write(p_ptr, offs, mask, u, ea_ptr, comp_ptr, step_ptr, scale, lr_hi, lr_lo, decay, omb1, position,
-           HAS_EA: tl.constexpr, MODE: tl.constexpr):
-    """The end of every tensor's step: the clip, ``exp_avg``, decay and the compensated write of the weight (``u``:
-    the normalised update of the elements ``offs``; ``scale``: the float64 clip factor)."""
+def _write(p_ptr, ea_ptr, comp_ptr, offs, idx, mask, u, factor, key, lr_hi, decay, omb1, HAS_EA: tl.constexpr,
+           MODE: tl.constexpr):
+    """The end of every tensor's step: ``exp_avg``, decay and the compensated write of the weight at ``offs``
+    (``idx``: the elements' indices in the tensor, the noise's). ``u``: the normalised update; ``factor``: the clip
+    scale (fp32) with a first moment, else ``-lr * scale`` (fp32), computed once per program."""
     OUT: tl.constexpr = p_ptr.dtype.element_ty
     if HAS_EA:
-        ea = _lerp(tl.load(ea_ptr + offs, mask=mask, other=0.0), u * scale.to(tl.float32), omb1)
+        ea = _lerp(tl.load(ea_ptr + offs, mask=mask, other=0.0), u * factor, omb1)
         tl.store(ea_ptr + offs, ea, mask=mask)
         upd = ea * (-lr_hi)  # fp32(-lr)
     else:
-        upd = u * (-(tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)) * scale).to(tl.float32)
+        upd = u * factor
     old = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     new = old * decay + upd
     if OUT == tl.float32:
@@ -183,42 +306,77 @@ def _write(p_ptr, offs, mask, u, ea_ptr, comp_ptr, step_ptr, scale, lr_hi, lr_lo
     else:
         if MODE == 2:
             new = old + (new - old)  # compensation.write stores p32 + delta, not the new value itself
-        key = L.weight_key(position, tl.load(step_ptr).to(tl.int32))
         comp = tl.zeros(offs.shape, tl.float32)
         if MODE == 0:
             comp = tl.load(comp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        fresh, comp = L.compensated(old, new, comp, key, offs.to(tl.int32), MODE, OUT)
+        fresh, comp = L.compensated(old, new, comp, key, idx, MODE, OUT)
         tl.store(p_ptr + offs, fresh, mask=mask)
         if MODE == 0:
             tl.store(comp_ptr + offs, L.to_bf16(comp), mask=mask)
 
 
 @triton.jit
-def _update_kernel(p_ptr, g_ptr, row_ptr, cinv_ptr, mean_ptr, over_ptr, ea_ptr, comp_ptr, step_ptr, flag_ptr, B, n,
-                   m, P, C, k, lr_hi, lr_lo, clip_hi, clip_lo, decay, omb1, position, HAS_EA: tl.constexpr,
-                   MODE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PART: tl.constexpr):
+def _factor(scale, lr_hi, lr_lo, HAS_EA: tl.constexpr):
+    """:func:`_write`'s ``factor`` from the float64 clip scale."""
+    if HAS_EA:
+        return scale.to(tl.float32)
+    else:
+        return (-(tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)) * scale).to(tl.float32)
+
+
+@triton.jit
+def _key(step_ptr, position, PDT: tl.constexpr, MODE: tl.constexpr):
+    """The noise key of the weight's write (only a stochastic write of a bf16 / fp16 weight reads it)."""
+    if MODE == 1 and PDT != tl.float32:
+        return L.weight_key(position, tl.load(step_ptr).to(tl.int32))
+    else:
+        return position
+
+
+@triton.jit(do_not_specialize=["count"])
+def _update_kernel(ptrs, sizes, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo,
+                   decay, omb1, PDT: tl.constexpr, GDT: tl.constexpr, HAS_EA: tl.constexpr, MODE: tl.constexpr,
+                   ALIGNED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PART: tl.constexpr):
+    """Program ``(t, j)``: tiles ``j, j + grid[1], ...`` of matrix ``t``'s ``BR x BC`` tiles."""
     if tl.load(flag_ptr) != 0:
         return
-    pid = tl.program_id(0)
+    t = tl.program_id(0)
+    n, m, B = _dims(sizes, count, t, ALIGNED)
     row_tiles = tl.cdiv(n, BR)
     col_tiles = tl.cdiv(m, BC)
-    b = pid // (row_tiles * col_tiles)
-    rt = (pid // col_tiles) % row_tiles
-    ct = pid % col_tiles
-    numel = tl.cast(B, tl.int64) * n * m
-    scale = _clip_scale(_sum_part(over_ptr, 0, tl.cast(B, tl.int64) * C, PART) * k, numel, clip_hi, clip_lo)
-    rows = rt * BR + tl.arange(0, BR)
-    cols = ct * BC + tl.arange(0, BC)
-    rmask = rows < n
-    cmask = cols < m
-    mask = rmask[:, None] & cmask[None, :]
-    offs = b.to(tl.int64) * n * m + rows[:, None].to(tl.int64) * m + cols[None, :]
-    row = tl.load(row_ptr + b.to(tl.int64) * n + rows, mask=rmask, other=1.0)
-    r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * _row_mean(mean_ptr, b, P, n, PART)))
-    c = tl.load(cinv_ptr + b.to(tl.int64) * m + cols, mask=cmask, other=1.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    _write(p_ptr, offs, mask, (g * r[:, None]) * c[None, :], ea_ptr, comp_ptr, step_ptr, scale, lr_hi,
-           lr_lo, decay, omb1, position, HAS_EA, MODE)
+    tiles = B * row_tiles * col_tiles
+    first = tl.program_id(1)
+    if first < tiles:
+        p_ptr, g_ptr, row_ptr, _, step_ptr, ea_ptr, comp_ptr, P, _, C, _, at_mean, at_cinv, at_over, position = \
+            _matrix(ptrs, sizes, count, t, PDT, GDT, ALIGNED)
+        mean_ptr += at_mean
+        cinv_ptr += at_cinv
+        sumsq = _sum_part(over_ptr, at_over, B * C, PART) * tl.maximum(n, m)
+        factor = _factor(_clip_scale(sumsq, B.to(tl.int64) * n * m, clip_hi, clip_lo), lr_hi, lr_lo, HAS_EA)
+        key = _key(step_ptr, position, PDT, MODE)
+        rows = tl.arange(0, BR)
+        cols = tl.arange(0, BC)
+        per_matrix = row_tiles * col_tiles
+        for pid in range(first, tiles, tl.num_programs(1)):
+            b = pid // per_matrix
+            r0 = (pid % per_matrix) // col_tiles * BR
+            c0 = pid % col_tiles * BC
+            start = (b.to(tl.int64) * n + r0) * m + c0  # the tile's first element: int64 once, int32 within
+            rmask = rows < n - r0
+            cmask = cols < m - c0
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows[:, None] * m + cols[None, :]
+            row = tl.load(row_ptr + b.to(tl.int64) * n + r0 + rows, mask=rmask, other=1.0)
+            r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * _row_mean(mean_ptr, b, P, n, PART)))
+            c = tl.load(cinv_ptr + b.to(tl.int64) * m + c0 + cols, mask=cmask, other=1.0)
+            g = tl.load(g_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            _write(p_ptr + start, ea_ptr + start, comp_ptr + start, offs, start.to(tl.int32) + offs, mask,
+                   (g * r[:, None]) * c[None, :], factor, key, lr_hi, decay, omb1, HAS_EA, MODE)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Vectors
+# ----------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -233,28 +391,31 @@ def _vector_u(g_ptr, v_ptr, offs, mask, eps, w, STORE: tl.constexpr):
     return u * _rsqrt(v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def _vector_kernel(ptrs, sizes, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo, decay, omb1, eps, rate_hi, rate_lo,
                    PDT: tl.constexpr, GDT: tl.constexpr, HAS_EA: tl.constexpr, MODE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``t``: vector ``t`` (table lists: p, g, exp_avg_sq, step, exp_avg, kahan_comp; sizes: numels, then
+    positions), read twice. ``ALIGNED``: its addresses are 16-byte aligned and its length a multiple of 16."""
     if tl.load(flag_ptr) != 0:
         return
     t = tl.program_id(0)
     numel = tl.load(sizes + t)
-    position = tl.load(sizes + count + t).to(tl.int32)
-    p_ptr = tl.load(ptrs + t).to(tl.pointer_type(PDT))
-    g_ptr = tl.load(ptrs + count + t).to(tl.pointer_type(GDT))
-    v_ptr = tl.load(ptrs + 2 * count + t).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(ptrs + 3 * count + t).to(tl.pointer_type(tl.float32))
-    ea_ptr = p_ptr  # not read without a first moment
+    if ALIGNED:
+        numel = tl.multiple_of(numel, 16)
+    p_ptr = _ptr(ptrs, count, t, 0, PDT, ALIGNED)
+    g_ptr = _ptr(ptrs, count, t, 1, GDT, ALIGNED)
+    v_ptr = _ptr(ptrs, count, t, 2, tl.float32, ALIGNED)
+    step_ptr = _ptr(ptrs, count, t, 3, tl.float32, False)
+    ea_ptr = v_ptr  # not read without a first moment
     comp_ptr = p_ptr
     if HAS_EA:
-        ea_ptr = tl.load(ptrs + 4 * count + t).to(tl.pointer_type(tl.float32))
+        ea_ptr = _ptr(ptrs, count, t, 4, tl.float32, ALIGNED)
     if MODE == 0 and PDT != tl.float32:  # the last list of the table
         if HAS_EA:
-            comp_ptr = tl.load(ptrs + 5 * count + t).to(tl.pointer_type(tl.bfloat16))
+            comp_ptr = _ptr(ptrs, count, t, 5, tl.bfloat16, ALIGNED)
         else:
-            comp_ptr = tl.load(ptrs + 4 * count + t).to(tl.pointer_type(tl.bfloat16))
+            comp_ptr = _ptr(ptrs, count, t, 4, tl.bfloat16, ALIGNED)
     w = _beta2_weight(step_ptr, rate_hi, rate_lo)
     acc = tl.zeros((BLOCK,), tl.float64)
     for i in range(0, numel, BLOCK):
@@ -263,14 +424,15 @@ def _vector_kernel(ptrs, sizes, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo,
         u = _vector_u(g_ptr, v_ptr, offs, mask, eps, w, True).to(tl.float64)
         acc += tl.where(mask, u * u, 0.0)
     norm = tl.sqrt(tl.sum(acc, axis=0))  # torch.linalg.vector_norm(u, dtype=float64) ** 2, as the eager step
-    scale = _clip_scale(norm * norm, numel, clip_hi, clip_lo)
+    factor = _factor(_clip_scale(norm * norm, numel, clip_hi, clip_lo), lr_hi, lr_lo, HAS_EA)
+    key = _key(step_ptr, tl.load(sizes + count + t).to(tl.int32), PDT, MODE)
     tl.debug_barrier()  # the second moments this program stored, visible to all its threads
     for i in range(0, numel, BLOCK):
         offs = i + tl.arange(0, BLOCK).to(tl.int64)
         mask = offs < numel
         u = _vector_u(g_ptr, v_ptr, offs, mask, eps, w, False)
-        _write(p_ptr, offs, mask, u, ea_ptr, comp_ptr, step_ptr, scale, lr_hi, lr_lo, decay, omb1,
-               position, HAS_EA, MODE)
+        _write(p_ptr, ea_ptr, comp_ptr, offs, offs.to(tl.int32), mask, u, factor, key, lr_hi, decay, omb1, HAS_EA,
+               MODE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -279,6 +441,7 @@ def _vector_kernel(ptrs, sizes, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo,
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _LAUNCH = dict(enable_fp_fusion=False)  # memory-bound: and the GPU then rounds as the eager step and the interpreter
+_SCRATCH_DTYPES = (torch.float32, torch.float64, torch.float32, torch.float64)  # column and D, mean, 1/sqrt(col), over
 
 
 def _pow2(x: int) -> int:
@@ -308,64 +471,100 @@ def _mode(p: torch.Tensor, group: dict) -> int:
 def step(items: list, found_inf: torch.Tensor, tables: dict) -> None:
     """Step ``items`` (``(p, grad, state, group, position)``: contiguous weights and gradients, the state Adafactor
     keeps for them, its ``step`` on the weight's device already counting this step), all on one device.
-    ``found_inf``: the step's void flag. ``tables``: the caller's cache of pointer tables (one per vector kind)."""
-    matrices, vectors = [], {}
+    ``found_inf``: the step's void flag. ``tables``: the caller's cache of pointer tables (one per kind).
+
+    A kind (param group, weight and gradient dtypes, first moment, compensation, and for matrices the update tile's
+    width: :data:`_WIDE` for every matrix that wide) takes three launches for its matrices, one for its vectors."""
+    kinds: dict = {}
     for item in items:
-        p, grad, state, group, _ = item
-        if not p.numel():
-            continue
-        if p.dim() >= 2:
-            matrices.append((item, _plan(p)))
-        else:
-            kind = (id(group), p.dtype, grad.dtype, group["beta1"] is not None, _mode(p, group))
-            vectors.setdefault(kind, []).append(item)
-    if matrices:  # one scratch for all: the matrices' launches run one after another on the stream
-        device = matrices[0][0][0].device
-        scratch = [torch.empty(max(plan[i] for _, plan in matrices), dtype=dtype, device=device)
-                   for i, dtype in zip(range(4), (torch.float32, torch.float64, torch.float32, torch.float64))]
-        for item, plan in matrices:
-            _step_matrix(*item, found_inf, plan, scratch)
-    for kind, group_items in vectors.items():
-        _step_vectors(group_items, kind, found_inf, tables.setdefault(kind, _triton.PointerTable()))
+        p, grad, _, group, _ = item
+        if p.numel():
+            width = min(_pow2(p.shape[-1]), _WIDE) if p.dim() >= 2 else 0
+            kind = (id(group), p.dtype, grad.dtype, group["beta1"] is not None, _mode(p, group), width)
+            kinds.setdefault(kind, []).append(item)
+    if not kinds:
+        return
+    device = items[0][0].device  # Triton launches on the current device: made this step's, as torch's ops do
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        for kind, kind_items in kinds.items():
+            launch = _step_matrices if kind[-1] else _step_vectors
+            launch(kind_items, kind, found_inf, tables.setdefault(kind, _triton.PointerTable()))
 
 
-def _plan(p: torch.Tensor) -> tuple:
-    """A matrix's launch shapes: scratch sizes (column and D parts, row-mean parts, 1 / sqrt(col), sum-of-squares
-    parts), then rows per stats-pass program, programs per matrix (P), column programs (C), and the tiles. The stats
-    pass gets programs of whole rows, as many as the scratch allows, up to :data:`_PROGRAMS` per SM."""
-    n, m = p.shape[-2], p.shape[-1]
-    B = p.numel() // (n * m)
-    bc1 = min(_pow2(m), _COLS)
-    br1 = max(1, min(_pow2(n), 2048 // bc1))
-    programs = max(1, min(_cdiv(n, br1), _PROGRAMS * _sm_count(p.device) // B, _SCRATCH_BYTES // (8 * m * B)))
-    rows = br1 * _cdiv(_cdiv(n, br1), programs)
-    P, C = _cdiv(n, rows), _cdiv(m, _COLS)
-    bc3 = min(_pow2(m), 1024)
-    br3 = max(1, min(_pow2(n), _TILE // bc3))
-    return B * P * 2 * m, B * P, B * m, B * C, rows, P, C, br1, bc1, br3, bc3
+def _plan(dims: list, rows_tile: int, sms: int) -> list:
+    """Each matrix's stats-pass programs per matrix of its batch (P), rows per program (R) and column-pass programs
+    (C), for ``dims`` (``(n, m, B)`` each). The launch's budget of :data:`_PROGRAMS` per SM and its scratch of
+    :data:`_SCRATCH_BYTES` (``8 m`` bytes a program) are shared in proportion to the matrices' sizes; a matrix gets
+    at least one program, and whole tiles of ``rows_tile`` rows."""
+    total = sum(n * m * b for n, m, b in dims)
+    plan = []
+    for n, m, _ in dims:
+        programs = max(1, min(_cdiv(n, rows_tile), _cdiv(_PROGRAMS * sms * n * m, total),
+                              _SCRATCH_BYTES * n // (8 * total)))
+        rows = rows_tile * _cdiv(_cdiv(n, rows_tile), programs)
+        plan.append((_cdiv(n, rows), rows, _cdiv(m, _COLS)))
+    return plan
 
 
-def _step_matrix(p, grad, state, group, position, found_inf, plan, scratch) -> None:
-    n, m = p.shape[-2], p.shape[-1]
-    B, k = p.numel() // (n * m), max(n, m)
-    part, mean, cinv, over = scratch
-    rows, P, C, br1, bc1, br3, bc3 = plan[4:]
-    step_t, row, col = state["step"], state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-    eps, rate = group["eps"], _triton.split64(group["decay_rate"])
-    _stats_kernel[(B * P,)](grad, row, part, mean, step_t, found_inf, n, m, rows, P, 1.0 / k, k / m, eps, *rate,
-                            BR=br1, BC=bc1, num_warps=4, **_LAUNCH)
-    _cols_kernel[(B * C,)](col, part, mean, cinv, over, step_t, found_inf, n, m, P, C, k / n, eps, *rate,
-                           BC=_COLS, PART=_PART, num_warps=4, **_LAUNCH)
-    mode, has_ea = _mode(p, group), group["beta1"] is not None
-    grid = (B * _cdiv(n, br3) * _cdiv(m, bc3),)
-    _update_kernel[grid](p, grad, row, cinv, mean, over, state["exp_avg"] if has_ea else p,
-                         state["kahan_comp"] if mode == _triton.KAHAN else p, step_t, found_inf, B, n, m, P, C, k,
-                         *_group_args(group), position, HAS_EA=has_ea, MODE=mode, BR=br3, BC=bc3, PART=_PART,
-                         num_warps=8, **_LAUNCH)
+def _layout(dims: list, plan: list) -> tuple[list, list]:
+    """Each matrix's offsets (elements, multiples of 16: 16-byte aligned) in the four parts of the scratch
+    (:data:`_SCRATCH_DTYPES`: column and D parts, row-mean parts, ``1 / sqrt(col)``, sum-of-squares parts), and
+    the parts' lengths."""
+    ends, offsets = [0, 0, 0, 0], []
+    for (n, m, b), (P, _, C) in zip(dims, plan):
+        offsets.append(tuple(ends))
+        for i, size in enumerate((b * P * 2 * m, b * P, b * m, b * C)):
+            ends[i] += _cdiv(size, 16) * 16
+    return offsets, ends
+
+
+def _scratch_parts(lengths: list, device: torch.device) -> list:
+    """The launch's scratch: one allocation, viewed as its four parts."""
+    sizes = [n * dtype.itemsize for n, dtype in zip(lengths, _SCRATCH_DTYPES)]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    parts, at = [], 0
+    for size, dtype in zip(sizes, _SCRATCH_DTYPES):
+        parts.append(buf[at:at + size].view(dtype))
+        at += size
+    return parts
+
+
+def _grid(count: int, programs) -> tuple:
+    """Matrices on dim 0; on dim 1 the most programs a matrix has (a matrix with more loops over them)."""
+    return count, max(1, min(max(programs), _MAX_GRID))
+
+
+def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _triton.PointerTable) -> None:
+    _, pdt, gdt, has_ea, mode, width = kind
+    group, device = items[0][3], items[0][0].device
+    dims = [(p.shape[-2], p.shape[-1], p.numel() // (p.shape[-2] * p.shape[-1])) for p, *_ in items]
+    bc1 = min(width, _COLS)
+    br1, br3 = _ROWS_TILE // bc1, _TILE // width
+    plan = _plan(dims, br1, _sm_count(device))
+    offsets, lengths = _layout(dims, plan)
+    lists = [[it[0] for it in items], [it[1] for it in items]] + [
+        [it[2][key] for it in items] for key in ("exp_avg_sq_row", "exp_avg_sq_col", "step")] + [
+        [it[2]["exp_avg"] if has_ea else it[0] for it in items],
+        [it[2]["kahan_comp"] if mode == _triton.KAHAN else it[0] for it in items]]
+    fields = [*zip(*dims), *zip(*plan), *zip(*offsets), [it[4] for it in items]]  # in the order of _N ... _POS
+    ptrs, sizes = table.get(lists, [v for field in fields for v in field], device)
+    aligned = table.aligned and all(m % 16 == 0 for _, m, _ in dims)
+    part, mean, cinv, over = _scratch_parts(lengths, device)
+    count, eps, rate = len(items), group["eps"], _triton.split64(group["decay_rate"])
+    _stats_kernel[_grid(count, [b * P for (_, _, b), (P, _, _) in zip(dims, plan)])](
+        ptrs, sizes, part, mean, found_inf, count, eps, *rate, GDT=_TL[gdt], ALIGNED=aligned, BR=br1, BC=bc1,
+        num_warps=4, **_LAUNCH)
+    _cols_kernel[_grid(count, [b * C for (_, _, b), (_, _, C) in zip(dims, plan)])](
+        ptrs, sizes, part, mean, cinv, over, found_inf, count, eps, *rate, ALIGNED=aligned, BC=_COLS, PART=_PART,
+        num_warps=4, **_LAUNCH)
+    tiles = [b * _cdiv(n, br3) * _cdiv(m, width) for n, m, b in dims]
+    _update_kernel[_grid(count, [_cdiv(n, _TILES_PER_PROGRAM) for n in tiles])](
+        ptrs, sizes, mean, cinv, over, found_inf, count, *_group_args(group), PDT=_TL[pdt], GDT=_TL[gdt],
+        HAS_EA=has_ea, MODE=mode, ALIGNED=aligned, BR=br3, BC=width, PART=_PART, num_warps=8, **_LAUNCH)
 
 
 def _step_vectors(items: list, kind: tuple, found_inf: torch.Tensor, table: _triton.PointerTable) -> None:
-    _, pdt, gdt, has_ea, mode = kind
+    _, pdt, gdt, has_ea, mode, _ = kind
     group = items[0][3]
     lists = [[it[0] for it in items], [it[1] for it in items], [it[2]["exp_avg_sq"] for it in items],
              [it[2]["step"] for it in items]]
@@ -374,7 +573,9 @@ def _step_vectors(items: list, kind: tuple, found_inf: torch.Tensor, table: _tri
     if mode == _triton.KAHAN:
         lists.append([it[2]["kahan_comp"] for it in items])
     # one int64 table: the sizes, then the positions (each weight's noise stream)
-    ptrs, sizes = table.get(lists, [it[0].numel() for it in items] + [it[4] for it in items], items[0][0].device)
+    numels = [it[0].numel() for it in items]
+    ptrs, sizes = table.get(lists, numels + [it[4] for it in items], items[0][0].device)
+    aligned = table.aligned and all(n % 16 == 0 for n in numels)
     _vector_kernel[(len(items),)](ptrs, sizes, found_inf, len(items), *_group_args(group), group["eps"],
                                   *_triton.split64(group["decay_rate"]), PDT=_TL[pdt], GDT=_TL[gdt], HAS_EA=has_ea,
-                                  MODE=mode, BLOCK=1024, num_warps=4, **_LAUNCH)
+                                  MODE=mode, ALIGNED=aligned, BLOCK=1024, num_warps=4, **_LAUNCH)
