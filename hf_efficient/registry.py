@@ -289,24 +289,12 @@ _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, b
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory, compensates=True)
 _TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True,
                       fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
-def _lion8bit_cls():
-    from .optim.lion8bit import Lion8bit
-    return Lion8bit
-
-
-def _build_torch_lion8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _lion8bit_cls()(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
-                           compensation=options["compensation"])
-
-
-_build_torch_lion8bit.optimizer_cls = _lion8bit_cls
 _LION_MOMENTS = (("exp_avg", True),)
-_TORCH_LION8BIT = Backend("torch", None, _ANY, _build_torch_lion8bit, backends.torch_8bit_memory(1),
+_TORCH_LION8BIT = Backend("torch", None, _ANY, backends.build_torch_lion8bit, backends.torch_8bit_memory(1),
                           needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
                           fsdp2=_TORCH_8BIT.fsdp2, compensates=True)
 _BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
-                        backends.bnb_builder("Lion8bit", uses_eps=False), backends.bnb_memory(1),
+                        backends.bnb_builder("Lion8bit", uses_eps=LION8BIT.uses_eps), backends.bnb_memory(1),
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
                         fsdp2=_BNB_NO_DTENSOR)
 _COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release", "compensation")

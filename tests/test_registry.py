@@ -226,6 +226,18 @@ def test_8bit_state_policy(backend):
         assert dtype_of(model.emb.weight) == emb_dtype
 
 
+@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+def test_torch_backend_s_8bit_rule_is_the_optimizer_s(monkeypatch, name):
+    """What checkpoint conversion and memory read (the backend's keeps_8bit) is the rule the step allocates by: one
+    rule, so a family that changes it (here: everything fp32) is followed everywhere."""
+    model = Tiny()
+    opt = hfe.create_optimizer(model, name, lr=1e-3, backend="torch")
+    keeps = registry.SPECS[name].backends["torch"].keeps_8bit
+    assert keeps(opt)(0, 0, model.big.weight) is opt._has_8bit_state(model.big.weight, opt.param_groups[0])
+    monkeypatch.setattr(type(opt), "_has_8bit_state", lambda self, p, group: False)
+    assert not any(keeps(opt)(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"]))
+
+
 def test_plain_pytorch_loop_with_param_list():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
