@@ -350,6 +350,35 @@ def test_every_family_describes_its_state_completely():
             assert (impl.layout is not None) == (b != "torch"), (spec.name, b)
 
 
+def _our_classes():
+    """family -> the optimizer classes of this package that step it (each torch backend's, and the compensated AdamW
+    that torch's AdamW builder returns for bf16/fp16 weights)."""
+    from hf_efficient.optim.adamw import AdamW
+
+    found = {"adamw": {AdamW}}
+    for spec in registry.SPECS.values():
+        for impl in spec.backends.values():
+            cls = impl.build.optimizer_cls()
+            if cls.__module__.startswith("hf_efficient.optim."):
+                found.setdefault(spec.family, set()).add(cls)
+    return found
+
+
+def test_classes_read_their_family_s_facts():
+    """Each class's 8-bit moments and default compensation are its family's (declared once, in families.py): a class
+    built directly trains as create_optimizer's compensation=auto does."""
+    import inspect
+
+    classes = _our_classes()
+    assert set(classes) == set(registry.FAMILIES), "a family without a class of ours, or a class without a family"
+    for family, found in classes.items():
+        fam = registry.FAMILIES[family]
+        for cls in found:
+            assert inspect.signature(cls).parameters["compensation"].default == fam.compensation, (family, cls)
+            assert getattr(cls, "MOMENTS", fam.moments) == fam.moments, (family, cls)
+            assert bool(fam.moments) == hasattr(cls, "MOMENTS"), (family, cls)  # 8-bit families, and only those
+
+
 def test_readme_names_table_is_the_registry():
     """README's "Optimizer names" table lists exactly the registered names, each with its spec's bytes_label at the
     start of the state-bytes column (README is the lead's: this test says what it must show)."""
