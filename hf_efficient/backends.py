@@ -24,7 +24,8 @@ from .optional import require
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit",
-           "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16", "Layout", "bnb_layout", "torchao_layout",
+           "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16",
+           "build_torch_lion8bit", "Layout", "bnb_layout", "torchao_layout",
            "bnb_keeps_8bit", "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
            "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory", "torch_adamw_memory"]
 
@@ -198,6 +199,19 @@ def build_torch_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32
                             compensation=options["compensation"])
 
 
+def _lion8bit_cls():
+    from .optim.lion8bit import Lion8bit
+    return Lion8bit
+
+
+@_with_cls(_lion8bit_cls)
+def build_torch_lion8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+    """Lion has no eps (the family's ``uses_eps``): ``eps`` is accepted for the common signature and unused."""
+    return _lion8bit_cls()(groups, lr=lr, betas=betas, weight_decay=weight_decay,
+                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
+                           compensation=options["compensation"])
+
+
 def _adafactor_cls():
     from .optim.adafactor import Adafactor
     return Adafactor
@@ -340,11 +354,10 @@ def torchao_keeps_8bit(optimizer):
 
 
 def torch_keeps_8bit(optimizer):
-    """This package's 8-bit optimizers: not in fp32_state_params, and >= the group's min_8bit_size."""
-    fp32_ids = getattr(optimizer, "_fp32_ids", set())
-
+    """This package's 8-bit optimizers: their own rule (``Blockwise8bit._has_8bit_state``), so that what memory
+    and the estimates count is what the step allocates."""
     def rule(gi, pi, p):
-        return id(p) not in fp32_ids and p.numel() >= optimizer.param_groups[gi]["min_8bit_size"]
+        return optimizer._has_8bit_state(p, optimizer.param_groups[gi])
     return rule
 
 

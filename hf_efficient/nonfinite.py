@@ -10,8 +10,8 @@ second moment would be inf). Four ways to find one, each used where it is cheape
   (:mod:`.optim.nonfinite_triton`) where it applies, else torch's check without its host read;
 - the backward scan, where the host check runs on CPU: each gradient of 65,536+ elements is scanned in backward, by a
   post-accumulate-grad hook, the moment backward completes it, and remembered clean with its version counter. At
-  ``step()`` the scan cost fused fp32 AdamW's step 21-28%; in backward the gradient is still in cache (28M parameters
-  on 2-core Zen 4: 1.8 ms per backward, where the scan at ``step()`` took 2.1-2.7 ms). ``step()`` scans, in one call,
+  ``step()`` the scan reads every gradient from memory again, a sizeable share of a fused AdamW step; in backward the
+  gradient is still in cache, so the same scan costs less. ``step()`` scans, in one call,
   what no hook vouches for: small gradients, gradients set by hand or replaced, gradients changed in place since
   (clipping, ``zero_grad(set_to_none=False)``, a later backward: each advances the version). Not trusted, so
   scanned at ``step()`` in full: under a GradScaler (its unscale op does not advance versions), in a process group
@@ -162,10 +162,9 @@ def _find_nonfinite(optimizer, trust_hooks: bool) -> tuple[str | None, int]:
 
 _HOOK_MIN = 1 << 16  # elements: below this a scan call of its own costs more than the tensor's read at step()
 _RETRY_STEPS = 100  # steps with the hooks off, after a step that did not use their scans, before they try again
-# Bytes per second below which a hook's scan of a gradient still in cache stalled (it reads at 50-100 GB/s on 2
-# threads): the team waited at its barrier for a thread the OS gave to another process. On the shared 2-core machine
-# under load, the scans then took 72-319 ms per backward on 2 threads, 4-5 ms on one; so such an optimizer's hooks
-# scan on one thread from then on (unloaded, one thread costs 2.6-2.9 ms per backward of 28M parameters, two 1.8).
+# Bytes per second below which a hook's scan of a gradient still in cache stalled (a scan from cache reads far
+# faster): the team waited at its barrier for a thread the OS gave to another process. On a loaded machine such
+# stalls cost far more than one thread's slower scan, so such an optimizer's hooks scan on one thread from then on.
 _STALLED = 10e9
 _CLEAN: dict[int, tuple] = {}  # id(grad) -> (weakref to that grad, its _version when a hook found it clean)
 

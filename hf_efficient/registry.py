@@ -1,9 +1,11 @@
 """The one table of optimizer names, and :func:`resolve`, which picks a backend for a device.
 
-Every fact about a family lives here, in its :class:`Family` (state keys and formats, which families convert into
-each other, distributed support and why not, bench label, quality target) and in its names' backends (build,
-checkpoint layout, memory rule, FSDP2 support). checkpoint, memory, cli, the distributed checks and the scripts
-iterate this table: a new family is one optimizer module, one entry here, its tests and docs.
+Every fact about a family lives here: in its :class:`~hf_efficient.families.Family` (state keys and formats, its
+8-bit moments, which families convert into each other, distributed support and why not, its compensation default;
+declared in :mod:`hf_efficient.families`, which the optimizer classes read too) and in its names' backends (build,
+checkpoint layout, memory rule, 8-bit rule, FSDP2 support). checkpoint, memory, cli, the distributed checks, the
+scripts and the cross-cutting tests (tests/cases.py) iterate this table: a new family is one optimizer module, its
+kernel(s), its Family and its names here, its own tests and one docs line.
 
 Rule: a name lists its backends; each backend says which device types it serves from which package
 version. For a device, the first backend in the name's preference order for that device type that is
@@ -20,13 +22,14 @@ from typing import Callable
 import torch
 
 from . import backends
+from .families import (ADAFACTOR, ADAMW, ADAMW8BIT, ADAMW_BF16, AUTO, FAMILIES, LION8BIT, PLAIN,  # noqa: F401
+                       PREFIX, Family, StateKey, _family)
 from .optional import install_hint, version_of
 
 __all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "FAMILIES", "SPECS", "PREFIX",
            "PICKERS", "get_spec", "resolve", "available_optimizers", "compensation_of"]
 
 logger = logging.getLogger(__name__)
-PREFIX = "hf_eff_"
 
 
 @dataclass(frozen=True)
@@ -64,61 +67,6 @@ class Backend:
         if need and have < type(have)(need):
             return f"{self.name} serves {device_type} from {self.package} {need}, installed is {have}"
         return None
-
-
-@dataclass(frozen=True)
-class StateKey:
-    """One tensor of a family's per-parameter state, in the canonical layout (checkpoints).
-
-    Formats: ``step`` (the step count); ``param`` (floating point, the parameter's shape); ``codes`` (8-bit
-    codes of the parameter's shape with ``<key>_absmax``, or floating point where the tensor keeps 32-bit
-    state); ``absmax`` (float32, one per ``quant8.BLOCK`` elements); ``row`` / ``col`` (floating point, a
-    matrix's shape less its last / second-to-last dimension).
-    """
-
-    format: str
-    signed: bool = False  # may hold negative values (first moments, compensation); else >= 0
-    label: str = ""  # its name in conversion messages ("Kahan compensation")
-
-
-_STEP_KEY = StateKey("step")
-
-
-@dataclass(frozen=True)
-class Family:
-    """What every name of one optimizer family shares: state, conversions, distributed support, labels, targets.
-
-    Names of one family (``adam8bit`` and ``paged_adam8bit``) share one Family; backends hold what differs per
-    implementation (build, layout, memory rule, FSDP2 support).
-    """
-
-    name: str
-    state: dict[str, StateKey]  # canonical keys its optimizers may hold
-    required: Callable[[torch.Tensor, dict], set[str]]  # (param, its saved group) -> keys its state always holds
-    # (the absmax of each 8-bit code tensor is required by the codec, not listed here)
-    math: str  # families of one math convert moments into each other ("adamw": adamw, adamw8bit, adamw_bf16)
-    param_dtype: torch.dtype = torch.float32  # the parameter dtype it is made for (bench and convergence runs)
-    marks: frozenset[str] = frozenset()  # keys only its state holds: how an untagged checkpoint is recognised
-    moment_dtype: Callable[[torch.Tensor], torch.dtype] | None = None  # dtype of moments converted in (None: fp32)
-    check_state: Callable | None = None  # (state, param, where, trainer name) -> raise ValueError: its own checks
-    deepspeed: str | None = None  # why it cannot train under ZeRO (None: it can)
-    # option -> (the value ZeRO needs, why: "cannot ... . Set optim_args <option>=<value> to ...")
-    deepspeed_options: dict[str, tuple[str, str]] = field(default_factory=dict)
-    uses_eps: bool = True  # Lion has none (bitsandbytes' Lion stores an unused eps=0.0 in its groups)
-    flags: tuple[str, ...] = ()  # group flags that change the math (maximize, amsgrad) its optimizers implement
-    # how updates reach bf16/fp16 weights under compensation=auto, from scripts/convergence.py's bf16-model runs
-    # (docs/results/convergence.md): stochastic rounding met every target at no memory, as well as Kahan or better
-    # (final eval loss vs fp32: adam8bit -0.29% / kahan -0.14%, lion8bit +0.02% / +0.65% vs fp32 Lion, adafactor
-    # -3.57% / -3.54%, adamw +0.05% / +0.20%; seed 1 within noise of that), where Kahan costs 2 B/param
-    compensation: str = "stochastic"
-
-    def __reduce__(self):  # a registry singleton (its rules are closures): pickled by name, as a copy of an optimizer
-        return _family, (self.name,)
-
-    @property
-    def quantized(self) -> bool:
-        """Holds blockwise 8-bit state (codes with absmaxes)."""
-        return any(k.format == "codes" for k in self.state.values())
 
 
 @dataclass(frozen=True)
@@ -178,135 +126,42 @@ class Resolution:
         return self.spec.backends[self.backend]
 
 
-# --- families ------------------------------------------------------------------------------------------------
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-_MOMENTS = {"step", "exp_avg", "exp_avg_sq"}
-
-
-def _kahan(p, group, default=None) -> set[str]:
-    """``kahan_comp`` where a saved group compensates bf16/fp16 weights by Kahan summation (``default``: what a group
-    without the key ran with: AdamWBF16 always had it; the other families gained it later, and resume from zero)."""
-    return {"kahan_comp"} if group.get("compensation", default) == "kahan" and p.dtype in _LOW_PRECISION else set()
-
-
-def _adamw_required(p, group) -> set[str]:
-    return _MOMENTS | ({"max_exp_avg_sq"} if group.get("amsgrad") else set()) | _kahan(p, group)
-
-
-def _adamw_bf16_required(p, group) -> set[str]:
-    return _MOMENTS | _kahan(p, group, "kahan")
-
-
-def _adamw_bf16_dtype(p) -> torch.dtype:
-    from .optim.adamw_bf16 import _state_dtype
-
-    return _state_dtype(p)
-
-
-def _adafactor_required(p, group) -> set[str]:
-    need = {"step"} | ({"exp_avg_sq_row", "exp_avg_sq_col"} if p.dim() >= 2 else {"exp_avg_sq"})
-    return need | ({"exp_avg"} if group.get("beta1") is not None else set()) | _kahan(p, group)
-
-
-def _adafactor_check(st: dict, p, where: str, trainer_name: str) -> None:
-    if p.dim() >= 2 and "exp_avg_sq" in st:
-        *rows, cols = p.shape
-        raise ValueError(f"{where} has a full exp_avg_sq (shape {tuple(getattr(st['exp_avg_sq'], 'shape', ()))}); "
-                         f"Adafactor keeps a matrix's second moment factored, as exp_avg_sq_row of shape {tuple(rows)} "
-                         f"and exp_avg_sq_col of shape {tuple(p.shape[:-2]) + (cols,)}: this state was written by "
-                         f"another optimizer (AdamW-like). Resume with the optimizer that wrote it, or start "
-                         f"{trainer_name} afresh (remove optimizer.pt from the checkpoint)")
-
-
-_M, _V = StateKey("param", signed=True, label="first moment"), StateKey("param", label="second moment")
-_KAHAN = StateKey("param", signed=True, label="Kahan compensation")  # optim/compensation.py, bf16/fp16 weights
-ADAMW = Family("adamw", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "max_exp_avg_sq": _V,
-                         "kahan_comp": _KAHAN},
-               _adamw_required, "adamw", flags=("maximize", "amsgrad"))
-ADAMW8BIT = Family(
-    "adamw8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_sq": StateKey("codes"),
-                  "exp_avg_absmax": StateKey("absmax"), "exp_avg_sq_absmax": StateKey("absmax"), "kahan_comp": _KAHAN},
-    lambda p, group: _MOMENTS | _kahan(p, group), "adamw",
-    deepspeed_options={"embedding_state": (
-        "8bit", "cannot keep 32-bit state for embeddings and small tensors, as it does by default "
-                "(embedding_state=32bit): ZeRO hands the optimizer one flat partition per param group. Set optim_args "
-                "embedding_state=8bit to accept 8-bit state everywhere")})
-ADAFACTOR = Family(
-    "adafactor", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "exp_avg_sq_row": StateKey("row"),
-                  "exp_avg_sq_col": StateKey("col"), "kahan_comp": _KAHAN},
-    _adafactor_required, "adafactor",
-    marks=frozenset({"exp_avg_sq_row", "exp_avg_sq_col"}), check_state=_adafactor_check,
-    deepspeed="ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, but "
-              "keeps a full fp32 second moment (4 bytes per parameter instead of << 1)")
-ADAMW_BF16 = Family(
-    "adamw_bf16", {"step": _STEP_KEY, "exp_avg": _M, "exp_avg_sq": _V, "kahan_comp": _KAHAN},
-    _adamw_bf16_required, "adamw", param_dtype=torch.bfloat16,
-    compensation="kahan",  # the bf16 + Kahan name (stochastic +0.06%, kahan +0.21%: both within target)
-    marks=frozenset({"kahan_comp"}), moment_dtype=_adamw_bf16_dtype,
-    deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
-              "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
-              f"{PREFIX}adamw), without the memory it exists to save")
-LION8BIT = Family(
-    "lion8bit", {"step": _STEP_KEY, "exp_avg": StateKey("codes", signed=True), "exp_avg_absmax": StateKey("absmax"),
-                 "kahan_comp": _KAHAN},
-    lambda p, group: {"step", "exp_avg"} | _kahan(p, group), "lion",
-    deepspeed_options=ADAMW8BIT.deepspeed_options, uses_eps=False)
-AUTO = Family("auto", {}, lambda p, group: set(), "auto")
-FAMILIES: dict[str, Family] = {f.name: f for f in (ADAMW, ADAMW8BIT, ADAFACTOR, ADAMW_BF16, LION8BIT)}
-def _family(name: str) -> Family:
-    return AUTO if name == AUTO.name else FAMILIES[name]
-
-
-PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state without marks is read as
 
 
 # --- backends ------------------------------------------------------------------------------------------------
 
 _ANY = {"*": None}
 # Why torchao is a backend only when forced: its AdamW8bit rounds a small second moment to exactly 0 while the
-# first moment stays non-zero, and a later zero gradient then moves the weight by lr * m / eps (4.2 against 0.0017
-# for fp32 AdamW in tests/test_adamw8bit.py's case). bitsandbytes and our kernel keep a non-zero floor.
+# first moment stays non-zero, and a later zero gradient then moves the weight by lr * m / eps, far beyond what fp32
+# AdamW moves it (tests/test_adamw8bit.py shows the case). bitsandbytes and our kernel keep a non-zero floor.
 TORCHAO_FLAW = ("torchao's AdamW8bit stores small second moments as exactly 0, so a later zero gradient (dead "
                 "units, masked tokens, unused embedding rows) moves those weights by lr * exp_avg / eps, thousands of "
                 "times too far")
-_ADAM_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
+_ADAM_MOMENTS, _LION_MOMENTS = ADAMW8BIT.moments, LION8BIT.moments  # (key, signed) in bitsandbytes' state1, 2 order
+_NA, _NL = len(_ADAM_MOMENTS), len(_LION_MOMENTS)
 _BNB_NO_DTENSOR = "bitsandbytes' 8-bit kernels have no DTensor sharding rule"
 _TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.torch_adamw_memory, compensates=True)
 _BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"}, backends.build_bnb_adamw8bit,
-                    backends.bnb_memory(2), layout=backends.bnb_layout("AdamW", *_ADAM_MOMENTS),
+                    backends.bnb_memory(_NA), layout=backends.bnb_layout("AdamW", *_ADAM_MOMENTS),
                     keeps_8bit=backends.bnb_keeps_8bit, fsdp2=_BNB_NO_DTENSOR)
 _BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.50"}, backends.build_bnb_paged_adamw8bit,
-                     backends.bnb_memory(2), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
+                     backends.bnb_memory(_NA), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
                      fsdp2=_BNB_NO_DTENSOR)
-_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(2),
+_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(_NA),
                       needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True,
                       fsdp2="our 8-bit kernels reshape each tensor into 256-element blocks, which a DTensor shard "
                             "does not allow (not run on shards)")
 _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit,
-                        backends.torchao_memory(2), layout=backends.torchao_layout(*_ADAM_MOMENTS),
+                        backends.torchao_memory(_NA), layout=backends.torchao_layout(*_ADAM_MOMENTS),
                         keeps_8bit=backends.torchao_keeps_8bit, flaw=TORCHAO_FLAW)
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory, compensates=True)
 _TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True,
                       fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
-def _lion8bit_cls():
-    from .optim.lion8bit import Lion8bit
-    return Lion8bit
-
-
-def _build_torch_lion8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _lion8bit_cls()(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
-                           compensation=options["compensation"])
-
-
-_build_torch_lion8bit.optimizer_cls = _lion8bit_cls
-_LION_MOMENTS = (("exp_avg", True),)
-_TORCH_LION8BIT = Backend("torch", None, _ANY, _build_torch_lion8bit, backends.torch_8bit_memory(1),
+_TORCH_LION8BIT = Backend("torch", None, _ANY, backends.build_torch_lion8bit, backends.torch_8bit_memory(_NL),
                           needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
                           fsdp2=_TORCH_8BIT.fsdp2, compensates=True)
 _BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
-                        backends.bnb_builder("Lion8bit", uses_eps=False), backends.bnb_memory(1),
+                        backends.bnb_builder("Lion8bit", uses_eps=LION8BIT.uses_eps), backends.bnb_memory(_NL),
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
                         fsdp2=_BNB_NO_DTENSOR)
 _COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release", "compensation")
@@ -326,8 +181,8 @@ SPECS: dict[str, OptimizerSpec] = {
         OptimizerSpec("adam8bit", ADAMW8BIT, 2.03, "~2.03",
                       "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
-                      # measured (scripts/bench_step.py): on CPU our C kernel is over 10x faster than
-                      # bitsandbytes' CPU kernel. On CUDA our Triton kernel (one pass per tensor, no host sync; bnb's
+                      # on CPU our C kernel, which outpaces bitsandbytes' CPU kernel (docs/results/bench_step.md).
+                      # On CUDA our Triton kernel (one pass per tensor, no host sync; bnb's
                       # synchronises per tensor) where Triton imports; without it the torch backend's `needs` skips
                       # it, and the reason names Triton. torchao is never chosen automatically: see TORCHAO_FLAW
                       {"default": ("torch", "bnb")}, _8BIT,
@@ -341,7 +196,8 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
         OptimizerSpec("lion8bit", LION8BIT, 1.02, "~1.02",
                       "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit momentum; "
-                      "the paper advises lr 3-10x below AdamW's (convergence.md: AdamW's own did best here); embeddings and tensors < min_8bit_size keep 32-bit state",
+                      "the paper advises lr 3-10x below AdamW's (convergence.md: AdamW's own did best here); "
+                      "embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_LION8BIT, "bnb": _BNB_LION8BIT},
                       # as adam8bit: our C kernel on CPU, our Triton kernel on CUDA (else bitsandbytes')
                       {"default": ("torch", "bnb")}, _8BIT,

@@ -18,7 +18,7 @@ thread pool; MiniLM's step times with either setting: docs/results/memory_releas
 
 inf/NaN check (``nonfinite``): each tensor is checked the moment its gradient completes, by the guard's scan in backward
 (its C scan, and its rule for a scan that stalled) where the guard hooked the optimizer (CPU, C compiler), else by
-torch's check. On MiniLM (106 tensors, 2 cores) the C scans take ~5 ms per backward, torch's check ~33 ms.
+torch's check (the C scans cost a fraction of torch's check per backward: docs/results/memory_release.md).
 
 ``optimizer.step()`` and ``zero_grad()`` keep working: no parameter holds a gradient when they run, so the step finds
 nothing to update and the guard still counts one step per ``step()`` call (``optimizer.hf_efficient.steps``); the

@@ -555,7 +555,7 @@ def test_load_drops_a_kahan_comp_no_longer_used(change, caplog):
     """A saved kahan_comp for weights that are fp32 now (PEFT reloads an adapter in fp32) or a group that no longer
     runs kahan is dropped, with one warning."""
     params = _resume_params()
-    opt = Adafactor(_groups(params), lr=LR)
+    opt = Adafactor(_groups(params), lr=LR, compensation="kahan")  # saves a kahan_comp
     _steps(opt, params, _resume_grads(params, 2))
     sd = opt.state_dict()
     if change == "stochastic":

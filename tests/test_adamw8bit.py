@@ -335,7 +335,7 @@ def test_native_kernel_bf16_weights_equal_eager(monkeypatch):
     runs = []
     for compile in (None, False):
         params = [torch.nn.Parameter(t.detach().bfloat16()) for t in _with_big()]
-        opt = AdamW8bit(params, lr=1e-2, weight_decay=0.1, compile=compile)
+        opt = AdamW8bit(params, lr=1e-2, weight_decay=0.1, compile=compile, compensation="kahan")
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             for q in params:
@@ -448,7 +448,8 @@ def test_bf16_weights(compile):
     p = torch.nn.Parameter(torch.randn(64, 80).to(torch.bfloat16))
     small = torch.nn.Parameter(torch.randn(10).to(torch.bfloat16))
     ref = torch.nn.Parameter(p.detach().float())
-    opt, ref_opt = AdamW8bit([p, small], lr=1e-2, compile=compile), torch.optim.AdamW([ref], lr=1e-2)
+    opt = AdamW8bit([p, small], lr=1e-2, compile=compile, compensation="kahan")  # the Kahan path
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2)
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
         grad = torch.randn(p.shape, generator=g)

@@ -14,8 +14,9 @@ from torch import nn
 
 import hf_efficient as hfe
 from hf_efficient import checkpoint
-from hf_efficient.registry import FAMILIES
-from test_reliability import CASES, IDS, Net, _assert_unchanged, _loss, _make, _snapshot, _train
+from hf_efficient.registry import FAMILIES, SPECS
+from cases import CASES
+from test_reliability import Net, _assert_unchanged, _loss, _make, _snapshot, _train
 
 BACKENDS_8BIT = ["torch", "bnb", "torchao"]
 
@@ -190,8 +191,10 @@ def _fc(sd: dict) -> dict:
 
 def _corrupt_state(name: str, backend):
     """(what to do to a state dict, message expected) for every way a parameter's state can be broken."""
-    eight_bit = name == "adam8bit"
-    moment = "exp_avg_sq_row" if name == "adafactor" else "exp_avg_sq"
+    fam = SPECS[name].facts
+    eight_bit = fam.quantized
+    required = fam.required(Net().fc.weight, {})  # a matrix's state, with the default options
+    moment = next(k for k in ("exp_avg_sq_row", "exp_avg_sq", "exp_avg") if k in required)  # the last moment
     cases = [
         (lambda sd: _fc(sd).pop(moment), rf"'fc.weight' lacks \['{moment}'\].*incomplete"),
         (lambda sd: _fc(sd).pop("step"), r"'fc.weight' lacks \['step'\]"),
@@ -204,7 +207,8 @@ def _corrupt_state(name: str, backend):
                                                                  "exp_avg"], dtype=torch.int64)),
          r"of dtype torch.int64, but"),
     ]
-    nonfinite = "exp_avg_sq_absmax" if eight_bit else moment
+    absmaxes = [f"{k}_absmax" for k, _ in fam.moments]
+    nonfinite = absmaxes[-1] if eight_bit else moment
     cases += [
         (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, float("nan")), rf"{nonfinite} holding non-finite"),
         (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0), rf"{nonfinite} holding negative values"),
@@ -217,10 +221,11 @@ def _corrupt_state(name: str, backend):
     if eight_bit:  # the 8-bit layout: codes need their absmaxes (torchao read bare codes as fp32 moments)
         cases += [
             (lambda sd: _fc(sd).pop("exp_avg_absmax"), r"'fc.weight' lacks \['exp_avg_absmax'\]"),
-            (lambda sd: [_fc(sd).pop(k) for k in ("exp_avg_absmax", "exp_avg_sq_absmax")],
-             r"lacks \['exp_avg_absmax', 'exp_avg_sq_absmax'\]"),
-            (lambda sd: _fc(sd).__setitem__("exp_avg_sq", _fc(sd)["exp_avg_sq"].float()),
-             r"exp_avg_sq of dtype torch.float32, but adamw8bit state keeps it in uint8 codes"),
+            (lambda sd: [_fc(sd).pop(k) for k in absmaxes], r"lacks \[" + ", ".join(f"'{k}'" for k in absmaxes)),
+            (lambda sd: _fc(sd).__setitem__(moment, _fc(sd)[moment].float()),
+             # its family's other moments still codes: named as such; its only moment: the absmax is left over
+             rf"{moment} of dtype torch.float32, but {fam.name} state keeps it in uint8 codes" if len(absmaxes) > 1
+             else rf"\['{moment}_absmax'\] beside torch.float32 moments: absmaxes belong to uint8 codes"),
             (lambda sd: _fc(sd).__setitem__("exp_avg_absmax", _fc(sd)["exp_avg_absmax"].half()),
              r"exp_avg_absmax of dtype torch.float16.*float32"),
             (lambda sd: _fc(sd).__setitem__("exp_avg_absmax", _fc(sd)["exp_avg_absmax"][:-1]),
@@ -235,14 +240,16 @@ def _corrupt_groups(name: str):
         ("lr", float("nan"), r"param group 0 .*lr=nan"),
         ("weight_decay", -1.0, r"param group 0 .*weight_decay=-1.0"),
     ]
-    if name == "adafactor":
+    spec = SPECS[name]
+    if not spec.uses_betas:  # Adafactor
         return group_cases + [("beta1", 1.5, r"beta1.*must be in \[0, 1\)"), ("decay_rate", "x", "decay_rate='x'")]
-    return group_cases + [("betas", (0.9, 1.5), r"beta2=1.5"), ("eps", -1.0, r"eps=-1.0")]
+    return group_cases + [("betas", (0.9, 1.5), r"beta2=1.5")] + ([("eps", -1.0, r"eps=-1.0")] if spec.facts.uses_eps
+                                                                  else [])
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     _train(model, opt, 2)
     good = opt.state_dict()
     _train(model, opt, 1, start=2)  # what the refused loads must leave alone differs from the checkpoint
@@ -288,8 +295,8 @@ def _pair_train(model, opt, steps, start=0):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_same_shape_parameters_in_another_order_are_matched_by_name(name, backend, dtype):
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_same_shape_parameters_in_another_order_are_matched_by_name(name, backend, dtype, compensation):
     if backend == "torchao":
         pytest.importorskip("torchao")
     model = Pair(dtype=dtype)

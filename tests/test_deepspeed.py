@@ -13,26 +13,41 @@ import re
 import pytest
 
 from conftest import launch_two_processes
+from hf_efficient.registry import SPECS, get_spec, resolve
 
 pytest.importorskip("deepspeed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = (1, 2, 3)
-E8 = "embedding_state=8bit"
-# name[:optim_args] -> None when it trains, else a pattern of its refusal
-PLUGIN_CASES = {
-    "adamw": None,
-    f"adam8bit:{E8}": None,  # the registry's backend on CPU: our C kernel
-    f"adam8bit:{E8},backend=bnb": None,
-    f"adam8bit:{E8},backend=torchao": None,  # only when forced (zero second moments); it runs on flat partitions
-    f"paged_adam8bit:{E8}": None,  # off CUDA: runs as adam8bit
-    "adam8bit": r"hf_eff_adam8bit \(backend=torch\) with DeepSpeed cannot keep 32-bit state .*embedding_state=8bit",
-    "paged_adam8bit": r"hf_eff_adam8bit \(backend=torch\) with DeepSpeed cannot keep 32-bit state",
-    "adafactor": r"hf_eff_adafactor \(backend=torch\) is not supported with DeepSpeed: ZeRO flattens each param "
-                 r"group into one 1-D partition.*Instead: hf_eff_adamw",
-    "adamw_bf16": r"hf_eff_adamw_bf16 \(backend=torch\) is not supported with DeepSpeed: ZeRO keeps fp32 master",
-    "auto": r"hf_eff_auto is not supported with DeepSpeed: .*Name the optimizer",
-}
+
+
+def _plugin_cases() -> dict:
+    """name[:optim_args] -> None when it trains, else a pattern of its refusal: from each family's ``deepspeed`` (why
+    not) and ``deepspeed_options`` (what ZeRO needs) in the registry, for the name's CPU backend and each other backend
+    it has there (forced: torchao only so, and it runs on flat partitions); a name that runs as another off CUDA
+    (paged_adam8bit) is refused as that one."""
+    cases = {}
+    for spec in SPECS.values():
+        if not spec.backends:
+            continue
+        runs_as = get_spec(spec.fallback[1]) if spec.fallback else spec
+        label = re.escape(f"{runs_as.trainer_name} (backend={resolve(runs_as.name, 'cpu', log=False).backend})")
+        fam = spec.facts
+        if fam.deepspeed:
+            cases[spec.name] = rf"{label} is not supported with DeepSpeed: {re.escape(fam.deepspeed[:40])}"
+            continue
+        needs = ",".join(f"{option}={value}" for option, (value, _) in fam.deepspeed_options.items())
+        for option, (value, why) in fam.deepspeed_options.items():
+            cases[spec.name] = rf"{label} with DeepSpeed {re.escape(why[:30])}.*{option}={value}"
+        cases[f"{spec.name}:{needs}" if needs else spec.name] = None
+        for backend, impl in spec.backends.items() if not spec.fallback else ():
+            if impl.serves("cpu") and backend != resolve(spec.name, "cpu", log=False).backend:
+                cases[f"{spec.name}:{needs + ',' if needs else ''}backend={backend}"] = None
+    cases["auto"] = r"hf_eff_auto is not supported with DeepSpeed: .*Name the optimizer"
+    return cases
+
+
+PLUGIN_CASES = _plugin_cases()
 TRAINER_CASES = {k: v for k, v in PLUGIN_CASES.items() if "torchao" not in k and "paged" not in k}
 
 
@@ -69,7 +84,7 @@ def test_trains_where_the_table_says_yes_and_is_refused_where_it_says_no(ranks, 
         # what the optimizer holds is ZeRO's flat fp32 partition; the 8-bit names keep uint8 state on it
         assert r["param_dim"] == 1 and r["optimizer"].startswith("DeepSpeedZeroOptimizer"), r
         # 8-bit codes: uint8 (ours, bnb); torchao's own tensor subclass reports its dequantized dtype
-        eight_bit = "adam8bit" in case and "torchao" not in case
+        eight_bit = SPECS[case.partition(":")[0]].facts.quantized and "torchao" not in case
         assert ("torch.uint8" in r["state"].values()) == eight_bit, r["state"]
         if entry == "plugin":
             assert r["resume_exact"], f"ZeRO {stage} {case}: save_state / load_state did not resume exactly"

@@ -1,7 +1,7 @@
 """Issue 12: misuse and environments that gave silently wrong results: non-finite hyperparameters, gradients in
 another layout, duplicate parameters, copies of an optimizer, group flags that were ignored, GradScaler.
 
-Each case runs for every name/backend in test_reliability.CASES where it applies.
+Each case runs for every name/backend in tests/cases.py's CASES (from the registry) where it applies.
 """
 
 import copy
@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
+from hf_efficient.registry import SPECS
 
-from test_reliability import CASES, IDS, Net, _assert_unchanged, _loss, _make, _snapshot, _train
+from cases import CASES
+from test_reliability import Net, _assert_unchanged, _loss, _make, _snapshot, _train
 
 INF, NAN = float("inf"), float("nan")
 
@@ -32,10 +34,10 @@ def test_non_finite_hyperparameters_are_refused(name, kwargs, match):
         hfe.create_optimizer(Net(), name, **kwargs)
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
 @pytest.mark.parametrize("bad", [dict(lr=INF), dict(weight_decay=INF), dict(lr=torch.tensor(0.1))])
-def test_add_param_group_refuses_non_finite_hyperparameters(name, backend, dtype, bad):
-    model, opt = _make(name, backend, dtype)
+def test_add_param_group_refuses_non_finite_hyperparameters(name, backend, dtype, compensation, bad):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     extra = nn.Parameter(torch.zeros(8, 8, dtype=dtype))
     groups = len(opt.param_groups)
     with pytest.raises(ValueError, match="lr=|weight_decay="):
@@ -59,13 +61,13 @@ def test_optim_args_and_trainer_learning_rate_refuse_inf(tmp_path):
 
 # --- 4: gradients in another layout than their parameter ------------------------------------------------------
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_gradients_with_other_strides_step_like_contiguous_ones(name, backend, dtype):
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_gradients_with_other_strides_step_like_contiguous_ones(name, backend, dtype, compensation):
     """A transposed and an expanded ``p.grad`` (set by hand) step exactly as their contiguous copies; the user's
     gradient objects are left as they were."""
     runs = []
     for layout in ("contiguous", "strided"):
-        model, opt = _make(name, backend, dtype)
+        model, opt = _make(name, backend, dtype, compensation=compensation)
         for step in range(3):
             _loss(model, step).backward()
             w, b = model.fc.weight, model.out.bias
@@ -86,8 +88,8 @@ def test_gradients_with_other_strides_step_like_contiguous_ones(name, backend, d
 
 # --- 5: the same parameter twice -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_duplicate_parameters_are_refused(name, backend, dtype):
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_duplicate_parameters_are_refused(name, backend, dtype, compensation):
     if backend == "torchao":
         pytest.importorskip("torchao")
     p = nn.Parameter(torch.zeros(64, 64, dtype=dtype))
@@ -95,7 +97,7 @@ def test_duplicate_parameters_are_refused(name, backend, dtype):
         hfe.create_optimizer([p, p], name, backend=backend)
     with pytest.raises(ValueError, match="same tensor"):
         hfe.create_optimizer([{"params": [p]}, {"params": [p]}], name, backend=backend)
-    model, opt = _make(name, backend, dtype)
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     groups = len(opt.param_groups)
     with pytest.raises(ValueError, match="same tensor"):
         opt.add_param_group({"params": [model.fc.weight]})
@@ -116,11 +118,11 @@ def _copies(opt):
     yield "torch.save", torch.load(buf, weights_only=False)
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_copies_of_an_optimizer_are_guarded_tagged_and_continue_exactly(name, backend, dtype):
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_copies_of_an_optimizer_are_guarded_tagged_and_continue_exactly(name, backend, dtype, compensation):
     """deepcopy, pickle and torch.save of (model, optimizer) give an optimizer that refuses an inf like the original,
     keeps its step count, and continues exactly as the original does."""
-    model, opt = _make(name, backend, dtype)
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     _train(model, opt, 2)
     reference = copy.deepcopy({"model": model, "opt": opt})
     _train(reference["model"], reference["opt"], 2, start=2)
@@ -141,10 +143,10 @@ def test_copies_of_an_optimizer_are_guarded_tagged_and_continue_exactly(name, ba
 
 # --- 10: group flags a backend does not implement ----------------------------------------------------------------
 
-@pytest.mark.parametrize("name, backend, dtype", [c for c in CASES if c[0] != "adamw"],
-                         ids=[i for c, i in zip(CASES, IDS) if c[0] != "adamw"])
-def test_maximize_is_refused_where_it_would_be_ignored(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation",
+                         [c for c in CASES if "maximize" not in SPECS[c.values[0]].facts.flags])
+def test_maximize_is_refused_where_it_would_be_ignored(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     with pytest.raises(ValueError, match="maximize=True"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, dtype=dtype))], "maximize": True})
     with pytest.raises(ValueError, match="maximize=True"):
@@ -162,12 +164,12 @@ def test_maximize_is_honoured_by_adamw():
 
 # --- 12: GradScaler ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_grad_scaler_skips_overflow_steps_for_every_name(name, backend, dtype):
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_grad_scaler_skips_overflow_steps_for_every_name(name, backend, dtype, compensation):
     """fp16-style loss scaling: an overflow step is skipped by the scaler (scale halved, nothing updated, no
     FloatingPointError), and the next finite step trains; torch's fused AdamW no longer takes the scaled
     gradients past the guard."""
-    model, opt = _make(name, backend, dtype)
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     snap = _snapshot(model, opt)
     scaler.scale(_loss(model)).backward()

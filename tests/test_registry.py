@@ -226,6 +226,18 @@ def test_8bit_state_policy(backend):
         assert dtype_of(model.emb.weight) == emb_dtype
 
 
+@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+def test_torch_backend_s_8bit_rule_is_the_optimizer_s(monkeypatch, name):
+    """What checkpoint conversion and memory read (the backend's keeps_8bit) is the rule the step allocates by: one
+    rule, so a family that changes it (here: everything fp32) is followed everywhere."""
+    model = Tiny()
+    opt = hfe.create_optimizer(model, name, lr=1e-3, backend="torch")
+    keeps = registry.SPECS[name].backends["torch"].keeps_8bit
+    assert keeps(opt)(0, 0, model.big.weight) is opt._has_8bit_state(model.big.weight, opt.param_groups[0])
+    monkeypatch.setattr(type(opt), "_has_8bit_state", lambda self, p, group: False)
+    assert not any(keeps(opt)(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"]))
+
+
 def test_plain_pytorch_loop_with_param_list():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
@@ -336,6 +348,35 @@ def test_every_family_describes_its_state_completely():
         for b, impl in spec.backends.items():
             assert callable(impl.memory) and (impl.keeps_8bit is not None) == fam.quantized, (spec.name, b)
             assert (impl.layout is not None) == (b != "torch"), (spec.name, b)
+
+
+def _our_classes():
+    """family -> the optimizer classes of this package that step it (each torch backend's, and the compensated AdamW
+    that torch's AdamW builder returns for bf16/fp16 weights)."""
+    from hf_efficient.optim.adamw import AdamW
+
+    found = {"adamw": {AdamW}}
+    for spec in registry.SPECS.values():
+        for impl in spec.backends.values():
+            cls = impl.build.optimizer_cls()
+            if cls.__module__.startswith("hf_efficient.optim."):
+                found.setdefault(spec.family, set()).add(cls)
+    return found
+
+
+def test_classes_read_their_family_s_facts():
+    """Each class's 8-bit moments and default compensation are its family's (declared once, in families.py): a class
+    built directly trains as create_optimizer's compensation=auto does."""
+    import inspect
+
+    classes = _our_classes()
+    assert set(classes) == set(registry.FAMILIES), "a family without a class of ours, or a class without a family"
+    for family, found in classes.items():
+        fam = registry.FAMILIES[family]
+        for cls in found:
+            assert inspect.signature(cls).parameters["compensation"].default == fam.compensation, (family, cls)
+            assert getattr(cls, "MOMENTS", fam.moments) == fam.moments, (family, cls)
+            assert bool(fam.moments) == hasattr(cls, "MOMENTS"), (family, cls)  # 8-bit families, and only those
 
 
 def test_readme_names_table_is_the_registry():

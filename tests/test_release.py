@@ -3,7 +3,6 @@ each gradient at once, keeps step()/zero_grad()/schedulers/checkpoints working, 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import types
 import weakref
@@ -16,20 +15,13 @@ import hf_efficient as hfe
 from hf_efficient import nonfinite, release
 from hf_efficient.factory import optimizer_info
 
+from cases import cases
 from conftest import ClassificationSet, tiny_bert, tiny_gpt2
 
-# (name, weight dtype, options): every family and backend the release must step exactly as the ordinary step
-CASES = [
-    ("adamw", torch.float32, {}),
-    ("adam8bit", torch.float32, {}),
-    ("adam8bit", torch.bfloat16, {}),
-    ("adam8bit", torch.float32, {"backend": "bnb", "embedding_state": "8bit"}),
-    pytest.param("adam8bit", torch.float32, {"backend": "torchao"}, marks=pytest.mark.skipif(
-        importlib.util.find_spec("torchao") is None, reason="torchao is its own extra: pip install -e \".[torchao]\"")),
-    ("adafactor", torch.float32, {}),
-    ("adamw_bf16", torch.bfloat16, {}),
-    ("adamw_bf16", torch.bfloat16, {"compensation": "stochastic"}),
-]
+# every name and backend on fp32 and bf16 weights (tests/cases.py, from the registry), the release must step exactly as
+# the ordinary step; and AdamWBF16's stochastic rounding, whose noise is keyed by the parameter's position
+RELEASE_CASES = cases(dtypes=(torch.float32, torch.bfloat16)) + cases(names={"adamw_bf16"},
+                                                                     compensations=("stochastic",))
 
 
 def _batches(n=3, seed=1):
@@ -57,10 +49,11 @@ def _train(name, dtype, options, released, steps=3, model=None, opt_state=None):
     return model, opt
 
 
-@pytest.mark.parametrize("name,dtype,options", CASES, ids=lambda c: str(c).replace("torch.", ""))
-def test_release_equals_the_ordinary_step(name, dtype, options):
+@pytest.mark.parametrize("name, backend, dtype, compensation", RELEASE_CASES)
+def test_release_equals_the_ordinary_step(name, backend, dtype, compensation):
     """Bitwise: the hook runs the same elementwise kernel on the same tensors with the same lr, decay group, state,
     8-bit codec and rounding stream (AdamWBF16 keys it by the parameter's position, which the release keeps)."""
+    options = {"backend": backend, "compensation": compensation}
     ref, ref_opt = _train(name, dtype, options, released=False)
     rel, rel_opt = _train(name, dtype, options, released=True)
     assert ref.lm_head.weight is ref.transformer.wte.weight  # the tied weight was stepped once per step

@@ -1,6 +1,6 @@
 """Issue 7: non-finite gradients, bad input, state that loads only where it fits, cross-backend 8-bit state.
 
-Every case runs for every name/backend in CASES. "Nothing half-applied" is checked by snapshotting the
+Every case runs for every name/backend in tests/cases.py's CASES (generated from the registry). "Nothing half-applied" is checked by snapshotting the
 parameters and the optimizer state before the failing call and comparing after it.
 """
 
@@ -15,15 +15,7 @@ from torch import nn
 import hf_efficient as hfe
 from hf_efficient import checkpoint
 
-CASES = [  # (name, backend, parameter dtype)
-    ("adamw", None, torch.float32),
-    ("adam8bit", "torch", torch.float32),
-    ("adam8bit", "bnb", torch.float32),
-    ("adam8bit", "torchao", torch.float32),
-    ("adafactor", None, torch.float32),
-    ("adamw_bf16", None, torch.bfloat16),
-]
-IDS = [f"{n}-{b or 'default'}" for n, b, _ in CASES]
+from cases import CASES  # (name, backend, dtype, compensation): every registered name and backend
 
 
 class Net(nn.Module):
@@ -50,11 +42,12 @@ def _loss(model, seed=0):
     return nn.functional.cross_entropy(model(x).mean(1), y)
 
 
-def _make(name, backend, dtype, **options):
+def _make(name, backend, dtype, compensation="auto", **options):
     if backend == "torchao":
         pytest.importorskip("torchao")
     model = Net(dtype)
-    opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.01, backend=backend, **options)
+    opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.01, backend=backend, compensation=compensation,
+                               **options)
     return model, opt
 
 
@@ -81,9 +74,9 @@ def _assert_unchanged(model, opt, snap):
 # --- non-finite gradients ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_nonfinite_raise_refuses_before_touching_state(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_nonfinite_raise_refuses_before_touching_state(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     _train(model, opt, 2)
     snap = _snapshot(model, opt)
     _loss(model).backward()
@@ -93,9 +86,9 @@ def test_nonfinite_raise_refuses_before_touching_state(name, backend, dtype):
     _assert_unchanged(model, opt, snap)
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_nonfinite_skip_counts_and_training_goes_on(name, backend, dtype, caplog):
-    model, opt = _make(name, backend, dtype, nonfinite="skip")
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_nonfinite_skip_counts_and_training_goes_on(name, backend, dtype, compensation, caplog):
+    model, opt = _make(name, backend, dtype, compensation=compensation, nonfinite="skip")
     _train(model, opt, 2)
     snap = _snapshot(model, opt)
     _loss(model).backward()
@@ -228,9 +221,9 @@ def test_bad_parameters():
         hfe.create_optimizer(Net().requires_grad_(False), "adamw")
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_add_param_group_is_validated(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_add_param_group_is_validated(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     n_groups = len(opt.param_groups)
     extra = nn.Parameter(torch.zeros(8, 8, dtype=dtype))
     with pytest.raises(ValueError, match="lr=-0.5"):
@@ -247,9 +240,9 @@ def test_add_param_group_is_validated(name, backend, dtype):
     assert opt.state[extra]
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_load_state_of_another_optimizer_or_model_is_refused(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_load_state_of_another_optimizer_or_model_is_refused(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     _train(model, opt, 2)
     snap = _snapshot(model, opt)
     other_name = "adafactor" if name != "adafactor" else "adamw"
@@ -281,16 +274,16 @@ def test_load_state_of_another_optimizer_or_model_is_refused(name, backend, dtyp
 # --- checkpoints: weights_only, round trips, cross-backend ----------------------------------------------
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_state_dict_round_trip_equals_uninterrupted(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_state_dict_round_trip_equals_uninterrupted(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     _train(model, opt, 3)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
     _train(model, opt, 3, start=3)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    model2, opt2 = _make(name, backend, dtype)
+    model2, opt2 = _make(name, backend, dtype, compensation=compensation)
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["optim"])
     _train(model2, opt2, 3, start=3)
@@ -338,9 +331,9 @@ def test_untagged_bnb_state_loads_into_our_bnb_optimizer():
 # --- generic torch.optim behaviour, one suite for every name ---------------------------------------------
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_generic_optimizer_behaviour(name, backend, dtype):
-    model, opt = _make(name, backend, dtype)
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_generic_optimizer_behaviour(name, backend, dtype, compensation):
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     calls = []
     h1 = opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
     h2 = opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
@@ -369,11 +362,11 @@ def test_generic_optimizer_behaviour(name, backend, dtype):
     assert model.fc.weight.grad is not None and not model.fc.weight.grad.any()
 
 
-@pytest.mark.parametrize("name, backend, dtype", CASES, ids=IDS)
-def test_lr_schedulers_of_torch_and_transformers(name, backend, dtype):
+@pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
+def test_lr_schedulers_of_torch_and_transformers(name, backend, dtype, compensation):
     from transformers import get_linear_schedule_with_warmup
 
-    model, opt = _make(name, backend, dtype)
+    model, opt = _make(name, backend, dtype, compensation=compensation)
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=6)
     lrs = []
     for i in range(4):
@@ -382,7 +375,7 @@ def test_lr_schedulers_of_torch_and_transformers(name, backend, dtype):
         lrs.append(float(opt.param_groups[0]["lr"]))  # torchao keeps lr as a tensor
     # warm-up 2 steps then linear decay to 0 at step 6: lr(t) = t/2 for t < 2, else (6 - t) / 4
     assert lrs == pytest.approx([0.5e-2, 1e-2, 0.75e-2, 0.5e-2], rel=1e-6)  # torchao: an fp32 tensor
-    model2, opt2 = _make(name, backend, dtype)
+    model2, opt2 = _make(name, backend, dtype, compensation=compensation)
     step_lr = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     _train(model2, opt2, 1)
     step_lr.step()

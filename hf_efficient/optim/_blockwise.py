@@ -348,9 +348,9 @@ class Blockwise8bit(Optimizer):
 
     def _allocate_together(self, group: dict) -> None:
         """Fresh 8-bit state for the group's CPU tensors that start one at this step, each moment's codes and absmaxes
-        as views of one buffer: the C kernel then steps the group ~10% faster than over separate allocations (16
-        matrices of 4 BERT layers, bf16 weights: 11.7 -> 10.6 ms; one tensor of their size takes 10.7). A loaded state
-        is packed the same way (:meth:`_pack`). Other devices keep a buffer per tensor (nothing measured there)."""
+        as views of one buffer: the C kernel then reads the group's state as one stream, as fast as one tensor of
+        their size, where separate allocations step measurably slower. A loaded state is packed the same way
+        (:meth:`_pack`). Other devices keep a buffer per tensor (nothing measured there)."""
         params = [p for p in group["params"] if p.grad is not None and p.is_cpu and not self.state.get(p)
                   and self._has_8bit_state(p, group)]
         sizes = [quant8.blocks(p.numel()) for p in params]

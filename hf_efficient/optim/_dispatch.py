@@ -109,7 +109,7 @@ def custom_op(name: str, fn: Callable, mutates_args: tuple[str, ...]):
     ``torch.ops.hf_efficient.{name}``: it shows in the profiler under that name, and ``torch.compile`` calls it as
     an opaque op instead of tracing ctypes. Defined with ``torch.library.Library`` rather than
     ``torch.library.custom_op``: the version bumps of the mutated tensors and the autograd check then run in C++,
-    and a step of 200 bf16 tensors costs 0.3 ms in the dispatcher instead of 0.85 ms."""
+    and a step of many tensors spends far less in the dispatcher than through ``custom_op``'s Python wrappers."""
     if name not in _IMPLS:  # defined once per process: a reloaded module (tests) only replaces the function
         _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIBRARY.impl(name, lambda *args: _IMPLS[name](*args), "CPU")

@@ -4,7 +4,7 @@ Why ctypes and plain C rather than a torch extension: a C file of one loop compi
 with no torch headers and no ninja. Built with OpenMP, a kernel splits its elements over torch's own thread
 pool: the libgomp torch loaded has the soname the library asks for, so the loader hands it that one. (Python
 threads, the fallback where the compiler lacks OpenMP, compete for the cores with torch's threads, which
-spin for a while after every parallel op: on 2 cores a step after the backward pass ran 30-60% slower.)
+spin for a while after every parallel op: a step right after the backward pass runs markedly slower.)
 The library is cached under ``$HF_EFF_CACHE`` (default ``~/.cache/hf_efficient``; see :func:`cache_dir`), keyed by source, headers,
 flags, compiler, CPU flags (``-march=native`` code must not meet another CPU), OS and libc. A build is made
 under a file lock (N ranks of one machine build once), renamed into place, and recorded (its sha256, beside it)
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 # -ffp-contract=off: no fused multiply-add, every fp32 operation rounds as torch's eager ops do. -fno-math-errno and
 # -fno-trapping-math (exception flags only, never results) let gcc vectorize sqrtf and floorf.
 # -mprefer-vector-width=512 (x86 only): gcc 12 picks 256-bit vectors on Zen 4, and the bf16 kernel's hash runs
-# 1.4x slower. The CPU's own instructions: -march=native on x86, -mcpu=native on Arm (its instructions and tuning).
+# slower in them. The CPU's own instructions: -march=native on x86, -mcpu=native on Arm (its instructions and tuning).
 _X86 = ["-march=native", "-mprefer-vector-width=512"]
 _ARM = ["-mcpu=native"]
 _ARCH = {"x86_64": _X86, "AMD64": _X86, "aarch64": _ARM, "arm64": _ARM}.get(platform.machine(), [])

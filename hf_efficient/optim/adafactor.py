@@ -28,9 +28,8 @@ Kernels. On CPU, contiguous fp32 and bf16 weights with gradients of their dtype 
 such tensors of a step in one call on torch's threads, the compensation in the same pass as the update. It must
 agree with the eager step on a probe before it is used. Everything else (fp16, other layouts, CUDA) runs
 :func:`_eager_step`, the reference. The two differ only in the order of sums (the row, column and D sums in fp32),
-so statistics agree to a few fp32 ulps and weights to an ulp; vectors agree bit for bit. In ``scripts/bench_step.py``
-(28M parameters, 2 AVX-512 cores shared with other work) a step took 0.35-0.6x torch's fused fp32 AdamW step (it
-moves 12 bytes per parameter from memory against 28), on bf16 weights with Kahan 0.55x.
+so statistics agree to a few fp32 ulps and weights to an ulp; vectors agree bit for bit. A step moves 12 bytes per
+parameter from memory where torch's fused fp32 AdamW moves 28 (step times: docs/results/bench_step.md).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from array import array
 import torch
 from torch import Tensor
 
+from ..families import ADAFACTOR
 from ..options import check_group, check_hyperparams, check_saved, start_step
 from . import _dispatch, _native, _sharded, _triton
 from .compensation import (C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, element_index,
@@ -71,13 +71,14 @@ class Adafactor(torch.optim.Optimizer):
         decay_rate: second-moment decay ``beta2_t = 1 - t ** decay_rate`` (the paper's -0.8).
         clip_threshold: RMS bound of the normalised update.
         eps: added to squared gradients (transformers' ``eps[0]``).
-        compensation: how updates reach bf16 / fp16 weights: ``"kahan"`` (a bf16 buffer, 2 bytes per parameter),
-            ``"stochastic"`` or ``"none"`` (see :mod:`.compensation`); fp32 weights ignore it.
+        compensation: how updates reach bf16 / fp16 weights: ``"stochastic"``, ``"kahan"`` (a bf16 buffer, 2 bytes
+            per parameter) or ``"none"`` (see :mod:`.compensation`); default: the family's
+            (``families.ADAFACTOR.compensation``); fp32 weights ignore it.
     """
 
     def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.0, beta1: float | None = None,
                  decay_rate: float = -0.8, clip_threshold: float = 1.0, eps: float = 1e-30,
-                 compensation: str = "kahan"):
+                 compensation: str = ADAFACTOR.compensation):
         defaults = dict(lr=lr, weight_decay=weight_decay, beta1=beta1, decay_rate=decay_rate,
                         clip_threshold=clip_threshold, eps=eps, compensation=compensation)
         check_group(None, defaults, "Adafactor", _check_family_keys)
@@ -387,7 +388,7 @@ def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], col
          exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int,
          group_bytes: int | None = None) -> None:
     """The C kernel over the tensors; the optional lists (cols, exp_avgs, comps) given one slot per tensor. Arrays
-    from the ``array`` module: ctypes' own arrays cost 0.1 ms a step to fill from Python numbers."""
+    from the ``array`` module: ctypes' own arrays are filled element by element from Python, a cost every step."""
     at = range(0, len(meta), _META)
     arrays = [_pointers(ts) for ts in (params, grads, stats)] + [
         _pointers(cols, [meta[i + 3] > 0 for i in at]), _pointers(exp_avgs, [meta[i + 6] for i in at]),

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
+from ..families import ADAMW
 from ..options import check_saved, start_step
 from . import _dispatch, _triton
 from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
@@ -233,12 +234,12 @@ def _triton_probe(kernel, device: torch.device) -> bool:
 
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (its groups, flags and state keys) with fp32 moments and a compensated write for
-    bf16/fp16 weights; see the module docstring. ``compensation``: ``"kahan"`` (default), ``"stochastic"`` or
-    ``"none"`` (round to nearest: torch's stale weights, with fp32 moments)."""
+    bf16/fp16 weights; see the module docstring. ``compensation``: ``"stochastic"``, ``"kahan"`` or ``"none"`` (round
+    to nearest: torch's stale weights, with fp32 moments); default: the family's (``families.ADAMW.compensation``)."""
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
-                 compensation: str = "kahan"):
+                 compensation: str = ADAMW.compensation):
         check_compensation(compensation)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize)
@@ -247,7 +248,7 @@ class AdamW(torch.optim.AdamW):
             group.setdefault("compensation", compensation)
 
     def add_param_group(self, param_group: dict) -> None:
-        check_compensation(param_group.get("compensation", self.defaults.get("compensation", "kahan")))
+        check_compensation(param_group.get("compensation", self.defaults.get("compensation", ADAMW.compensation)))
         super().add_param_group(param_group)
 
     def _init_state(self, p: Tensor, group: dict) -> dict:

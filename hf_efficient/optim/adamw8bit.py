@@ -21,15 +21,15 @@ same operations per block, all 8-bit tensors of a group in one call on torch's t
 kernel's codes and absmaxes exactly and weights within an ulp of the update (sqrt: see the tests' docstring),
 and must give the eager kernel's codes on a probe before it is used. It decodes by table lookup (AVX-512 VBMI
 byte tables where the CPU has them) and finds the decade from the float's exponent, which inductor cannot
-express. ``scripts/bench_step.py`` on a 2-core AVX-512 CPU, 28M parameters: 1.3-1.4x torch's fused fp32 AdamW
-step, against ~6x for the compiled kernel and ~30x for bitsandbytes' CPU kernel (docs/results/bench_step.md).
+express: that is why it beats the compiled kernel and bitsandbytes' CPU kernel, and why the registry prefers it on
+CPU (step times against torch's fused fp32 AdamW: docs/results/bench_step.md).
 On CUDA, contiguous fp32, bf16 and fp16 weights go through a Triton kernel (:mod:`.blockwise_triton`: one pass
 per tensor, ~16 bytes per fp32 parameter, no host synchronisation), with the eager kernel's codes.
 Everything else (fp16 weights on CPU, other layouts, ``compile=True``) gets one
 ``torch.compile``'d kernel per tensor and step. What bounds that one: decoding and encoding make the generated
 loop ~200 vector operations per 8 elements, against ~25 for fp32 AdamW. Large tensors go through it 4096 blocks
 at a time, which bounds its temporaries. Without a C++ compiler (or Triton on CUDA) the same kernel runs eagerly, in
-bounded chunks: same numbers, ~30x slower (~200 ms for 1M elements, several times bitsandbytes' CPU kernel).
+bounded chunks: same numbers, many times slower (the registry then prefers bitsandbytes: backends.compiler_missing).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import _triton, quant8
+from ..families import ADAMW8BIT
 from ._blockwise import Blockwise8bit
 from .adamw import adamw_fp32_state
 from .quant8 import BLOCK, dynamic_map, quantize_moments
@@ -63,8 +64,8 @@ def _kernel(p: Tensor, g: Tensor, wm: Tensor, wv: Tensor, m_absmax: Tensor, v_ab
     """
     g32 = g.float()
     # v clamped to fp32's range: a finite gradient whose square overflows would make the block's absmax inf, and
-    # every code of the block NaN at the next step. m, a convex combination of m and g, stays in range (a clamp of
-    # it costs the C kernel 10%).
+    # every code of the block NaN at the next step. m, a convex combination of m and g, stays in range (no clamp:
+    # it would cost the C kernel a pass it does not need).
     m = quant8.unpack(wm, m_absmax, True) * coef[0] + g32 * coef[1]
     v = (quant8.unpack(wv, v_absmax, False) * coef[2] + (g32 * g32) * coef[3]).clamp(max=_F32_MAX)
     denom = v.sqrt() * coef[4] + coef[5]
@@ -97,6 +98,8 @@ class AdamW8bit(Blockwise8bit):
             fp32/bf16 tensors on CPU, else the torch.compile'd kernel (inductor: C++ on CPU, Triton on CUDA); True:
             the compiled kernel; False: always eager. A compiled kernel that fails to compile falls back to the eager
             kernel with a warning.
+        compensation: how updates reach bf16 / fp16 weights: ``"stochastic"`` / ``"kahan"`` / ``"none"`` (see
+            :mod:`.compensation`); default: the family's (``families.ADAMW8BIT.compensation``); fp32 weights ignore it.
 
     Example::
 
@@ -109,14 +112,14 @@ class AdamW8bit(Blockwise8bit):
 
     NAME = "adamw8bit"
     FAMILY = "AdamW8bit"
-    MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))
+    MOMENTS = ADAMW8BIT.moments
     TRITON_FP32 = True  # step_32bit's CUDA tensors take adamw_fp32_state's Triton kernel (device step counts)
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, min_8bit_size: int = 4096, fp32_state_params=None,
-                 compile: bool | None = None, compensation: str = "kahan"):
+                 compile: bool | None = None, compensation: str = ADAMW8BIT.compensation):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, min_8bit_size=min_8bit_size,
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)

@@ -17,8 +17,8 @@ whose range cannot hold a squared gradient). Parameters that are not bf16/fp16 g
 ``torch.optim.AdamW`` (state in their dtype, no compensation).
 
 ``exp_avg_sq`` is stored with stochastic rounding (except under ``"none"``): with beta2 = 0.999 its
-per-step decrease is below half a bf16 ulp, so rounded to nearest it could never decrease (on a tiny
-Llama, 600 steps at lr 1e-4: final loss 1% above fp32 AdamW with nearest, 0.07% with stochastic).
+per-step decrease is below half a bf16 ulp, so rounded to nearest it could never decrease, and the loss ends
+measurably above fp32 AdamW's (docs/results/convergence.md).
 
 Stochastic rounding needs no random state: its noise is a hash of (parameter position, step, element),
 so a resumed run rounds exactly as the uninterrupted one would, and data-parallel replicas agree.
@@ -35,9 +35,9 @@ Without a working compiler it falls back to the foreach path (same math, eager, 
 compiled with ``emulate_precision_casts``: without it inductor elides the bf16 round trip ``new.float()``
 that the compensation is computed from, and Kahan silently degrades to round-to-nearest (a probe on the
 first step checks), and with ``cpp.dynamic_threads``: the loop is parallel whatever the size of the first
-call, the probe's. In ``scripts/bench_step.py`` on a 2-core AVX-512 CPU (28M parameters) the C kernel takes
-0.8x torch's fused fp32 AdamW step (it moves 18 bytes per parameter against 28), the compiled kernel several
-times more: inductor turns the bit operations of stochastic rounding into scalar code.
+call, the probe's. The C kernel moves 18 bytes per parameter where torch's fused fp32 AdamW moves 28; the compiled
+kernel is slower: inductor turns the bit operations of stochastic rounding into scalar code (step times:
+docs/results/bench_step.md).
 
 On CUDA (automatic path), bf16/fp16 weights go through a Triton kernel (:mod:`.adamw_triton`) once it agreed with
 the eager kernel on a probe on that device: the eager kernel's operations and noise in one pass, one launch per
@@ -59,6 +59,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
+from ..families import ADAMW_BF16
 from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native, _triton
 from .adamw import note_missing_triton, triton_may_apply
@@ -96,7 +97,7 @@ def _adamw_update(p32: Tensor, g: Tensor, m: Tensor, v: Tensor, coef: Tensor, no
     g32 = g.float()
     # v clamped to bf16's largest finite value (fp32's largest rounds to bf16 inf): a finite gradient whose square
     # overflows would otherwise store inf, and v would stay inf (or turn m / v into NaN) for good. m needs no
-    # clamp: it is a convex combination of m and g, both within bf16's range (a clamp costs the C kernel 15%).
+    # clamp: it is a convex combination of m and g, both within bf16's range (a clamp would cost the C kernel time).
     m32 = m.float() * coef[0] + g32 * coef[1]
     v32 = (v.float() * coef[2] + (g32 * g32) * coef[3]).clamp(max=_BF16_MAX)
     m.copy_(m32)
@@ -551,9 +552,7 @@ def _step_device(p: Tensor) -> torch.device:
     return p.device if p.dtype in _LOW_PRECISION and _triton.applies(p) else torch.device("cpu")
 
 
-def _state_dtype(p: Tensor) -> torch.dtype:
-    """bf16 state for bf16 and fp16 weights (fp16's range underflows (1 - beta2) * grad**2); else the weight's."""
-    return torch.bfloat16 if p.dtype in _LOW_PRECISION else p.dtype
+_state_dtype = ADAMW_BF16.moment_dtype  # bf16 for bf16/fp16 weights: the family's rule, which conversions read too
 
 
 _check_compensation = check_compensation
@@ -595,7 +594,7 @@ class AdamWBF16(Optimizer):
     """
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, compensation: str = "kahan", foreach: bool | None = None,
+                 weight_decay: float = 1e-2, compensation: str = ADAMW_BF16.compensation, foreach: bool | None = None,
                  compile: bool | None = None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, compensation=compensation,
                         foreach=foreach, compile=compile)

@@ -208,8 +208,8 @@ def write_all(params, old: Tensor, new: Tensor, comps, mode: str, keys) -> None:
     """Each of ``params`` (one device and dtype) from its fp32 values before (``old``) and after (``new``) a step,
     flat buffers laid out as :func:`fp32_copies`: :func:`write`'s operations for every element at once (``comps``:
     Kahan buffers or None, ``keys``: the int noise keys), else the new values rounded to nearest as torch's
-    ``copy_``. One call for all the tensors: per tensor, the ~20 small operations of a write cost 2 ms a step for the
-    32 biases and norms of 4 BERT layers."""
+    ``copy_``. One call for all the tensors: per tensor, a write's ~20 small operations would each be launched once
+    per bias and norm, a cost that grows with the number of small tensors."""
     params = [p.detach() for p in params]
     if not applies(params[0], mode):
         torch._foreach_copy_(params, flat_views(new, params))

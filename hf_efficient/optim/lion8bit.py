@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, _triton, quant8
+from ..families import LION8BIT
 from ._blockwise import Blockwise8bit, on_device
 from .compensation import step_in_fp32
 
@@ -129,6 +130,8 @@ class Lion8bit(Blockwise8bit):
         compile: None (automatic): the Triton kernels for contiguous tensors on CUDA, the C kernel for contiguous
             fp32/bf16 tensors on CPU, else the torch.compile'd kernel; True: the compiled kernel; False: always
             eager. A compiled kernel that fails to compile falls back to the eager kernel with a warning.
+        compensation: how updates reach bf16 / fp16 weights: ``"stochastic"`` / ``"kahan"`` / ``"none"`` (see
+            :mod:`.compensation`); default: the family's (``families.LION8BIT.compensation``); fp32 weights ignore it.
 
     Example::
 
@@ -137,14 +140,14 @@ class Lion8bit(Blockwise8bit):
 
     NAME = "lion8bit"
     FAMILY = "Lion8bit"
-    MOMENTS = (("exp_avg", True),)
+    MOMENTS = LION8BIT.moments
     TRITON_FP32 = True
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)
 
     def __init__(self, params, *, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, min_8bit_size: int = 4096, fp32_state_params=None,
-                 compile: bool | None = None, compensation: str = "kahan"):
+                 compile: bool | None = None, compensation: str = LION8BIT.compensation):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, min_8bit_size=min_8bit_size,
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
