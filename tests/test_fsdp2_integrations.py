@@ -232,6 +232,27 @@ def test_plugin_tells_auto_the_sharding():
     assert optimizer_info(opt).resolution.name == "adamw"
 
 
+def test_trainer_tells_auto_the_sharding(tmp_path):
+    """The Trainer builds the optimizer before FSDP2 shards the model: its kwargs carry the sharding to auto."""
+    from types import SimpleNamespace
+
+    from hf_efficient import optimizer_info
+    from hf_efficient.integrations.transformers import _get_optimizer_cls_and_kwargs
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    whole = estimate_memory(model, "adamw").total_bytes
+    per_rank = estimate_memory(model, "adamw", world_size=4, sharding="fsdp2").total_bytes
+    args = SimpleNamespace(optim=SimpleNamespace(value="hf_eff_auto"), learning_rate=1e-3, adam_beta1=0.9,
+                           adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, world_size=4, fsdp="full_shard",
+                           fsdp_config={"version": 2},
+                           optim_args=f"budget_gb={(per_rank + whole) / 2 / 0.8 / 2**30}")
+    cls, kwargs = _get_optimizer_cls_and_kwargs(args, model)
+    assert (kwargs["world_size"], kwargs["sharding"]) == (4, "fsdp2")
+    assert optimizer_info(cls(**kwargs)).resolution.name == "adamw"
+    args.fsdp = None
+    assert optimizer_info(cls(**_get_optimizer_cls_and_kwargs(args, model)[1])).resolution.name != "adamw"
+
+
 def test_auto_chooses_from_the_per_rank_footprint():
     """A budget that holds adamw's per-rank bytes on 4 ranks but not its whole bytes: auto picks adamw sharded,
     adafactor unsharded; under FSDP2 it never picks a name that cannot step shards."""
