@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(default: 1)")
     p_est.add_argument("--sharding", choices=("fsdp2", "zero1", "zero2", "zero3", "none"), default="fsdp2",
                        help="how --world-size ranks split the model: fsdp2 (each tensor by rows; the default), "
-                       "zero1/2/3 (DeepSpeed: one flat partition of the state; zero2 also gradients, zero3 parameters), none "
-                       "(DDP: every rank holds everything)")
+                       "zero1/2/3 (DeepSpeed: one flat partition of the state; zero2 also gradients, zero3 "
+                       "parameters), none (DDP: every rank holds everything)")
     p_est.add_argument("--budget-gb", type=float, help="memory in GiB for hf_eff_auto's choice (default: free memory)")
     p_est.add_argument("--measure", action="store_true", help="also build the model on --device and measure the "
                        "state after one step of each optimizer (allocates the model: needs its memory)")
