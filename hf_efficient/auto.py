@@ -2,7 +2,9 @@
 
 Built on :mod:`hf_efficient.memory`'s predictions (the same per-tensor counts :func:`~hf_efficient.estimate_memory`
 makes), so the choice and ``hf-efficient estimate`` agree. The choice is logged at INFO with every candidate's
-bytes; when nothing fits, the smallest is chosen and a WARNING says so.
+bytes; when nothing fits, the smallest is chosen and a WARNING says so. On a sharded model (FSDP2 DTensor
+parameters, or ``world_size``/``sharding`` given) each candidate is sized per rank, and a name that cannot train
+under that sharding (the registry's ``fsdp2`` / ``deepspeed`` facts) is no candidate.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .memory import MB, Described, MemoryEstimate, describe_params, predict
+from .memory import MB, Described, MemoryEstimate, UnsupportedSharding, describe_params, predict
 from .options import parse_options
 from .registry import PICKERS, PREFIX, get_spec
 
@@ -49,7 +51,9 @@ class AutoChoice:
         rows = "; ".join(f"{c.name} needs {_gb(c.total_bytes)} (params {_gb(c.param_bytes)} + grads "
                          f"{_gb(c.grad_bytes)} + state {_gb(c.state_bytes)})" for c in self.candidates)
         verdict = "the first that fits" if self.fits else "the smallest; NONE FITS, expect out-of-memory"
-        return (f"{PREFIX}auto chose {PREFIX}{self.name}, {verdict}: usable {_gb(self.usable_bytes)} = "
+        first = self.candidates[0]
+        where = f" per rank of {first.world_size} ({first.sharding})" if first.sharding else ""
+        return (f"{PREFIX}auto chose {PREFIX}{self.name}, {verdict}{where}: usable {_gb(self.usable_bytes)} = "
                 f"{1 - AUTO_MARGIN:.0%} of {_gb(self.available_bytes)} ({self.source}); {rows}")
 
 
@@ -80,7 +84,8 @@ def free_memory_bytes(device: torch.device | str) -> int:
 
 
 def choose_auto(model, options: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None,
-                param_dtype: torch.dtype | str | None = None, source: str = "options") -> AutoChoice:
+                param_dtype: torch.dtype | str | None = None, source: str = "options", world_size: int | None = None,
+                sharding: str | None = None) -> AutoChoice:
     """Pick the most accurate name whose predicted params + grads + state fit the memory, and log why.
 
     Candidates, best first: adamw > adam8bit > adafactor; for bf16 models adamw > adamw_bf16 > adam8bit >
@@ -88,9 +93,14 @@ def choose_auto(model, options: Mapping[str, Any] | None = None, *, device: torc
     bf16 ones, :data:`AUTO_ORDER_BF16`). The memory is ``budget_gb`` when
     given, else the device's free memory plus the bytes of the model's parameters already on it;
     :data:`AUTO_MARGIN` of it is kept free because activations are unknown here. When nothing fits, the
-    smallest is chosen and the warning says so.
+    smallest is chosen and the warning says so. ``world_size``/``sharding`` (as
+    :func:`~hf_efficient.estimate_memory` takes them) size every candidate per rank, for a model that will be
+    sharded after the optimizer is built; a model already sharded (DTensor parameters) says so itself.
     """
-    return choose_from(describe_params(model, param_dtype, device), dict(options or {}), source)
+    described = describe_params(model, param_dtype, device)
+    if world_size is not None or sharding is not None:
+        described = described._replace(world_size=1 if world_size is None else world_size, sharding=sharding)
+    return choose_from(described, dict(options or {}), source)
 
 
 def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
@@ -102,15 +112,21 @@ def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
         available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
     else:
         free = free_memory_bytes(dev)
-        held = sum(t.elements * t.dtype.itemsize for t in tensors) if described.resident else 0
+        held = _held_bytes(described)
         available, where = free + held, f"free on {dev} {_gb(free)} + parameters already there {_gb(held)}"
     usable = int(available * (1 - AUTO_MARGIN))
     train = [t for t in tensors if t.trainable]
     bf16 = sum(t.elements for t in train if t.dtype == torch.bfloat16) * 2 > sum(t.elements for t in train)
-    candidates = []
+    candidates, refused = [], []
     for name in AUTO_ORDER_BF16 if bf16 else AUTO_ORDER:
         mine = {k: v for k, v in given.items() if k in get_spec(name).options}
-        candidates.append(predict(tensors, name, dev, options=mine))
+        try:
+            candidates.append(predict(tensors, name, dev, options=mine, world_size=described.world_size,
+                                      sharding=described.sharding))
+        except UnsupportedSharding as e:  # not a candidate under this sharding: said in the log line
+            refused.append(str(e))
+    if not candidates:
+        raise ValueError(f"{PREFIX}auto has no candidate under sharding={described.sharding!r}: " + "; ".join(refused))
     fitting = [c for c in candidates if c.total_bytes <= usable]
     best = fitting[0] if fitting else min(candidates, key=lambda c: c.total_bytes)
     name = best.name.removeprefix(PREFIX)
@@ -118,6 +134,14 @@ def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
                         where, tuple(candidates), bool(fitting))
     logger.log(logging.INFO if choice.fits else logging.WARNING, "%s", choice.summary())  # nothing fits: a warning
     return choice
+
+
+def _held_bytes(described: Described) -> int:
+    """Bytes this process' parameters already occupy where they train (per rank when sharded), else 0."""
+    if not described.resident:
+        return 0
+    return predict(described.tensors, "adamw", described.device, world_size=described.world_size,
+                   sharding=described.sharding).param_bytes
 
 
 def _estimate_choice(described: Described, options: dict) -> MemoryEstimate:

@@ -29,7 +29,8 @@ import torch
 
 from .backends import TORCHAO_MIN_SIZE
 from .auto import AUTO_MARGIN, choose_auto
-from .memory import MB, MemoryEstimate, estimate_memory, format_bytes, model_from_config, optimizer_state_bytes
+from .memory import (MB, MemoryEstimate, UnsupportedSharding, estimate_memory, format_bytes, model_from_config,
+                     optimizer_state_bytes)
 from .registry import PREFIX, SPECS, resolve
 
 __all__ = ["main", "ROWS", "Row"]
@@ -81,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype in training (default: "
                        "the model's)")
     p_est.add_argument("--device", help="device the backends are chosen for (default: cuda if available, else cpu)")
+    p_est.add_argument("--world-size", type=int, default=1, help="processes training together: bytes are per rank "
+                       "(default: 1)")
+    p_est.add_argument("--sharding", choices=("fsdp2", "zero1", "zero2", "zero3", "none"), default="fsdp2",
+                       help="how --world-size ranks split the model: fsdp2 (each tensor by rows; the default), "
+                       "zero1/2/3 (DeepSpeed: one flat partition of the state; zero2 also gradients, zero3 "
+                       "parameters), none (DDP: every rank holds everything)")
     p_est.add_argument("--budget-gb", type=float, help="memory in GiB for hf_eff_auto's choice (default: free memory)")
     p_est.add_argument("--measure", action="store_true", help="also build the model on --device and measure the "
                        "state after one step of each optimizer (allocates the model: needs its memory)")
@@ -191,6 +198,12 @@ def _estimate(args, parser) -> int:
         parser.error("estimate needs exactly one of MODEL or --params N")
     if args.measure and args.params is not None:
         parser.error("--measure needs a model (directory or hub name), not --params")
+    if args.world_size < 1:
+        parser.error(f"--world-size {args.world_size}: the number of processes, at least 1")
+    if args.measure and args.world_size > 1:
+        parser.error("--measure runs one process: measure per-rank bytes in the sharded run itself (the Trainer's "
+                     "memory log, or hf_efficient.optimizer_state_bytes on each rank)")
+    sharded = {"world_size": args.world_size, "sharding": None if args.sharding == "none" else args.sharding}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     device = torch.device(args.device or _devices()[0])
     if args.params is not None:
@@ -200,8 +213,8 @@ def _estimate(args, parser) -> int:
     estimates, unavailable, asked = [], {}, set()
     for row in ROWS:
         try:
-            est = _row_estimate(source, row, dtype, device)
-        except (ImportError, RuntimeError) as e:  # no backend of this name can run here
+            est = _row_estimate(source, row, dtype, device, sharded)
+        except (ImportError, RuntimeError, UnsupportedSharding) as e:  # it cannot run here, or not so sharded
             unavailable[row.label] = str(e)
             continue
         # a row that --dtype (or a default it implies) makes the same question as an earlier one is left out: under
@@ -213,7 +226,7 @@ def _estimate(args, parser) -> int:
     measured = _measure(config, args.auto_class, estimates, dtype, device) if args.measure else {}
     try:
         budget = {"budget_gb": args.budget_gb} if args.budget_gb is not None else {}
-        auto = choose_auto(source, budget, param_dtype=dtype, device=device, source="--budget-gb")
+        auto = choose_auto(source, budget, param_dtype=dtype, device=device, source="--budget-gb", **sharded)
     except RuntimeError as e:  # no free-memory reading for this device here
         auto = f"cannot tell: {e}"
     if args.json:
@@ -224,8 +237,8 @@ def _estimate(args, parser) -> int:
     return 0
 
 
-def _row_estimate(source, row: Row, dtype, device) -> MemoryEstimate:
-    options = dict(row.options)
+def _row_estimate(source, row: Row, dtype, device, sharded: dict) -> MemoryEstimate:
+    options = dict(row.options, **sharded)
     try:
         return estimate_memory(source, row.name, param_dtype=row.param_dtype or dtype, device=device, **options)
     except ValueError as e:  # torchao cannot quantize below its fixed threshold: show its smallest
@@ -262,14 +275,17 @@ def _as_json(what, estimates, measured, auto, unavailable) -> dict:
         rows.append(d)
     rows += [{"label": label, "unavailable": why} for label, why in unavailable.items()]
     return {"model": what, "num_params": first.num_params, "device": first.device, "assumption": first.assumption,
+            "world_size": first.world_size, "sharding": first.sharding,
             "mb": MB, "rows": rows,
             "auto": {"name": PREFIX + auto.name, "summary": auto.summary()} if not isinstance(auto, str) else auto}
 
 
 def _print_table(what, estimates, measured, auto, unavailable) -> None:
     first = estimates[0][1]
-    print(textwrap.fill(f"{what}: {first.num_params:,} trainable parameters, backends chosen for {first.device}",
-                        WIDTH, subsequent_indent="  "))
+    per_rank = (f"; bytes per rank of {first.world_size} ({first.sharding or 'DDP: each holds everything'})"
+                if first.world_size > 1 else "")
+    print(textwrap.fill(f"{what}: {first.num_params:,} trainable parameters, backends chosen for {first.device}"
+                        f"{per_rank}", WIDTH, subsequent_indent="  "))
     if first.assumption:
         print(textwrap.fill(f"assumed: {first.assumption}", WIDTH, subsequent_indent="  "))
     head = ["optimizer", "backend", "dtype", "B/param", "state MiB", "saved", "total MiB"]

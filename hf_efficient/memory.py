@@ -15,6 +15,16 @@ Without tensor shapes (``estimate_memory(65_783_042, ...)``) the count assumes t
 2-D matrices of :data:`ASSUMED_COLUMNS` columns cut into tensors of at most 2**20 elements, none an
 embedding and none below ``min_8bit_size``; the result says so in ``assumption``.
 
+Per rank (``world_size=N``, ``sharding=``): what one of N processes holds. ``"fsdp2"`` (torch's ``fully_shard``)
+shards every parameter, its gradient and its state by rows (``Shard(0)``): a rank holds at most ``ceil(rows / N)``
+rows of each, so the per-rank bytes are those of the largest shard, by the same rule (Adafactor's column statistics
+of a matrix stay whole on every rank). ``"zero1"`` / ``"zero2"`` / ``"zero3"`` (DeepSpeed) partition the optimizer
+state flat: the optimizer steps one fp32 vector of ``ceil(trainable elements / N)`` elements per rank, so a factored
+or per-tensor rule sees one 1-D tensor (DeepSpeed's per-group partitions and alignment padding are not counted);
+ZeRO-2 also partitions gradients, ZeRO-3 parameters too. ``sharding=None`` with N ranks is DDP: every rank holds
+everything. A parameter that is already a DTensor (a model sharded by ``fully_shard``) is described by its global
+shape, and its mesh sets ``world_size`` and ``"fsdp2"``.
+
 To compare several names on one model (``hf_eff_auto`` does), describe it once (:func:`describe_params`) and
 :func:`predict` each name. A name that picks another per model answers ``estimate_memory`` through the registry's
 ``PICKERS``.
@@ -23,6 +33,7 @@ To compare several names on one model (``hf_eff_auto`` does), describe it once (
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -40,7 +51,7 @@ from .registry import PICKERS, PREFIX, compensation_of, get_spec, resolve
 
 __all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate",
            "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
-           "describe_params", "predict"]
+           "describe_params", "predict", "SHARDINGS", "UnsupportedSharding"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +59,11 @@ MB = 2**20  # one MiB: the name is kept for the keys that carry it (state_mb, hf
 ASSUMED_COLUMNS = 1024  # --params N: N elements as matrices of this many columns, 2**20 elements per tensor
 _ASSUMED_TENSOR = ASSUMED_COLUMNS**2
 MAX_PARAMS = 10**15  # a bare count above this is a typo (500x the largest models), refused before any arithmetic
+SHARDINGS = (None, "fsdp2", "zero1", "zero2", "zero3")  # what estimate_memory(sharding=...) counts per rank
+
+
+class UnsupportedSharding(ValueError):
+    """A name asked for per rank under a sharding it cannot train under (the reason is the registry's)."""
 
 
 def format_bytes(n: float) -> str:
@@ -58,7 +74,8 @@ def format_bytes(n: float) -> str:
 # ---------------------------------------------------------------------------------------------- measured
 
 def optimizer_state_bytes(optimizer, by: str | None = None) -> int | dict[str, int]:
-    """Bytes held by the tensors in ``optimizer.state``; each storage once.
+    """Bytes held by the tensors in ``optimizer.state``; each storage once. A DTensor state (FSDP2) counts its
+    local tensor: the bytes this rank holds.
 
     Args:
         optimizer: any torch optimizer (also Accelerate's or Trainer's wrapper of one).
@@ -91,13 +108,14 @@ def state_metrics(optimizer) -> dict[str, float] | None:
     """Measured state MB, fp32 AdamW's MB for the same parameters, and the saving; None while state is empty.
 
     Only parameters that have state are compared, so a step that skipped some parameters compares like
-    with like.
+    with like. Under FSDP2 both are this rank's (its shards).
     """
     measured = optimizer_state_bytes(optimizer)
     if not measured:
         return None
     with_state = {id(p): p for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)}
-    baseline = adamw_memory([ParamShape(p.numel(), tuple(p.shape), torch.float32) for p in with_state.values()], {})
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in with_state.values()]  # per rank, as measured
+    baseline = adamw_memory([ParamShape(p.numel(), tuple(p.shape), torch.float32) for p in local], {})
     return {"optimizer_state_mb": measured / MB, "fp32_adamw_state_mb": baseline / MB,
             "optimizer_state_saving": 1.0 - measured / baseline if baseline else 0.0}
 
@@ -169,6 +187,8 @@ class MemoryEstimate:
     options: dict[str, Any] = field(default_factory=dict)
     assumption: str | None = None  # set when shapes were assumed (a bare parameter count)
     reason: str = ""  # why this backend (the registry's resolution)
+    world_size: int = 1  # the bytes are those of one of world_size processes
+    sharding: str | None = None  # how they split the model (SHARDINGS; None: each holds everything)
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -198,7 +218,7 @@ class MemoryEstimate:
 
 def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, backend: str | None = None,
-                    **options) -> MemoryEstimate:
+                    world_size: int | None = None, sharding: str | None = None, **options) -> MemoryEstimate:
     """Predict the bytes of parameters, gradients and optimizer state of ``name`` for ``model``.
 
     Args:
@@ -210,6 +230,10 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
         device: where training runs, deciding the backend (default: the model's device; for a count, a config
             or a meta model: ``cuda`` when available, else ``cpu``).
         backend: force a backend, as ``create_optimizer(backend=...)``.
+        world_size, sharding: predict the bytes of one of ``world_size`` processes sharding the model as
+            ``sharding`` says (:data:`SHARDINGS`; see the module docstring). Default: the model's own (its mesh,
+            where its parameters are FSDP2 DTensors), else one process. A name that cannot train under that
+            sharding raises :class:`UnsupportedSharding` with the reason.
         **options: the options ``create_optimizer`` / ``optim_args`` take (``embedding_state``, ...).
 
     Example:
@@ -217,18 +241,23 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
         >>> print(f"{format_bytes(est.state_bytes)}; this saves {est.saving:.0%} against fp32 AdamW")
     """
     described = describe_params(model, param_dtype, device)
+    if world_size is not None or sharding is not None:
+        described = described._replace(world_size=1 if world_size is None else world_size, sharding=sharding)
     pick = PICKERS.get(get_spec(name).name)
     if pick is not None:  # a name that picks another per model (hf_eff_auto): the estimate of the one it picks
         return pick(described, dict(options, **({"backend": backend} if backend else {})))
     return predict(described.tensors, name, described.device, backend=backend, options=options,
-                   assumption=described.assumption)
+                   assumption=described.assumption, world_size=described.world_size, sharding=described.sharding)
 
 
 def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backend: str | None = None,
-            options: Mapping[str, Any] | None = None, assumption: str | None = None) -> MemoryEstimate:
+            options: Mapping[str, Any] | None = None, assumption: str | None = None, world_size: int = 1,
+            sharding: str | None = None) -> MemoryEstimate:
     """The prediction of :func:`estimate_memory` for parameters already described (:func:`describe_params`): the
-    bytes of ``name`` on ``device`` by the rule of the backend the registry picks there. For callers that compare
-    several names on one model (``hf_eff_auto``) without describing it again for each."""
+    bytes of ``name`` on ``device`` by the rule of the backend the registry picks there, per rank of
+    ``world_size`` under ``sharding``. For callers that compare several names on one model (``hf_eff_auto``)
+    without describing it again for each."""
+    world_size = _check_world(world_size, sharding)
     spec = get_spec(name)
     given = dict(options or {}, **({"backend": backend} if backend else {}))
     opts = parse_options(spec.name, spec.options, given, source="estimate_memory")
@@ -238,16 +267,74 @@ def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backe
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
         opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")
+    _check_runs_sharded(res, sharding if world_size > 1 else None)
     rule = res.implementation.memory  # the backend's rule, in the registry
     train = [t for t in tensors if t.trainable]
     dtypes = {_dtype_name(t.dtype) for t in train}
+    held, stepped = _per_rank(tensors, world_size, sharding), _state_view(train, world_size, sharding)
     return MemoryEstimate(
         name=PREFIX + res.name, backend=res.backend, device=device.type, num_params=sum(t.elements for t in train),
         param_dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
-        param_bytes=sum(t.elements * t.dtype.itemsize for t in tensors),
-        grad_bytes=sum(t.elements * t.dtype.itemsize for t in train),
-        state_bytes=rule(train, opts), fp32_adamw_state_bytes=adamw_memory([_as_fp32(t) for t in train], {}),
-        options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason)
+        param_bytes=_bytes(held if sharding in ("fsdp2", "zero3") else tensors, world_size, sharding == "zero3"),
+        grad_bytes=_bytes([t for t in (held if sharding in ("fsdp2", "zero2", "zero3") else tensors) if t.trainable],
+                          world_size, sharding in ("zero2", "zero3")),
+        state_bytes=rule(stepped, opts), fp32_adamw_state_bytes=adamw_memory([_as_fp32(t) for t in stepped], {}),
+        options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason,
+        world_size=world_size, sharding=sharding if world_size > 1 else None)
+
+
+def _check_world(world_size, sharding) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: the number of processes, an integer >= 1")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r}: use one of {', '.join(map(repr, SHARDINGS))} (None: every rank "
+                         "holds everything, as DDP)")
+    return world_size
+
+
+def _check_runs_sharded(res, sharding: str | None) -> None:
+    """Refuse a per-rank prediction for a set-up the resolved name cannot train under (the registry's reason)."""
+    label = f"{PREFIX}{res.name} (backend={res.backend})"
+    if sharding == "fsdp2" and res.implementation.fsdp2:
+        raise UnsupportedSharding(f"{label} does not step FSDP2 shards: {res.implementation.fsdp2}")
+    if sharding in ("zero1", "zero2", "zero3") and res.spec.facts.deepspeed:
+        raise UnsupportedSharding(f"{label} does not train under DeepSpeed ZeRO: {res.spec.facts.deepspeed}")
+
+
+def _shard_rows(t: ParamShape, world_size: int) -> ParamShape:
+    """FSDP2's largest shard of ``t``: ``ceil(rows / world_size)`` rows (torch.chunk's split; rank 0 holds it)."""
+    if not t.shape:
+        return t
+    rows = -(-t.shape[0] // world_size)
+    shape = (rows, *t.shape[1:])
+    return ParamShape(math.prod(shape), shape, t.dtype, t.embedding, t.trainable, t.count)
+
+
+def _per_rank(tensors: list[ParamShape], world_size: int, sharding: str | None) -> list[ParamShape]:
+    """The tensors one rank holds: FSDP2's largest shard of each; otherwise the tensors (ZeRO's flat partitions
+    are counted by :func:`_bytes`)."""
+    return [_shard_rows(t, world_size) for t in tensors] if sharding == "fsdp2" and world_size > 1 else tensors
+
+
+def _state_view(train: list[ParamShape], world_size: int, sharding: str | None) -> list[ParamShape]:
+    """What the optimizer steps on one rank: FSDP2's row shards, ZeRO's one flat fp32 partition, else the
+    parameters."""
+    if world_size == 1 or sharding is None:
+        return train
+    if sharding == "fsdp2":
+        return _per_rank(train, world_size, sharding)
+    n = -(-sum(t.elements for t in train) // world_size)
+    return [ParamShape(n, (n,), torch.float32)]
+
+
+def _bytes(tensors: list[ParamShape], world_size: int, flat: bool) -> int:
+    """Bytes of ``tensors``; ``flat``: a ZeRO partition of them (each dtype's bytes over ``world_size``, rounded up)."""
+    if not flat:
+        return sum(t.elements * t.dtype.itemsize for t in tensors)
+    by_dtype: dict[torch.dtype, int] = {}
+    for t in tensors:
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.elements
+    return sum(-(-n // world_size) * d.itemsize for d, n in by_dtype.items())
 
 
 def _as_fp32(t: ParamShape) -> ParamShape:
@@ -261,20 +348,24 @@ class Described(NamedTuple):
     assumption: str | None  # the shapes assumed for a bare parameter count, else None
     device: torch.device  # where training runs: the one asked for, else the model's (see estimate_memory)
     resident: bool  # the parameters already occupy that memory, as they will train (their bytes are not needed anew)
+    world_size: int = 1  # processes sharing the model (an FSDP2 model's mesh size; else 1)
+    sharding: str | None = None  # "fsdp2" for a model whose parameters are DTensors (SHARDINGS)
 
 
 def describe_params(model, param_dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None) -> Described:
     """``model`` (anything :func:`estimate_memory` takes) as one :class:`ParamShape` per parameter, for
     :func:`predict`; ``param_dtype`` and ``device`` as :func:`estimate_memory` takes them."""
-    tensors, assumption, model_device, resident = _read_params(model, param_dtype)
+    tensors, assumption, model_device, resident, mesh = _read_params(model, param_dtype)
     dev = torch.device(device) if device is not None else model_device
-    return Described(tensors, assumption, dev, resident and dev == model_device and param_dtype is None)
+    return Described(tensors, assumption, dev, resident and dev == model_device and param_dtype is None,
+                     mesh, "fsdp2" if mesh > 1 else None)
 
 
-def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torch.device, bool]:
-    """``model``'s parameters, the shape assumption made (if any), its device, and whether the parameters really
-    occupy that device (False for a count, a config, a meta model)."""
+def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torch.device, bool, int]:
+    """``model``'s parameters (global shapes), the shape assumption made (if any), its device, whether the
+    parameters really occupy that device (False for a count, a config, a meta model), and the size of the mesh its
+    DTensor parameters are sharded over (1: none)."""
     dtype = _as_dtype(param_dtype)
     default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
@@ -294,7 +385,7 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
                    for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
         assumption = (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
                       f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
-        return tensors, assumption, default_dev, False
+        return tensors, assumption, default_dev, False, 1
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
         model = model_from_config(model)
     if isinstance(model, nn.Module):
@@ -312,9 +403,11 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
         devices = {p.device for p in params}
     if not tensors:
         raise ValueError(f"{type(model).__name__} has no parameters to estimate")
+    mesh = max((p.device_mesh.size() for p in (params.values() if isinstance(params, dict) else params)
+                if hasattr(p, "device_mesh")), default=1)
     if len(devices) != 1 or (dev := devices.pop()).type == "meta":
-        return tensors, None, default_dev, False
-    return tensors, None, dev, True
+        return tensors, None, default_dev, False, mesh
+    return tensors, None, dev, True, mesh
 
 
 def _as_dtype(dtype) -> torch.dtype | None:

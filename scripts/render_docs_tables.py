@@ -102,8 +102,8 @@ def distributed_table() -> str:
     rows = ["| name (backend) | DDP | FSDP2 | FSDP1 | DeepSpeed ZeRO 1, 2, 3 |", "|---|---|---|---|---|"]
     fsdp1 = "refused: use FSDP2"  # FSDP1 hands the optimizer flattened parameters: no shapes, names or groups
     for spec in SPECS.values():
-        if not spec.backends:  # auto: sizes unsharded state, so it is refused wherever state is sharded
-            rows.append(f"| `{spec.trainer_name}` | yes | refused: name the optimizer | {fsdp1} | "
+        if not spec.backends:  # auto: sized per rank under FSDP2; ZeRO steps flat partitions, so it is refused there
+            rows.append(f"| `{spec.trainer_name}` | yes | yes: sized per rank, among the names marked yes | {fsdp1} | "
                         "refused: name the optimizer |")
             continue
         facts = spec.facts
@@ -119,7 +119,7 @@ def distributed_table() -> str:
             elif backend.flaw:
                 fsdp2 = "yes, only when forced (never chosen automatically: see Reliability)"
             else:
-                fsdp2 = "yes"
+                fsdp2 = "yes: steps Shard(0) shards on a 1-D mesh, state as DTensors"
             rows.append(f"| `{spec.trainer_name}` ({name}) | yes | {_cell(fsdp2)} | {fsdp1} | {_cell(zero)} |")
     return "\n".join(rows)
 

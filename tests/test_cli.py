@@ -203,3 +203,19 @@ def test_list_says_what_adafactor_state_depends_on(capsys):
     rc, out, _ = run(capsys, "list", "--json")
     row = next(r for r in json.loads(out) if r["name"] == "hf_eff_adafactor")
     assert row["state_bytes_per_param"] is None and row["state_bytes_label"] == "<< 1"
+
+
+def test_estimate_per_rank(capsys):
+    rc, out, _ = run(capsys, "estimate", "--params", "1000000000", "--device", "cpu", "--world-size", "4", "--json")
+    data, one = json.loads(out), rows_by_label(run(capsys, "estimate", "--params", "1000000000", "--device", "cpu",
+                                                   "--json")[1])
+    assert rc == 0 and (data["world_size"], data["sharding"]) == (4, "fsdp2")
+    rows = {r["label"]: r for r in data["rows"]}
+    assert rows["hf_eff_adamw"]["state_bytes"] < one["hf_eff_adamw"]["state_bytes"] / 3  # each rank a quarter
+    assert "does not step FSDP2 shards" in rows["hf_eff_adamw_bf16 (bf16 params)"]["unavailable"]
+    rc, out, _ = run(capsys, "estimate", "--params", "1000000000", "--device", "cpu", "--world-size", "4",
+                     "--sharding", "zero2")
+    assert rc == 0 and "bytes per rank of 4 (zero2)" in " ".join(out.split())
+    with pytest.raises(SystemExit):
+        run(capsys, "estimate", "--params", "1B", "--world-size", "0")
+    assert "--world-size 0: the number of processes" in capsys.readouterr().err

@@ -356,3 +356,43 @@ def test_memory_log_line_says_it_one_way_in_mib_and_suggests_8bit_embeddings(tmp
         more = re.search(r"would save about ([0-9.]+) MiB more \((\d+)% in all\)", line)
         assert float(more[1]) == pytest.approx((now.state_bytes - all8.state_bytes) / MB, abs=0.06)
         assert int(more[2]) == round(100 * all8.saving)
+
+
+# ----------------------------------------------------------------------------------- per rank (world_size, sharding)
+
+def test_per_rank_hand_counts_fsdp2_zero_and_ddp():
+    """Small on 3 ranks. FSDP2: each tensor's largest row shard (ceil(rows / 3)), by the same rule; ZeRO: one flat
+    fp32 partition of ceil(14,976 / 3) elements; DDP (sharding=None): everything on every rank. Measured per rank
+    on 2 gloo ranks in tests/test_fsdp2_integrations.py."""
+    rows = {"emb": (34, 64), "big.weight": (43, 64), "big.bias": (43,), "norm.weight": (43,), "norm.bias": (43,)}
+    local = sum(torch.Size(s).numel() for s in rows.values())
+    fsdp = estimate_memory(Small(), "adamw", world_size=3, sharding="fsdp2")
+    assert fsdp.state_bytes == 8 * local + STEPS and fsdp.param_bytes == fsdp.grad_bytes == 4 * local
+    assert (fsdp.world_size, fsdp.sharding, fsdp.saving) == (3, "fsdp2", 0.0)  # the baseline is per rank too
+    factored = estimate_memory(Small(), "adafactor", world_size=3, sharding="fsdp2")
+    # matrices: row statistics of the shard, column statistics whole on every rank; vectors: their shard
+    assert factored.state_bytes == 4 * (34 + 64 + 43 + 64 + 3 * 43) + STEPS
+    part = -(-(EMB + BIG + VECTORS) // 3)
+    for stage, params, grads in (("zero1", 1, 1), ("zero2", 1, 3), ("zero3", 3, 3)):
+        zero = estimate_memory(Small(), "adamw", world_size=3, sharding=stage)
+        assert zero.state_bytes == 8 * part + 4, stage  # one flat partition: one step
+        assert zero.param_bytes == (4 * part if params == 3 else 4 * (EMB + BIG + VECTORS)), stage
+        assert zero.grad_bytes == (4 * part if grads == 3 else 4 * (EMB + BIG + VECTORS)), stage
+    ddp = estimate_memory(Small(), "adamw", world_size=3)
+    assert ddp.state_bytes == estimate_memory(Small(), "adamw").state_bytes and ddp.sharding is None
+
+
+def test_per_rank_refuses_what_cannot_run_so_sharded():
+    from hf_efficient.integrations.distributed import FSDP2_UNSUPPORTED
+
+    for (name, backend), why in FSDP2_UNSUPPORTED.items():
+        if SPECS[name].backends[backend].serves("cpu") and backend != "torchao" and name != "paged_adam8bit":
+            with pytest.raises(memory.UnsupportedSharding, match="does not step FSDP2 shards") as e:
+                estimate_memory(Small(), name, backend=backend, device="cpu", world_size=2, sharding="fsdp2")
+            assert why in str(e.value)
+    with pytest.raises(memory.UnsupportedSharding, match="DeepSpeed ZeRO"):
+        estimate_memory(Small(), "adafactor", world_size=2, sharding="zero2")
+    with pytest.raises(ValueError, match="world_size=0"):
+        estimate_memory(Small(), "adamw", world_size=0)
+    with pytest.raises(ValueError, match="sharding='fsdp'"):
+        estimate_memory(Small(), "adamw", world_size=2, sharding="fsdp")

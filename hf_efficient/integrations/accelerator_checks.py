@@ -65,7 +65,7 @@ def check_distributed_support(name: str, backend: str | None, options: Mapping, 
     dist = _dist_type(state)
     if dist == "FSDP":
         check_fsdp(name, backend, version=getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1),
-                   device=device)
+                   device=device, gradient_release=bool(options.get("gradient_release")))
     elif dist == "DEEPSPEED":
         ds = getattr(state, "deepspeed_plugin", None)
         check_deepspeed(name, backend, options, getattr(ds, "deepspeed_config", None), device=device,

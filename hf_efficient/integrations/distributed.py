@@ -22,8 +22,8 @@ from typing import Any, Mapping
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, Resolution, get_spec, resolve
 
-__all__ = ["FSDP2_UNSUPPORTED", "DEEPSPEED_UNSUPPORTED", "check_fsdp", "check_deepspeed", "check_training_arguments",
-           "warn_if_processes_missing"]
+__all__ = ["FSDP2_UNSUPPORTED", "DEEPSPEED_UNSUPPORTED", "FSDP2_NO_RELEASE", "check_fsdp", "check_deepspeed",
+           "check_training_arguments", "trainer_fsdp_version", "choose_for_sharding", "warn_if_processes_missing"]
 
 logger = logging.getLogger(__name__)
 _warned_missing: list = []  # the one warning of this process, once given
@@ -35,6 +35,18 @@ DEEPSPEED_UNSUPPORTED = {s.name: s.facts.deepspeed for s in SPECS.values() if s.
 FSDP2_INSTEAD = (f"use {PREFIX}adamw, or this optimizer with DDP; backend=torchao runs 8-bit state on FSDP2 shards, "
                  "but only when forced, because its AdamW8bit stores small second moments as exactly 0 (a later "
                  "zero gradient then moves a weight by lr * exp_avg / eps, thousands of times too far)")
+# Read in torch 2.13's FSDP2 (_fsdp_collectives.foreach_reduce): autograd accumulates into the *unsharded*
+# parameters, and FSDP2 calls the sharded parameter's post-accumulate-grad hooks itself, after the reduce-scatter,
+# inside its reduce stream, once per backward (so once per micro-batch). Release's hooks would then step there: a
+# step that is itself collective (Adafactor's column all-reduce, the guard's agreement across ranks) issued from
+# inside FSDP2's reduction, on its stream, while later layers' reduce-scatters are in flight. Not shown equal to the
+# ordinary FSDP2 step, so refused.
+FSDP2_NO_RELEASE = ("gradient release is not supported with FSDP2: torch's FSDP2 runs a sharded parameter's "
+                    "post-accumulate-grad hooks itself, after its reduce-scatter, inside its reduction stream; a "
+                    "release step there would issue the optimizer's own collectives (Adafactor's column statistics, "
+                    "the inf/NaN agreement across ranks) from inside FSDP2's reduction, which is not shown equal to "
+                    "the ordinary step. Train without gradient_release (FSDP2 already frees the unsharded gradients "
+                    "after each reduce-scatter)")
 DEEPSPEED_INSTEAD = f"{PREFIX}adamw or {PREFIX}adam8bit (embedding_state=8bit) with DeepSpeed, or this optimizer " \
                     "with DDP / FSDP2"
 
@@ -51,28 +63,33 @@ def _label(res: Resolution | None) -> str:
     return f"{PREFIX}auto" if res is None else f"{PREFIX}{res.name} (backend={res.backend})"
 
 
-def _refuse_auto(res: Resolution | None, where: str) -> None:
+def _refuse_auto(res: Resolution | None) -> None:
     if res is None:
-        raise ValueError(f"{PREFIX}auto is not supported with {where}: it sizes unsharded optimizer state, and the "
-                         f"names it falls back to after {PREFIX}adamw do not run there as they are. Name the "
-                         f"optimizer: {PREFIX}adamw" + (f", or {PREFIX}adam8bit with optim_args embedding_state=8bit"
-                                                        if where == "DeepSpeed" else "") + ".")
+        raise ValueError(f"{PREFIX}auto is not supported with DeepSpeed: it sizes per-parameter optimizer state, and "
+                         f"ZeRO steps flat partitions. Name the optimizer: {PREFIX}adamw, or {PREFIX}adam8bit with "
+                         "optim_args embedding_state=8bit.")
 
 
-def check_fsdp(name: str | Resolution, backend: str | None, *, version: int, device="cpu") -> None:
+def check_fsdp(name: str | Resolution, backend: str | None, *, version: int, device="cpu",
+               gradient_release: bool = False) -> None:
     """Raise ValueError, saying what to use instead, if ``name``/``backend`` cannot train under FSDP ``version``.
 
-    ``name`` may be the :class:`Resolution` already made for it (``backend`` and ``device`` then unused).
-    ``backend=None`` is the registry's automatic choice, which never picks torchao: under FSDP2 that leaves
-    no 8-bit backend, so ``adam8bit`` is refused unless ``backend="torchao"`` is forced (which logs why not).
+    ``name`` may be the :class:`Resolution` already made for it (``backend`` and ``device`` then unused). A name
+    runs under FSDP2 when the registry says its backend steps DTensor shards (``Backend.fsdp2`` is None).
+    ``hf_eff_auto`` is accepted: it sizes its candidates per rank and picks only names that step shards
+    (:func:`choose_for_sharding`). ``backend=None`` is the registry's automatic choice, which never picks torchao.
+    Gradient release is refused (:data:`FSDP2_NO_RELEASE`).
     """
     res = _resolution(name, backend, device)
     label = _label(res)
     if version != 2:
         raise ValueError(f"{label} with FSDP version {version} is not supported: FSDP1 hands the optimizer "
                          "flattened parameters (no shapes, names or decay groups). Set fsdp_version: 2 in the "
-                         "accelerate config (or --fsdp_version 2).")
-    _refuse_auto(res, "FSDP2")
+                         "accelerate config (or --fsdp_version 2; the Trainer: fsdp_config={'version': 2}).")
+    if gradient_release:
+        raise ValueError(f"{label}: {FSDP2_NO_RELEASE}.")
+    if res is None:
+        return
     why = res.implementation.fsdp2
     if why:
         raise ValueError(f"{label} is not supported with FSDP2: {why}. Instead: {FSDP2_INSTEAD}.")
@@ -105,7 +122,7 @@ def check_deepspeed(name: str | Resolution, backend: str | None, options: Mappin
     if plugin_ga is not None and isinstance(config_ga, int) and config_ga != plugin_ga[0]:
         raise ValueError(f"the DeepSpeed config accumulates {config_ga} micro-batches but gradient_accumulation_steps"
                          f"={plugin_ga[0]} ({plugin_ga[1]}): set one of them (DeepSpeed accepts 'auto')")
-    _refuse_auto(res, "DeepSpeed")
+    _refuse_auto(res)
     facts = res.spec.facts
     if facts.deepspeed:
         raise ValueError(f"{label} is not supported with DeepSpeed: {facts.deepspeed}. Instead: {DEEPSPEED_INSTEAD}.")
@@ -115,24 +132,51 @@ def check_deepspeed(name: str | Resolution, backend: str | None, options: Mappin
 
 
 def check_training_arguments(args) -> None:
-    """Refuse ``TrainingArguments`` whose ``hf_eff_*`` optimizer cannot train under their ``deepspeed`` config,
-    and warn if ``accelerate launch`` started fewer processes than asked (:func:`warn_if_processes_missing`).
+    """Refuse ``TrainingArguments`` whose ``hf_eff_*`` optimizer cannot train under their ``deepspeed`` config or
+    their ``fsdp`` set-up, and warn if ``accelerate launch`` started fewer processes than asked
+    (:func:`warn_if_processes_missing`).
 
     Meant for the end of ``TrainingArguments.__post_init__``, so the refusal comes before a model is loaded
-    (the Trainer builds the optimizer only after). A no-op for other optimizers or without DeepSpeed.
+    (the Trainer builds the optimizer only after). A no-op for other optimizers or without DeepSpeed / FSDP.
     """
     optim = getattr(args.optim, "value", args.optim)
     if not (isinstance(optim, str) and optim.startswith(PREFIX)):
         return
     warn_if_processes_missing()
-    if not getattr(args, "deepspeed", None):
+    fsdp = trainer_fsdp_version(args)
+    if not getattr(args, "deepspeed", None) and fsdp is None:
         return
     spec = get_spec(optim)
     source = "TrainingArguments.optim_args"
     raw = parse_optim_args(args.optim_args) if isinstance(args.optim_args, str) else dict(args.optim_args or {})
     options = parse_options(spec.name, spec.options, raw, source=source)
     device = "cpu" if getattr(args, "use_cpu", False) else _default_device()
-    check_deepspeed(spec.name, options.get("backend"), options, _deepspeed_config(args.deepspeed), device=device)
+    if fsdp is not None:
+        check_fsdp(spec.name, options.get("backend"), version=fsdp, device=device,
+                   gradient_release=bool(options.get("gradient_release")))
+    else:
+        check_deepspeed(spec.name, options.get("backend"), options, _deepspeed_config(args.deepspeed), device=device)
+
+
+def trainer_fsdp_version(args) -> int | None:
+    """The FSDP version ``TrainingArguments`` train under (transformers reads ``fsdp_config['version']``, after
+    dropping an ``fsdp_`` prefix, default 2), or None without FSDP."""
+    if not getattr(args, "fsdp", None):
+        return None
+    config = getattr(args, "fsdp_config", None) or {}
+    return int(config.get("version", config.get("fsdp_version", 2)))
+
+
+def choose_for_sharding(model, name: str, options: Mapping, *, world_size: int, sharding: str | None, source: str):
+    """(name, options) to build: ``name`` itself, or, for ``hf_eff_auto`` on a model that will be sharded after
+    the optimizer is built (the Trainer and ``accelerate.prepare`` both build it first), the name auto picks from
+    the per-rank footprint among names that train under ``sharding``."""
+    if get_spec(name).name != "auto" or world_size <= 1 or sharding is None:
+        return name, dict(options)
+    from ..auto import choose_auto
+
+    choice = choose_auto(model, options, source=source, world_size=world_size, sharding=sharding)
+    return choice.name, choice.options
 
 
 def launched_processes() -> int | None:

@@ -17,6 +17,7 @@ from ..registry import PREFIX, get_spec
 from . import plugin_config as config
 from .accelerator_checks import (check_processes_joined, choose_backend, drop_stale_param_names, fp32_state_flags,
                                  restore_fp32_state_ids)
+from .distributed import choose_for_sharding
 from .schedules import SCHEDULERS, build_scheduler
 
 __all__ = ["EfficientOptimPlugin"]
@@ -129,13 +130,14 @@ class EfficientOptimPlugin:
     def _check_accelerator(self, accelerator) -> tuple[str | None, str]:
         """Refuse an unsupported set-up; return the backend to force (None: the registry's) and why."""
         check_processes_joined(accelerator)
+        plugin_ga = (self.gradient_accumulation_steps, self.sources["gradient_accumulation_steps"])
+        # the distributed set-up first: under FSDP2 gradient release is refused there, with FSDP2's own reason
+        chosen = choose_backend(self.optim, self.backend, self._core_options(), accelerator.state, accelerator.device,
+                                plugin_ga=plugin_ga)
         if self._core_options().get("gradient_release"):
             from ..release import check_accelerate
 
             check_accelerate(accelerator)
-        plugin_ga = (self.gradient_accumulation_steps, self.sources["gradient_accumulation_steps"])
-        chosen = choose_backend(self.optim, self.backend, self._core_options(), accelerator.state, accelerator.device,
-                                plugin_ga=plugin_ga)
         if accelerator.gradient_accumulation_steps != self.gradient_accumulation_steps:
             raise ValueError(
                 f"the Accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches but the plugin "
@@ -152,14 +154,21 @@ class EfficientOptimPlugin:
         release = {"gradient_release": True} if self.gradient_release else {}
         return {**self.optim_args, "decay_embeddings": self.decay_embeddings, **forced, **release}
 
-    def create_optimizer(self, model, backend: str | None = None) -> torch.optim.Optimizer:
-        """The optimizer alone (decay groups, backend by the registry), for a loop that prepares it itself."""
+    def create_optimizer(self, model, backend: str | None = None, *, world_size: int = 1,
+                         sharding: str | None = None) -> torch.optim.Optimizer:
+        """The optimizer alone (decay groups, backend by the registry), for a loop that prepares it itself.
+
+        ``world_size``/``sharding`` (as :func:`~hf_efficient.estimate_memory` takes them): how the model will be
+        sharded after this, so that ``hf_eff_auto`` chooses from the per-rank footprint (:meth:`prepare` passes
+        them under FSDP2)."""
         options = self._core_options()
         if backend is not None:
             options["backend"] = backend
         sources = sorted(set(self._optim_args_sources.values()))
         source = "EfficientOptimPlugin" + (f" optim_args from {', '.join(sources)}" if sources else "")
-        return build_optimizer(model, self.optim, options, source=source, lr=self.lr, weight_decay=self.weight_decay,
+        name, options = choose_for_sharding(model, self.optim, options, world_size=world_size, sharding=sharding,
+                                            source=source)
+        return build_optimizer(model, name, options, source=source, lr=self.lr, weight_decay=self.weight_decay,
                                betas=self.betas, eps=self.eps)
 
     def create_scheduler(self, optimizer, num_training_steps: int | None, steps_per_update: int = 1):
@@ -181,7 +190,9 @@ class EfficientOptimPlugin:
         backend, why = self._check_accelerator(accelerator)
         if getattr(accelerator.state, "fsdp_plugin", None) is None and accelerator.device_placement:
             model = model.to(accelerator.device)  # resolve the backend (and fused kernels) for the real device
-        optimizer = self.create_optimizer(model, backend=backend)
+        fsdp = getattr(accelerator.state, "fsdp_plugin", None) is not None
+        optimizer = self.create_optimizer(model, backend=backend, world_size=accelerator.num_processes,
+                                          sharding="fsdp2" if fsdp else None)
         split = accelerator.split_batches or not accelerator.step_scheduler_with_optimizer
         scheduler = self.create_scheduler(optimizer, num_training_steps,
                                           steps_per_update=1 if split else accelerator.num_processes)

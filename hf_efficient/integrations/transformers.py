@@ -28,6 +28,7 @@ from ..factory import build_optimizer, optimizer_info
 from ..memory import MB, estimate_memory, format_bytes, peak_memory, state_metrics
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
+from .distributed import choose_for_sharding, trainer_fsdp_version
 
 __all__ = ["register", "patch_training_args", "patch_trainer", "check_optim_args", "TrainerOptimizer",
            "is_hf_eff_name", "MemoryCallback"]
@@ -60,9 +61,12 @@ class TrainerOptimizer(torch.optim.Optimizer):
     ``__new__`` hands back the built optimizer is the one shape both accept.
     """
 
-    def __new__(cls, model, *, hf_eff_name, optim_args, lr, betas, eps, weight_decay):
-        optimizer = build_optimizer(model, hf_eff_name, parse_optim_args(optim_args), source="optim_args", lr=lr,
-                                    betas=betas, eps=eps, weight_decay=weight_decay)
+    def __new__(cls, model, *, hf_eff_name, optim_args, lr, betas, eps, weight_decay, world_size=1, sharding=None):
+        # under FSDP2 the Trainer builds the optimizer before it shards the model: hf_eff_auto is told the sharding
+        name, options = choose_for_sharding(model, hf_eff_name, parse_optim_args(optim_args), world_size=world_size,
+                                            sharding=sharding, source="optim_args")
+        optimizer = build_optimizer(model, name, options, source="optim_args", lr=lr, betas=betas, eps=eps,
+                                    weight_decay=weight_decay)
         res = optimizer_info(optimizer).resolution
         chose = f"chose {PREFIX}{res.name}, which " if get_spec(hf_eff_name).name == "auto" else ""
         # through transformers' own Trainer logger: shown beside the Trainer's INFO lines (--log_level info)
@@ -78,6 +82,7 @@ def _get_optimizer_cls_and_kwargs(args, model=None):
     return TrainerOptimizer, {
         "model": model, "hf_eff_name": args.optim.value, "optim_args": args.optim_args, "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon, "weight_decay": args.weight_decay,
+        "world_size": args.world_size, "sharding": "fsdp2" if trainer_fsdp_version(args) == 2 else None,
     }
 
 

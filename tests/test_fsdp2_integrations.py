@@ -1,0 +1,270 @@
+"""FSDP2 through the integrations, on 2 gloo CPU processes: the accelerate plugin and the Trainer train the names
+whose backends step shards (the registry's ``fsdp2`` field), refuse the others with the reason, and memory is
+predicted and measured per rank.
+
+accelerate offers FSDP only on accelerator process groups (its ``AcceleratorState`` never turns ``MULTI_CPU`` into
+``FSDP``): :func:`_as_fsdp_capable` marks the gloo group as one before the Accelerator is made, so accelerate's own
+FSDP2 preparation (``fully_shard`` of the model, the optimizer's parameters swapped for DTensors) runs on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fsdp_helpers import full, run_ranks, shard
+from hf_efficient import create_optimizer, estimate_memory, optimizer_state_bytes
+from hf_efficient.info import unwrap
+from hf_efficient.integrations.distributed import FSDP2_UNSUPPORTED, check_fsdp
+from hf_efficient.registry import SPECS, resolve
+
+STEPS = 3
+# The names whose backend on CPU steps FSDP2 shards, read from the registry (never a hand-written list)
+SHARDABLE = sorted(s.name for s in SPECS.values() if s.backends and s.name != "paged_adam8bit"
+                   and resolve(s.name, "cpu", log=False).implementation.fsdp2 is None)
+RUN = [n for n in ("adafactor", "adamw") if n in SHARDABLE]  # the names run on 2 ranks here (time)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)  # 33 rows: an uneven Shard(0) split on 2 ranks (17 + 16)
+    return torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
+
+
+def _as_fsdp_capable() -> None:
+    """Let accelerate make an FSDP Accelerator on this gloo group (see the module docstring)."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    os.environ.update(ACCELERATE_USE_CPU="true", RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_RANK=str(dist.get_rank()), MASTER_ADDR="127.0.0.1")
+    PartialState(cpu=True).distributed_type = DistributedType.MULTI_GPU
+
+
+def _accelerate_run(name: str) -> dict:
+    """The plugin's loop under accelerate's FSDP2 on this rank: losses, state placement, bytes, final weights."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin
+
+    _as_fsdp_capable()
+    plugin = EfficientOptimPlugin(optim=name, lr=1e-2, weight_decay=0.0, optim_args="budget_gb=1" if name == "auto"
+                                  else "")
+    acc = plugin.create_accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model, opt, sched = plugin.prepare(acc, _mlp(), num_training_steps=STEPS)
+    x, y = _data()
+    losses = []
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    inner = unwrap(opt, until="state")
+    placed = {k: type(v).__name__ for st in inner.state.values() for k, v in st.items() if k != "step"}
+    return {"type": acc.distributed_type.value, "losses": losses, "placed": placed,
+            "ran": type(inner).__name__, "measured": optimizer_state_bytes(opt),
+            "predicted": estimate_memory(model, name if name != "auto" else "adamw").state_bytes,
+            "weights": [full(p) for p in model.parameters()]}
+
+
+def _one_process(name: str) -> tuple[list[float], list[torch.Tensor]]:
+    """The same loop in one process: each rank above trains on the same batch, so FSDP2 must match it."""
+    model = _mlp()
+    opt = create_optimizer(model, name, lr=1e-2, weight_decay=0.0)
+    x, y = _data()
+    losses = []
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_shardable_names_come_from_the_registry():
+    assert set(RUN) == {"adafactor", "adamw"} & set(SHARDABLE)
+    assert RUN, "no name steps FSDP2 shards: the registry lost its fsdp2 facts"
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_accelerate_fsdp2_trains_like_one_process(name):
+    ranks = run_ranks(_accelerate_run, 2, name)
+    losses, weights = _one_process(name)
+    for r in ranks:
+        assert r["type"] == "FSDP"
+        assert set(r["placed"].values()) == {"DTensor"}, r["placed"]  # state placed like the parameters: DCP saves it
+        assert r["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+        for got, want in zip(r["weights"], weights):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # per rank: rank 0 holds the larger shard (17 of 33 rows), and that is what is predicted
+    assert ranks[0]["measured"] == ranks[0]["predicted"]
+    assert ranks[1]["measured"] < ranks[0]["measured"]
+
+
+def _memory_case(name: str) -> dict:
+    """Shard by hand, step once, and compare per-rank bytes: measured (local tensors) against predicted, both for
+    the sharded model itself (its mesh read from its DTensors) and for the plain model with world_size=2."""
+    plain = _mlp()
+    predicted = estimate_memory(plain, name, world_size=2, sharding="fsdp2").state_bytes
+    model = shard(_mlp())
+    opt = create_optimizer(model, name, lr=1e-2)
+    x, y = _data()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return {"measured": optimizer_state_bytes(opt), "predicted": predicted,
+            "from_sharded": estimate_memory(model, name).state_bytes,
+            "whole": estimate_memory(plain, name).state_bytes}
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_per_rank_state_bytes_predicted_equal_measured(name):
+    r0, r1 = run_ranks(_memory_case, 2, name)
+    assert r0["measured"] == r0["predicted"] == r0["from_sharded"] == r1["predicted"]  # the largest shard's bytes
+    assert r1["measured"] <= r0["measured"]
+    assert r0["predicted"] < r0["whole"]
+
+
+def _trainer_run(name: str, tmp: str) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    _as_fsdp_capable()
+    x, y = _data()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    data = [{"x": x[i], "labels": y[i]} for i in range(4)]
+    args = TrainingArguments(tmp, optim=f"hf_eff_{name}", optim_args="budget_gb=1" if name == "auto" else None,
+                             fsdp="full_shard", fsdp_config={"version": 2}, per_device_train_batch_size=4,
+                             max_steps=STEPS, learning_rate=1e-2, weight_decay=0.0, lr_scheduler_type="constant",
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, max_grad_norm=0.0,
+                             dataloader_drop_last=False)
+    _ = args.device  # TrainingArguments sets up its process state first (and resets accelerate's): mark it after
+    _as_fsdp_capable()
+    trainer = Trainer(model=Model(), args=args, train_dataset=data)
+    trainer.train()
+    inner = unwrap(trainer.optimizer, until="state")
+    logged = next(h for h in trainer.state.log_history if "hf_eff/optimizer_state_mb" in h)
+    return {"type": trainer.accelerator.distributed_type.value, "ran": type(inner).__name__,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "placed": {k: type(v).__name__ for st in inner.state.values() for k, v in st.items() if k != "step"},
+            "measured": optimizer_state_bytes(trainer.optimizer), "logged_mb": logged["hf_eff/optimizer_state_mb"],
+            "logged_fp32_adamw_mb": logged["hf_eff/fp32_adamw_state_mb"],
+            "fp32_adamw_per_rank": estimate_memory(_mlp(), "adamw", world_size=2, sharding="fsdp2").state_bytes}
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_trainer_fsdp2_trains_and_logs_per_rank_state(name, tmp_path):
+    ranks = run_ranks(_trainer_run, 2, name, str(tmp_path))
+    losses, _ = _one_process(name)
+    for r in ranks:
+        assert r["type"] == "FSDP"
+        assert set(r["placed"].values()) == {"DTensor"}, r["placed"]
+        assert r["losses"] == pytest.approx(losses, rel=1e-4)
+        assert r["logged_mb"] * 2**20 == pytest.approx(r["measured"])  # the memory log: this rank's bytes
+    assert ranks[1]["measured"] < ranks[0]["measured"]
+    # the saving is against fp32 AdamW on the same shards (rank 0: the largest), not on the whole model
+    assert ranks[0]["logged_fp32_adamw_mb"] * 2**20 == pytest.approx(ranks[0]["fp32_adamw_per_rank"])
+
+
+@pytest.mark.parametrize("name, backend", sorted(FSDP2_UNSUPPORTED))
+def test_names_that_cannot_step_shards_are_refused_with_the_registrys_reason(name, backend, tmp_path):
+    from transformers import TrainingArguments
+
+    if not SPECS[name].backends[backend].serves("cpu"):
+        pytest.skip(f"{backend} does not serve cpu")
+    why = FSDP2_UNSUPPORTED[(name, backend)]
+    with pytest.raises(ValueError, match="not supported with FSDP2") as e:
+        check_fsdp(name, backend, version=2)
+    assert why in str(e.value)
+    if resolve(name, "cpu", log=False).backend == backend:  # the default here: the Trainer refuses before the model
+        with pytest.raises(ValueError, match="not supported with FSDP2"):
+            TrainingArguments(str(tmp_path), optim=f"hf_eff_{name}", fsdp="full_shard", fsdp_config={"version": 2},
+                              use_cpu=True, report_to=[])
+
+
+def test_trainer_checks_fsdp_args_before_the_model(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="FSDP version 1 is not supported.*'version': 2"):
+        TrainingArguments(str(tmp_path), optim="hf_eff_adamw", fsdp="full_shard", fsdp_config={"version": 1},
+                          use_cpu=True, report_to=[])
+    TrainingArguments(str(tmp_path), optim="hf_eff_adafactor", fsdp="full_shard", fsdp_config={"version": 2},
+                      use_cpu=True, report_to=[])
+
+
+def test_gradient_release_under_fsdp2_is_refused_with_fsdp2s_reason(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="after its reduce-scatter, inside its reduction stream"):
+        check_fsdp("adamw", None, version=2, gradient_release=True)
+    with pytest.raises(ValueError, match="gradient release is not supported with FSDP2"):
+        TrainingArguments(str(tmp_path), optim="hf_eff_adamw", optim_args="gradient_release=true", fsdp="full_shard",
+                          fsdp_config={"version": 2}, use_cpu=True, report_to=[], max_grad_norm=0.0)
+
+
+def test_plugin_tells_auto_the_sharding():
+    """accelerate's prepare builds the optimizer before it shards the model: the plugin passes the sharding on."""
+    from hf_efficient import optimizer_info
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    whole = estimate_memory(model, "adamw").total_bytes
+    per_rank = estimate_memory(model, "adamw", world_size=4, sharding="fsdp2").total_bytes
+    plugin = EfficientOptimPlugin(optim="auto", optim_args=f"budget_gb={(per_rank + whole) / 2 / 0.8 / 2**30}")
+    assert optimizer_info(plugin.create_optimizer(model)).resolution.name != "adamw"
+    opt = plugin.create_optimizer(model, world_size=4, sharding="fsdp2")
+    assert optimizer_info(opt).resolution.name == "adamw"
+
+
+def test_trainer_tells_auto_the_sharding(tmp_path):
+    """The Trainer builds the optimizer before FSDP2 shards the model: its kwargs carry the sharding to auto."""
+    from types import SimpleNamespace
+
+    from hf_efficient import optimizer_info
+    from hf_efficient.integrations.transformers import _get_optimizer_cls_and_kwargs
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    whole = estimate_memory(model, "adamw").total_bytes
+    per_rank = estimate_memory(model, "adamw", world_size=4, sharding="fsdp2").total_bytes
+    args = SimpleNamespace(optim=SimpleNamespace(value="hf_eff_auto"), learning_rate=1e-3, adam_beta1=0.9,
+                           adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, world_size=4, fsdp="full_shard",
+                           fsdp_config={"version": 2},
+                           optim_args=f"budget_gb={(per_rank + whole) / 2 / 0.8 / 2**30}")
+    cls, kwargs = _get_optimizer_cls_and_kwargs(args, model)
+    assert (kwargs["world_size"], kwargs["sharding"]) == (4, "fsdp2")
+    assert optimizer_info(cls(**kwargs)).resolution.name == "adamw"
+    args.fsdp = None
+    assert optimizer_info(cls(**_get_optimizer_cls_and_kwargs(args, model)[1])).resolution.name != "adamw"
+
+
+def test_auto_chooses_from_the_per_rank_footprint():
+    """A budget that holds adamw's per-rank bytes on 4 ranks but not its whole bytes: auto picks adamw sharded,
+    adafactor unsharded; under FSDP2 it never picks a name that cannot step shards."""
+    from hf_efficient.auto import choose_auto
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    whole = estimate_memory(model, "adamw").total_bytes
+    per_rank = estimate_memory(model, "adamw", world_size=4, sharding="fsdp2").total_bytes
+    budget = {"budget_gb": (per_rank + whole) / 2 / 0.8 / 2**30}
+    assert choose_auto(model, budget).name != "adamw"
+    sharded = choose_auto(model, budget, world_size=4, sharding="fsdp2")
+    assert sharded.name == "adamw" and sharded.chosen.state_bytes == estimate_memory(
+        model, "adamw", world_size=4, sharding="fsdp2").state_bytes
+    tiny = choose_auto(model, {"budget_gb": 1e-9}, world_size=4, sharding="fsdp2")
+    assert {c.name.removeprefix("hf_eff_") for c in tiny.candidates} <= set(SHARDABLE)
