@@ -225,14 +225,15 @@ class Blockwise8bit(Optimizer):
     def _probe(cls, fn, device: torch.device | None = None) -> bool:
         """Three steps of the C function ``fn`` (``device`` None: a tensor of 515 blocks and a partial one, split over 3
         threads: whatever team OpenMP gives, every block must be done) or of the Triton launch ``fn`` on ``device``
-        (6 blocks, the last partial: two programs), against the eager kernel, with a gradient whose square
-        overflows, on fp32 weights and on bf16 weights under each compensation: codes and absmaxes equal; fp32
+        (10 blocks, the last partial: a program of whole blocks, blockwise_triton.NB = 8, and a partial one), against
+        the eager kernel, with a gradient whose square overflows, on fp32 weights and on bf16 weights under each
+        compensation: codes and absmaxes equal; fp32
         weights within 4 ulp of themselves or of the update (torch's fp32 sqrt on CPU is not correctly rounded,
         C's is), so bf16 weights within one bf16 ulp (such a difference can cross a rounding boundary) and, under
         Kahan, weight + buffer within 1e-4 of eager's."""
         gen = torch.Generator().manual_seed(0)
         native = device is None
-        n = (2 * _native._MIN_PER_THREAD + 3 * BLOCK if native else 5 * BLOCK) + 37
+        n = (2 * _native._MIN_PER_THREAD + 3 * BLOCK if native else 9 * BLOCK) + 37
         p0 = torch.randn(n, generator=gen)
         grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
         grads[1][5] = 2e19

@@ -31,7 +31,7 @@ from . import quant8_triton as Q
 __all__ = ["adamw8bit", "lion8bit", "launch", "NB", "MAX_PROGRAMS"]
 
 L = _triton.jit_helpers()
-NB = 4  # blocks per program: 1024 elements, 16-byte vector loads of fp32 weights at 4 warps
+NB = 8  # blocks per program: 1024 elements, 16-byte vector loads of fp32 weights at 4 warps
 MAX_PROGRAMS = 65535  # CUDA's limit on a grid's axes 1 and 2: a tensor of more programs spans both, alone
 _F32_MAX = tl.constexpr(3.4028234663852886e38)
 _split = lru_cache(maxsize=64)(_triton.split64)  # per group and step otherwise: a few torch ops each on the host
@@ -48,25 +48,29 @@ def tensor_of_program(info, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def address(table, row, count, t, TYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Tensor ``t``'s address in row ``row`` of a pointer table of ``count`` tensors, as a pointer to ``TYPE``;
-    ``ALIGNED``: promised 16-byte aligned, so that loads through it stay 16-byte vectors (the compiler cannot see
-    the alignment of an address read from memory; without the promise, none is made: a misaligned vector load
-    faults)."""
+def address(table, row, count, t, TYPE: tl.constexpr, ALIGN: tl.constexpr):
+    """Tensor ``t``'s address in row ``row`` of a pointer table of ``count`` tensors, as a pointer to ``TYPE``,
+    promised a multiple of ``ALIGN`` bytes (0: nothing promised) so that loads through it are vectors of that size:
+    the compiler cannot see the alignment of an address read from memory, and a misaligned vector load faults."""
     ptr = tl.load(table + row * count + t).to(tl.pointer_type(TYPE))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
+    if ALIGN > 0:
+        ptr = tl.multiple_of(ptr, ALIGN)
     return ptr
 
 
 @triton.jit
-def _blocks(first, n, NB: tl.constexpr):
+def _blocks(first, n, NB: tl.constexpr, FULL: tl.constexpr):
     """This program's blocks ``(NB,)`` from element ``first``, which exist, their element offsets ``(NB, 4, 64)``
     (tile row ``k``, column ``j``: element ``64 * k + j`` of its block) and which are in the tensor (the last block
-    is zero-padded, as eager's)."""
+    is zero-padded, as eager's). ``FULL``: every element is (the mask a constant: the compiler keeps loads 16-byte
+    vectors, which a mask against ``n``, read from memory and of unknown divisibility, would split)."""
     blk = first // 256 + tl.arange(0, NB)
-    offs = (blk[:, None, None] * 256 + (tl.arange(0, 4) * 64)[None, :, None] + tl.arange(0, 64)[None, None, :])
-    return blk, blk * 256 < n, offs, offs < n
+    offs = (tl.arange(0, 4) * 64)[:, None, None] + blk[None, :, None] * 256 + tl.arange(0, 64)[None, None, :]
+    if FULL:
+        emask = tl.full(offs.shape, 1, tl.int1)
+    else:
+        emask = offs < n
+    return blk, blk * 256 < n, offs, emask
 
 
 @triton.jit
@@ -85,6 +89,39 @@ def _write(p_ptr, comp_ptr, old, new, offs, emask, position, step, MODE: tl.cons
         tl.store(comp_ptr + offs, L.to_bf16(c), mask=emask)
 
 
+@triton.jit
+def _adamw8bit(table, info, count, t, n, first, maps, omb1, omb2, eps, decay, lr_hi, lr_lo, beta1_hi, beta1_lo,
+               beta2_hi, beta2_lo, MODE: tl.constexpr, OUT: tl.constexpr, GRAD: tl.constexpr, NB: tl.constexpr,
+               ALIGNED: tl.constexpr, FULL: tl.constexpr):
+    """:func:`adamw8bit_kernel`'s program, ``FULL`` as :func:`_blocks`. Tensors are promised aligned (``ALIGNED``)
+    to 4 elements, a thread's vector in the tiles' layout (16 bytes of fp32, 8 of bf16): 8-element vectors of
+    16-bit types would leave fewer threads on a row, and the compiler would spread a block's 4 rows over warps,
+    its code words and absmax then exchanged through shared memory, with barriers."""
+    step = tl.load(address(table, 7, count, t, tl.float32, 0)).to(tl.int32)
+    one = tl.full((), 1.0, tl.float64)
+    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+    # float64 division and square root are correctly rounded on the GPU (PTX has no approximate fp64 forms)
+    step_size = (lr / (one - L.pow_int(beta1_hi, beta1_lo, step))).to(tl.float32)
+    inv_bc2 = (one / tl.sqrt(one - L.pow_int(beta2_hi, beta2_lo, step))).to(tl.float32)
+    p_ptr = address(table, 0, count, t, OUT, OUT.primitive_bitwidth // 2 * ALIGNED)
+    wm_ptr = address(table, 2, count, t, tl.int32, 16 * ALIGNED)
+    wv_ptr = address(table, 3, count, t, tl.int32, 16 * ALIGNED)
+    am_ptr = address(table, 4, count, t, tl.float32, 16 * ALIGNED)
+    av_ptr = address(table, 5, count, t, tl.float32, 16 * ALIGNED)
+    blk, bmask, offs, emask = _blocks(first, n, NB, FULL)
+    g_ptr = address(table, 1, count, t, GRAD, GRAD.primitive_bitwidth // 2 * ALIGNED)
+    g = tl.load(g_ptr + offs, mask=emask, other=0.0).to(tl.float32)
+    m = Q.load(wm_ptr, am_ptr, blk, bmask, maps, True) * beta1_hi + g * omb1
+    v = Q.load(wv_ptr, av_ptr, blk, bmask, maps, False) * beta2_hi + (g * g) * omb2
+    v = tl.where(v > _F32_MAX, _F32_MAX, v)  # clamp_max (a NaN stays): see adamw8bit._kernel
+    old = tl.load(p_ptr + offs, mask=emask, other=0.0).to(tl.float32)
+    new = old * decay - tl.div_rn(m, tl.sqrt_rn(v) * inv_bc2 + eps) * step_size
+    _write(p_ptr, address(table, 6, count, t, tl.bfloat16, 8 * ALIGNED), old, new, offs, emask,
+           tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
+    Q.store(m, wm_ptr, am_ptr, blk, bmask, maps, True)
+    Q.store(v, wv_ptr, av_ptr, blk, bmask, maps, False)
+
+
 @triton.jit(do_not_specialize=["count"])
 def adamw8bit_kernel(table, info, flag_ptr, count, maps, omb1, omb2, eps, decay, lr_hi, lr_lo, beta1_hi, beta1_lo,
                      beta2_hi, beta2_lo, MODE: tl.constexpr, OUT: tl.constexpr, GRAD: tl.constexpr,
@@ -98,28 +135,32 @@ def adamw8bit_kernel(table, info, flag_ptr, count, maps, omb1, omb2, eps, decay,
     t, n, first = tensor_of_program(info, NB * 256)
     if first >= n:
         return
-    step = tl.load(address(table, 7, count, t, tl.float32, False)).to(tl.int32)
-    one = tl.full((), 1.0, tl.float64)
-    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
-    # float64 division and square root are correctly rounded on the GPU (PTX has no approximate fp64 forms)
-    step_size = (lr / (one - L.pow_int(beta1_hi, beta1_lo, step))).to(tl.float32)
-    inv_bc2 = (one / tl.sqrt(one - L.pow_int(beta2_hi, beta2_lo, step))).to(tl.float32)
-    p_ptr = address(table, 0, count, t, OUT, ALIGNED)
-    wm_ptr = address(table, 2, count, t, tl.int32, ALIGNED)
-    wv_ptr = address(table, 3, count, t, tl.int32, ALIGNED)
-    am_ptr = address(table, 4, count, t, tl.float32, ALIGNED)
-    av_ptr = address(table, 5, count, t, tl.float32, ALIGNED)
-    blk, bmask, offs, emask = _blocks(first, n, NB)
-    g = tl.load(address(table, 1, count, t, GRAD, ALIGNED) + offs, mask=emask, other=0.0).to(tl.float32)
-    m = Q.load(wm_ptr, am_ptr, blk, bmask, maps, True) * beta1_hi + g * omb1
-    v = Q.load(wv_ptr, av_ptr, blk, bmask, maps, False) * beta2_hi + (g * g) * omb2
-    v = tl.where(v > _F32_MAX, _F32_MAX, v)  # clamp_max (a NaN stays): see adamw8bit._kernel
+    if first + NB * 256 <= n:
+        _adamw8bit(table, info, count, t, n, first, maps, omb1, omb2, eps, decay, lr_hi, lr_lo, beta1_hi, beta1_lo,
+                   beta2_hi, beta2_lo, MODE, OUT, GRAD, NB, ALIGNED, True)
+    else:
+        _adamw8bit(table, info, count, t, n, first, maps, omb1, omb2, eps, decay, lr_hi, lr_lo, beta1_hi, beta1_lo,
+                   beta2_hi, beta2_lo, MODE, OUT, GRAD, NB, ALIGNED, False)
+
+
+@triton.jit
+def _lion8bit(table, info, count, t, n, first, maps, b1, omb1, b2, omb2, decay, lr, MODE: tl.constexpr,
+              OUT: tl.constexpr, GRAD: tl.constexpr, NB: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr):
+    """:func:`lion8bit_kernel`'s program, ``FULL`` as :func:`_blocks`."""
+    step = tl.load(address(table, 5, count, t, tl.float32, 0)).to(tl.int32)
+    p_ptr = address(table, 0, count, t, OUT, OUT.primitive_bitwidth // 2 * ALIGNED)
+    wm_ptr = address(table, 2, count, t, tl.int32, 16 * ALIGNED)
+    am_ptr = address(table, 3, count, t, tl.float32, 16 * ALIGNED)
+    blk, bmask, offs, emask = _blocks(first, n, NB, FULL)
+    g_ptr = address(table, 1, count, t, GRAD, GRAD.primitive_bitwidth // 2 * ALIGNED)
+    g = tl.load(g_ptr + offs, mask=emask, other=0.0).to(tl.float32)
+    m = Q.load(wm_ptr, am_ptr, blk, bmask, maps, True)
+    u = m * b1 + g * omb1
+    update = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))  # torch.sign (0 for NaN, as on CPU)
     old = tl.load(p_ptr + offs, mask=emask, other=0.0).to(tl.float32)
-    new = old * decay - tl.div_rn(m, tl.sqrt_rn(v) * inv_bc2 + eps) * step_size
-    _write(p_ptr, address(table, 6, count, t, tl.bfloat16, ALIGNED), old, new, offs, emask,
-           tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
-    Q.store(m, wm_ptr, am_ptr, blk, bmask, maps, True)
-    Q.store(v, wv_ptr, av_ptr, blk, bmask, maps, False)
+    _write(p_ptr, address(table, 4, count, t, tl.bfloat16, 8 * ALIGNED), old, old * decay - update * lr, offs,
+           emask, tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
+    Q.store(m * b2 + g * omb2, wm_ptr, am_ptr, blk, bmask, maps, True)
 
 
 @triton.jit(do_not_specialize=["count"])
@@ -133,19 +174,12 @@ def lion8bit_kernel(table, info, flag_ptr, count, maps, b1, omb1, b2, omb2, deca
     t, n, first = tensor_of_program(info, NB * 256)
     if first >= n:
         return
-    step = tl.load(address(table, 5, count, t, tl.float32, False)).to(tl.int32)
-    p_ptr = address(table, 0, count, t, OUT, ALIGNED)
-    wm_ptr = address(table, 2, count, t, tl.int32, ALIGNED)
-    am_ptr = address(table, 3, count, t, tl.float32, ALIGNED)
-    blk, bmask, offs, emask = _blocks(first, n, NB)
-    g = tl.load(address(table, 1, count, t, GRAD, ALIGNED) + offs, mask=emask, other=0.0).to(tl.float32)
-    m = Q.load(wm_ptr, am_ptr, blk, bmask, maps, True)
-    u = m * b1 + g * omb1
-    update = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))  # torch.sign (0 for NaN, as on CPU)
-    old = tl.load(p_ptr + offs, mask=emask, other=0.0).to(tl.float32)
-    _write(p_ptr, address(table, 4, count, t, tl.bfloat16, ALIGNED), old, old * decay - update * lr, offs, emask,
-           tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
-    Q.store(m * b2 + g * omb2, wm_ptr, am_ptr, blk, bmask, maps, True)
+    if first + NB * 256 <= n:
+        _lion8bit(table, info, count, t, n, first, maps, b1, omb1, b2, omb2, decay, lr, MODE, OUT, GRAD, NB,
+                  ALIGNED, True)
+    else:
+        _lion8bit(table, info, count, t, n, first, maps, b1, omb1, b2, omb2, decay, lr, MODE, OUT, GRAD, NB,
+                  ALIGNED, False)
 
 
 def launch(kernel, items, tables: dict, flag, scalars: tuple, mode: str, per_program: int, **constexprs) -> None:

@@ -21,6 +21,29 @@ __all__ = ["lion", "BLOCK"]
 BLOCK = 1024  # elements per program
 
 
+@triton.jit
+def _lion(table, info, count, t, n, start, b1, omb1, b2, omb2, decay, lr, MODE: tl.constexpr, OUT: tl.constexpr,
+          GRAD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    """:func:`lion_kernel`'s program; ``FULL``: all its elements are in the tensor (a constant mask: loads stay
+    16-byte vectors, which a mask against ``n``, read from memory and of unknown divisibility, would split)."""
+    offs = start + tl.arange(0, BLOCK)
+    if FULL:
+        mask = tl.full(offs.shape, 1, tl.int1)
+    else:
+        mask = offs < n
+    p_ptr = address(table, 0, count, t, OUT, 16 * ALIGNED)
+    m_ptr = address(table, 2, count, t, tl.float32, 16 * ALIGNED)
+    step = tl.load(address(table, 4, count, t, tl.float32, 0)).to(tl.int32)
+    g = tl.load(address(table, 1, count, t, GRAD, 16 * ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    u = m * b1 + g * omb1
+    update = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))  # torch.sign (0 for NaN, as on CPU)
+    old = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _write(p_ptr, address(table, 3, count, t, tl.bfloat16, 16 * ALIGNED), old, old * decay - update * lr, offs, mask,
+           tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
+    tl.store(m_ptr + offs, m * b2 + g * omb2, mask=mask)
+
+
 @triton.jit(do_not_specialize=["count"])
 def lion_kernel(table, info, flag_ptr, count, b1, omb1, b2, omb2, decay, lr, MODE: tl.constexpr, OUT: tl.constexpr,
                 GRAD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
@@ -31,19 +54,10 @@ def lion_kernel(table, info, flag_ptr, count, b1, omb1, b2, omb2, decay, lr, MOD
     t, n, start = tensor_of_program(info, BLOCK)
     if start >= n:
         return
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
-    p_ptr = address(table, 0, count, t, OUT, ALIGNED)
-    m_ptr = address(table, 2, count, t, tl.float32, ALIGNED)
-    step = tl.load(address(table, 4, count, t, tl.float32, False)).to(tl.int32)
-    g = tl.load(address(table, 1, count, t, GRAD, ALIGNED) + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    u = m * b1 + g * omb1
-    update = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))  # torch.sign (0 for NaN, as on CPU)
-    old = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    _write(p_ptr, address(table, 3, count, t, tl.bfloat16, ALIGNED), old, old * decay - update * lr, offs, mask,
-           tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
-    tl.store(m_ptr + offs, m * b2 + g * omb2, mask=mask)
+    if start + BLOCK <= n:
+        _lion(table, info, count, t, n, start, b1, omb1, b2, omb2, decay, lr, MODE, OUT, GRAD, ALIGNED, BLOCK, True)
+    else:
+        _lion(table, info, count, t, n, start, b1, omb1, b2, omb2, decay, lr, MODE, OUT, GRAD, ALIGNED, BLOCK, False)
 
 
 def lion(params, grads, exp_avgs, comps, steps, positions, found_inf, tables: dict, coef: list[float],

@@ -28,14 +28,21 @@ def tables(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def _words(words_ptr, blk):
+    """Addresses ``(NB, 1, 64)`` of the code words of blocks ``blk``: rank 3 as the tiles, so that broadcasting a
+    word to its four rows and summing them back keep one layout (no exchange through shared memory)."""
+    return words_ptr + blk[None, :, None] * 64 + tl.arange(0, 64)[None, None, :]
+
+
+@triton.jit
 def load(words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr):
     """Decoded values ``(NB, 4, 64)`` fp32 of blocks ``blk`` (``(NB,)`` int64; ``bmask``: those that exist), element
     ``64 * k + j`` of a block at ``[:, k, j]``: each 32-bit word loaded once, its byte ``k`` looked up in the map
     (codes are 0..255 whatever was masked: the lookup needs no mask), times its block's absmax."""
-    word = tl.load(words_ptr + blk[:, None] * 64 + tl.arange(0, 64)[None, :], mask=bmask[:, None], other=0)
-    code = (word[:, None, :] >> (tl.arange(0, 4) * 8)[None, :, None]) & 255
+    word = tl.load(_words(words_ptr, blk), mask=bmask[None, :, None], other=0)  # (1, NB, 64)
+    code = (word >> (tl.arange(0, 4) * 8)[:, None, None]) & 255
     value = tl.load(table_ptr + code + (0 if SIGNED else 256))
-    return value * tl.load(absmax_ptr + blk, mask=bmask, other=0.0)[:, None, None]
+    return value * tl.load(absmax_ptr + blk, mask=bmask, other=0.0)[None, :, None]
 
 
 @triton.jit
@@ -68,12 +75,12 @@ def store(x, words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr)
     :func:`.quant8.pack`: each block's scale (largest |x|, by the bits of |x| so that a NaN wins as in ``amax``;
     raised to 2**-126 where below it), the values times its fp32 reciprocal, encoded, the four codes of column ``j``
     summed into word ``j`` (their bytes do not overlap)."""
-    top = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)
+    top = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=0)
     a = top.to(tl.float32, bitcast=True)
     a = tl.where((a > 0) & (a < _TINY), _TINY, a)
     one = tl.full(a.shape, 1.0, tl.float32)
     inv = tl.div_rn(one, tl.where(a > 0, a, one))  # a zero block's scale counts as 1
-    code = encode(x * inv[:, None, None], table_ptr, SIGNED)
-    word = tl.sum(code << (tl.arange(0, 4) * 8)[None, :, None], axis=1)
-    tl.store(words_ptr + blk[:, None] * 64 + tl.arange(0, 64)[None, :], word, mask=bmask[:, None])
+    code = encode(x * inv[None, :, None], table_ptr, SIGNED)
+    word = tl.sum(code << (tl.arange(0, 4) * 8)[:, None, None], axis=0, keep_dims=True)
+    tl.store(_words(words_ptr, blk), word, mask=bmask[None, :, None])
     tl.store(absmax_ptr + blk, a, mask=bmask)
