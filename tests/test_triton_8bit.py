@@ -3,9 +3,10 @@ under Triton's interpreter through the optimizers' own ``step()``, against the e
 
 Tolerances: codes and absmaxes equal exactly (the codec is the eager one operation for operation, decoding by the
 eager decoder's table); fp32 weights within 4 ulp (the interpreter's fp32 sqrt is correctly rounded, torch's
-vectorized CPU sqrt is not always, see ``Blockwise8bit._probe``), so Kahan buffers within 4 fp32 ulp of their
-weight plus one bf16 ulp of their own (the update's ulp can flip the buffer's rounding); bf16/fp16 weights equal (seen; an fp32 ulp could cross a rounding boundary, none of these cases does).
-Resume on the same kernel: everything bit for bit.
+vectorized CPU sqrt is not always, see ``Blockwise8bit._probe``), so Kahan buffers within 4 fp32 ulp of their weight
+plus one bf16 ulp of their own (the update's ulp can flip the buffer's rounding); bf16/fp16 weights equal (seen; an
+fp32 ulp could cross a rounding boundary, none of these cases does). Resume on the same kernel: everything bit for
+bit.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ full blocks in bounded calls and the zero-padded last block, all C-kernel tensor
 
 Kernels. On CUDA, contiguous fp32, bf16 or fp16 weights and gradients go through the family's Triton kernel
 (:mod:`.blockwise_triton`: one launch per group and (weight dtype, gradient dtype) over a pointer table, the step
-counts on the device, no host synchronisation, the void flag of :func:`._triton.flag` honoured). On CPU, contiguous fp32 or bf16 weights and gradients go through the
-family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
+counts on the device, no host synchronisation, the void flag of :func:`._triton.flag` honoured). On CPU,
+contiguous fp32 or bf16 weights and gradients go through the family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
 ``quant8.h``). Each is admitted by a probe that must give the eager kernel's codes and absmaxes exactly (3 steps,
 a partial block, a gradient whose square overflows; the C kernel on 3 threads). Everything else (fp16 weights on
 CPU, other layouts, ``compile=True``) gets the ``torch.compile``'d kernel, and without a C++ compiler (or Triton

@@ -6,8 +6,8 @@ addresses, sizes and positions; the grid has the tensors on axis 0 and each tens
 (programs of a tensor smaller than the largest return at once). A tensor of more than :data:`MAX_PROGRAMS` programs
 gets a launch of its own: a grid sized for it would be mostly early exits for the others.
 
-One program steps ``NB`` whole blocks of 256 elements in one pass, each block a ``(4, 64)`` tile (row ``k``,
-column ``j``: element ``64 * k + j``, the codes' in-memory order, see :mod:`.quant8_triton`): it reads the weight,
+One program steps ``NB`` whole blocks of 256 elements in one pass, as a ``(4, NB, 64)`` tile (element ``64 * k + j``
+of a block at row ``k``, column ``j``: the codes' in-memory order, see :mod:`.quant8_triton`): it reads the weight,
 the gradient, the codes and absmaxes (and the Kahan buffer), computes the moments in fp32 in the order of the
 family's eager ``_kernel``, and writes the codes, absmaxes and weight (bf16/fp16 through
 :func:`._triton_lib.compensated`). The codec is :mod:`.quant8_triton`'s, so the codes are the eager kernel's exactly.
@@ -31,7 +31,7 @@ from . import quant8_triton as Q
 __all__ = ["adamw8bit", "lion8bit", "launch", "NB", "MAX_PROGRAMS"]
 
 L = _triton.jit_helpers()
-NB = 8  # blocks per program: 1024 elements, 16-byte vector loads of fp32 weights at 4 warps
+NB = 8  # blocks per program: 2048 elements, 16 a thread at 4 warps (its 4 rows of 4 columns)
 MAX_PROGRAMS = 65535  # CUDA's limit on a grid's axes 1 and 2: a tensor of more programs spans both, alone
 _F32_MAX = tl.constexpr(3.4028234663852886e38)
 _split = lru_cache(maxsize=64)(_triton.split64)  # per group and step otherwise: a few torch ops each on the host
@@ -60,8 +60,8 @@ def address(table, row, count, t, TYPE: tl.constexpr, ALIGN: tl.constexpr):
 
 @triton.jit
 def _blocks(first, n, NB: tl.constexpr, FULL: tl.constexpr):
-    """This program's blocks ``(NB,)`` from element ``first``, which exist, their element offsets ``(NB, 4, 64)``
-    (tile row ``k``, column ``j``: element ``64 * k + j`` of its block) and which are in the tensor (the last block
+    """This program's blocks ``(NB,)`` from element ``first``, which exist, their element offsets ``(4, NB, 64)``
+    (``[k, b, j]``: element ``64 * k + j`` of block ``b``) and which are in the tensor (the last block
     is zero-padded, as eager's). ``FULL``: every element is (the mask a constant: the compiler keeps loads 16-byte
     vectors, which a mask against ``n``, read from memory and of unknown divisibility, would split)."""
     blk = first // 256 + tl.arange(0, NB)
