@@ -3,9 +3,10 @@ under Triton's interpreter through the optimizers' own ``step()``, against the e
 
 Tolerances: codes and absmaxes equal exactly (the codec is the eager one operation for operation, decoding by the
 eager decoder's table); fp32 weights within 4 ulp (the interpreter's fp32 sqrt is correctly rounded, torch's
-vectorized CPU sqrt is not always, see ``Blockwise8bit._probe``), so Kahan buffers within 4 fp32 ulp of their
-weight; bf16/fp16 weights equal (seen; an fp32 ulp could cross a rounding boundary, none of these cases does).
-Resume on the same kernel: everything bit for bit.
+vectorized CPU sqrt is not always, see ``Blockwise8bit._probe``), so Kahan buffers within 4 fp32 ulp of their weight
+plus one bf16 ulp of their own (the update's ulp can flip the buffer's rounding); bf16/fp16 weights equal (seen; an
+fp32 ulp could cross a rounding boundary, none of these cases does). Resume on the same kernel: everything bit for
+bit.
 """
 
 from __future__ import annotations
@@ -22,21 +23,27 @@ from hf_efficient.optim.lion8bit import Lion8bit
 
 B = pytest.importorskip("hf_efficient.optim.blockwise_triton")
 
-N = 5 * 256 + 37  # two programs of 4 blocks, the last block partial
+N = B.NB * 256 + 256 + 37  # two programs: one of whole blocks, one of a whole and a partial block
 CASES = [(torch.float32, "none"), (torch.bfloat16, "kahan"), (torch.bfloat16, "stochastic"), (torch.bfloat16, "none"),
          (torch.float16, "kahan"), (torch.float16, "stochastic")]
 KERNEL = {AdamW8bit: "adamw8bit_kernel", Lion8bit: "lion8bit_kernel"}
 
 
 class Spy:
-    """Counts the launches of a Triton kernel (``kernel[grid](...)``) and passes them on."""
+    """Counts the launches of a Triton kernel (``kernel[grid](...)``), keeps each one's grid, tensor count and
+    keywords, and passes them on."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+        self.kernel, self.launches, self.calls = kernel, 0, []
 
     def __getitem__(self, grid):
         self.launches += 1
-        return self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.calls.append((grid, args[3], kwargs))  # args: table, info, flag, count, ...
+            return self.kernel[grid](*args, **kwargs)
+
+        return call
 
 
 @pytest.fixture
@@ -71,8 +78,10 @@ def assert_same(pa, oa, pb, ob, fp32_ulps=4):
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     for i in sa:
         for k in sa[i]:
-            if k == "kahan_comp":  # what the weight did not absorb: carries the fp32 update's ulp (weight's scale)
-                ulps = fp32_ulps * 2.0**-23 * pa[i].detach().float().abs()
+            if k == "kahan_comp":  # what the weight did not absorb: carries the fp32 update's ulp (weight's scale),
+                # which can move the buffer's bf16 rounding by one of its own ulps
+                ulps = fp32_ulps * 2.0**-23 * pa[i].detach().float().abs() + (
+                    2.0**-7 * sa[i][k].float().abs() if fp32_ulps else 0.0)
                 assert ((sa[i][k].float() - sb[i][k].float()).abs() <= ulps).all(), k
             elif k == "step":
                 assert float(sa[i][k]) == float(sb[i][k])
@@ -94,7 +103,7 @@ def test_triton_step_gives_the_eager_kernels_codes(on_cpu, spy, cls, dtype, mode
     pt, ot = make(cls, dtype, mode)
     pe, oe = make(cls, dtype, mode, compile=False)
     run(pt, ot, 2)
-    assert spy[KERNEL[cls]].launches == 2  # the kernel code ran: one launch per 8-bit tensor and step
+    assert spy[KERNEL[cls]].launches == 2  # the kernel code ran: one launch per step for the 8-bit tensor
     run(pe, oe, 2)
     assert ot.state[pt[0]]["step"].device == pt[0].device and ot.state[pt[0]]["step"].dtype == torch.float32
     assert_same(pt, ot, pe, oe)
@@ -223,19 +232,18 @@ def test_state_is_in_bitsandbytes_canonical_layout(on_cpu):
         assert torch.equal(quant8.from_canonical(st[key], params[0], signed), opt.state[params[0]][key])
 
 
-def _signature(kernel, dtype):
-    t = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+def _signature(kernel):
+    head = {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32"}
     if kernel == "lion_kernel":
-        return {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32",
-                **{s: "fp32" for s in "b1 omb1 b2 omb2 decay lr".split()},
-                **{c: "constexpr" for c in ("MODE", "OUT", "GRAD", "BLOCK")}}
-    moments = ["wm_ptr", "wv_ptr", "am_ptr", "av_ptr"] if kernel == "adamw8bit_kernel" else ["wm_ptr", "am_ptr"]
-    sig = {"p_ptr": t, "g_ptr": t, **{m: "*i32" if m.startswith("w") else "*fp32" for m in moments},
-           "comp_ptr": "*bf16" if dtype != torch.float32 else t, "step_ptr": "*fp32", "flag_ptr": "*fp32",
-           "table_ptr": "*fp32", "n": "i64", "nb": "i64", "position": "i32"}
-    scalars = ("b1 omb1 b2 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
-               if kernel == "adamw8bit_kernel" else "b1 omb1 b2 omb2 decay lr").split()
-    return {**sig, **{s: "fp32" for s in scalars}, "MODE": "constexpr", "OUT": "constexpr", "NB": "constexpr"}
+        scalars = "b1 omb1 b2 omb2 decay lr"
+    elif kernel == "adamw8bit_kernel":
+        head["maps"] = "*fp32"
+        scalars = "omb1 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
+    else:
+        head["maps"] = "*fp32"
+        scalars = "b1 omb1 b2 omb2 decay lr"
+    constexprs = ("MODE", "OUT", "GRAD", "ALIGNED", "BLOCK" if kernel == "lion_kernel" else "NB")
+    return {**head, **{x: "fp32" for x in scalars.split()}, **{c: "constexpr" for c in constexprs}}
 
 
 def test_every_launched_variant_compiles_for_hopper():
@@ -245,40 +253,94 @@ def test_every_launched_variant_compiles_for_hopper():
     from hf_efficient.optim import lion_triton
 
     names = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
-    jobs = [("blockwise_triton", kernel, dtype, mode, {"NB": B.NB}) for kernel in KERNEL.values()
-            for dtype, mode in ((torch.float32, 2), (torch.bfloat16, 0), (torch.float16, 1))]
-    jobs += [("lion_triton", "lion_kernel", dtype, mode, {"GRAD": names[dtype], "BLOCK": lion_triton.BLOCK})
-             for dtype, mode in ((torch.float32, 2), (torch.bfloat16, 0), (torch.float16, 1))]
+    variants = ((torch.float32, 2, True), (torch.bfloat16, 0, True), (torch.float16, 1, False))  # ALIGNED both ways
+    jobs = [("blockwise_triton", kernel, dtype, mode, {"NB": B.NB, "ALIGNED": aligned}) for kernel in KERNEL.values()
+            for dtype, mode, aligned in variants]
+    jobs += [("lion_triton", "lion_kernel", dtype, mode, {"BLOCK": lion_triton.BLOCK, "ALIGNED": aligned})
+             for dtype, mode, aligned in variants]
     with ThreadPoolExecutor(3) as pool:
         infos = list(pool.map(lambda j: compile_for_hopper(
-            f"hf_efficient.optim.{j[0]}", j[1], _signature(j[1], j[2]), {"MODE": j[3], "OUT": names[j[2]], **j[4]}),
+            f"hf_efficient.optim.{j[0]}", j[1], _signature(j[1]),
+            {"MODE": j[3], "OUT": names[j[2]], "GRAD": names[j[2]], **j[4]}),
             jobs))
     assert all(info["cubin"] > 0 for info in infos)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype,mode,per_launch", [(*case, 65535) for case in CASES] + [(torch.float32, "none", 1)])
-def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtype, mode, per_launch):
-    """Lion8bit's fp32-state tensors (small ones, and one over lion_triton.SMALL: its own launch) through the
-    Triton kernel equal torch's operations (compile=False): weights bit for bit, momenta within fp32 rounding.
-    ``per_launch`` 1: a batch over the grid's limit on tensors is split."""
+@pytest.mark.parametrize("dtype,mode,max_programs", [(*case, 65535) for case in CASES] + [(torch.float32, "none", 1)])
+def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtype, mode, max_programs):
+    """Lion8bit's fp32-state tensors through the Triton kernel, all in one launch per step, equal torch's operations
+    (compile=False): weights bit for bit, momenta within fp32 rounding. ``max_programs`` 1: the tensor of two
+    programs (1100 elements) gets a launch of its own, its programs on the grid's axis 2."""
     from hf_efficient.optim import lion_triton
 
     launches = Spy(lion_triton.lion_kernel)
     monkeypatch.setattr(lion_triton, "lion_kernel", launches)
-    monkeypatch.setattr(lion_triton, "SMALL", 50)
-    monkeypatch.setattr(lion_triton, "_MAX_TENSORS", per_launch)
+    monkeypatch.setattr(B, "MAX_PROGRAMS", max_programs)
     runs = []
     for compile in (None, False):
         gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (7, 33, 1100)]
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (7, 1100, 33)]
         opt = Lion8bit(params, lr=1e-2, weight_decay=0.1, compensation=mode, compile=compile,
                        fp32_state_params=params)
         run(params, opt, 2)
         runs.append((params, opt))
-    assert launches.launches == (4 if per_launch > 1 else 6)  # per step: the two small tensors, then the large one
+    grids = [(grid, count) for grid, count, _ in launches.calls[:2 if max_programs > 1 else 3]]
+    assert grids == ([((3, 2, 1), 3)] * 2 if max_programs > 1 else [((2, 1, 1), 2), ((1, 1, 2), 1)] * 2)[:len(grids)]
+    assert launches.launches == (2 if max_programs > 1 else 4)  # per step: one, or the small two and the large one
     assert runs[0][1].state[runs[0][0][0]]["step"].device == runs[0][0][0].device
     assert_same(*runs[0], *runs[1], fp32_ulps=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("max_programs", [65535, 1])
+def test_a_groups_8bit_tensors_share_one_launch_per_dtype_pair(on_cpu, spy, monkeypatch, cls, max_programs):
+    """Two groups of 8-bit tensors (partial, single-block and multi-program sizes; bf16 weights, one of them with an
+    fp32 gradient): one launch per group and (weight, gradient) dtype pair and step, each tensor's codes, absmaxes
+    and weights the eager kernel's. ``max_programs`` 1: each tensor of two programs gets a launch of its own, its
+    programs on the grid's axis 2. Every tensor's state is its own allocation (16-byte aligned) or a view into
+    its group's buffer (absmaxes at 4-byte offsets): the launch promises alignment only in the first case."""
+    monkeypatch.setattr(B, "MAX_PROGRAMS", max_programs)
+    sizes = [[N, 300, 2 * B.NB * 256 + 256], [B.NB * 256 + 552, 700]]  # programs: 2, 1, 3; 2, 1
+    runs = []
+    for compile in (None, False):
+        gen = torch.Generator().manual_seed(0)
+        groups = [[torch.nn.Parameter(torch.randn(n, generator=gen).to(torch.bfloat16)) for n in ns] for ns in sizes]
+        opt = cls([{"params": groups[0]}, {"params": groups[1], "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1,
+                  compensation="stochastic", compile=compile, min_8bit_size=256)
+        params = groups[0] + groups[1]
+        params[1].grad_dtype = None  # (mixed precision keeps fp32 gradients of bf16 weights)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=gen).to(torch.float32 if i == 1 else p.dtype)
+            opt.step()
+        runs.append((params, opt))
+    calls = spy[KERNEL[cls]].calls
+    per_step = [((2, 3, 1), 2), ((1, 1, 1), 1), ((2, 2, 1), 2)] if max_programs > 1 else [
+        ((1, 1, 2), 1), ((1, 1, 1), 1), ((1, 1, 3), 1), ((1, 1, 2), 1), ((1, 1, 1), 1)]
+    assert sorted((grid, count) for grid, count, _ in calls) == sorted(per_step * 2)
+    assert {kw["GRAD"] for _, _, kw in calls} == {triton.language.bfloat16, triton.language.float32}
+    assert_same(*runs[0], *runs[1])
+
+
+@needs_interpreter
+def test_alignment_is_promised_exactly_where_every_address_is_aligned(on_cpu, spy):
+    """ALIGNED (16-byte vector loads through the table's pointers) only where every address of the launch is a
+    multiple of 16: tensors of their own allocations on CPU here; CPU state allocated together puts the second
+    tensor's absmaxes at a 4-byte offset."""
+    for together in (False, True):
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 1500)]
+        opt = AdamW8bit(params, lr=1e-2, min_8bit_size=256)
+        if not together:
+            opt._allocate_together = lambda group: None  # each tensor's state made by _init_state, on its own
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        addresses = [t.data_ptr() % 16 for p in params for t in (p, p.grad, *opt.state[p].values())]
+        assert any(addresses) == together
+        assert spy["adamw8bit_kernel"].calls[-1][2]["ALIGNED"] is not together
 
 
 @needs_interpreter

@@ -16,9 +16,9 @@ full blocks in bounded calls and the zero-padded last block, all C-kernel tensor
 ``torch.library`` op, the canonical ``state_dict`` and an all-or-nothing ``load_state_dict``.
 
 Kernels. On CUDA, contiguous fp32, bf16 or fp16 weights and gradients go through the family's Triton kernel
-(:mod:`.blockwise_triton`: one launch per tensor, the step counts on the device, no host synchronisation, the
-void flag of :func:`._triton.flag` honoured). On CPU, contiguous fp32 or bf16 weights and gradients go through the
-family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
+(:mod:`.blockwise_triton`: one launch per group and (weight dtype, gradient dtype) over a pointer table, the step
+counts on the device, no host synchronisation, the void flag of :func:`._triton.flag` honoured). On CPU,
+contiguous fp32 or bf16 weights and gradients go through the family's C kernel (built once per machine with the system C compiler, see :mod:`._native`; the codec is
 ``quant8.h``). Each is admitted by a probe that must give the eager kernel's codes and absmaxes exactly (3 steps,
 a partial block, a gradient whose square overflows; the C kernel on 3 threads). Everything else (fp16 weights on
 CPU, other layouts, ``compile=True``) gets the ``torch.compile``'d kernel, and without a C++ compiler (or Triton
@@ -93,6 +93,7 @@ class Blockwise8bit(Optimizer):
     def __init__(self, params, defaults: dict, fp32_state_params=None):
         _check_8bit_keys(defaults)
         self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
+        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (blockwise_triton.launch)
         super().__init__(params, defaults)
 
     # --- what a family gives -------------------------------------------------------------------------------
@@ -224,14 +225,15 @@ class Blockwise8bit(Optimizer):
     def _probe(cls, fn, device: torch.device | None = None) -> bool:
         """Three steps of the C function ``fn`` (``device`` None: a tensor of 515 blocks and a partial one, split over 3
         threads: whatever team OpenMP gives, every block must be done) or of the Triton launch ``fn`` on ``device``
-        (6 blocks, the last partial: two programs), against the eager kernel, with a gradient whose square
-        overflows, on fp32 weights and on bf16 weights under each compensation: codes and absmaxes equal; fp32
+        (10 blocks, the last partial: a program of whole blocks, blockwise_triton.NB = 8, and a partial one), against
+        the eager kernel, with a gradient whose square overflows, on fp32 weights and on bf16 weights under each
+        compensation: codes and absmaxes equal; fp32
         weights within 4 ulp of themselves or of the update (torch's fp32 sqrt on CPU is not correctly rounded,
         C's is), so bf16 weights within one bf16 ulp (such a difference can cross a rounding boundary) and, under
         Kahan, weight + buffer within 1e-4 of eager's."""
         gen = torch.Generator().manual_seed(0)
         native = device is None
-        n = (2 * _native._MIN_PER_THREAD + 3 * BLOCK if native else 5 * BLOCK) + 37
+        n = (2 * _native._MIN_PER_THREAD + 3 * BLOCK if native else 9 * BLOCK) + 37
         p0 = torch.randn(n, generator=gen)
         grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
         grads[1][5] = 2e19
@@ -250,7 +252,7 @@ class Blockwise8bit(Optimizer):
                         cls.native_step(fn, [(p, g, state, coef, key)], threads=3, compensation=mode)
                     elif candidate:
                         _triton.advance_steps([state["step"]], _triton.zero_flag(device))
-                        fn(p, g, state, _triton.zero_flag(device), 0, group, mode)
+                        fn([(p, g, state, 0)], _triton.zero_flag(device), group, mode, {})
                     else:
                         cls.step_8bit(p, g, state, torch.tensor(coef, dtype=torch.float32, device=device),
                                       cls.eager_kernel, mode, key)
@@ -409,7 +411,7 @@ class Blockwise8bit(Optimizer):
             fp32 = []  # (p, grad, state, position) of tensors with fp32 state
             coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
             native = []  # (p, grad, state, coefficients, key) of the tensors that go to the C kernel, in one call
-            gpu = {}  # device -> (p, grad, state, position, launch) of the tensors a Triton kernel steps
+            gpu = {}  # device -> (launch, [(p, grad, state, position)]) of the tensors a Triton kernel steps
             for p in group["params"]:
                 position += 1
                 if p.grad is None:
@@ -420,7 +422,7 @@ class Blockwise8bit(Optimizer):
                     continue
                 launch = self._triton_launch(p, group)
                 if launch is not None:  # the step count stays on the device: counted and read there
-                    gpu.setdefault(p.device, []).append((p.detach(), p.grad, state, position - 1, launch))
+                    gpu.setdefault(p.device, (launch, []))[1].append((p.detach(), p.grad, state, position - 1))
                     continue
                 state["step"] += 1
                 step = int(state["step"].item())
@@ -437,12 +439,11 @@ class Blockwise8bit(Optimizer):
             if native:
                 params, grads, codes, absmax, coef, comps, keys = self._lists(native)
                 self._op(params, grads, codes, absmax, comps, keys, coef, mode, -1)
-            for device, items in gpu.items():
+            for device, (launch, items) in gpu.items():
                 flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
                 _triton.advance_steps([it[2]["step"] for it in items], flag)
-                with on_device(device):
-                    for p, g, state, pos, launch in items:
-                        launch(p, g, state, flag, pos, group, mode)
+                with on_device(device):  # one launch per (weight dtype, gradient dtype): blockwise_triton.launch
+                    launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
             if fp32:
                 self.step_32bit(group, fp32)
         return loss

@@ -17,7 +17,7 @@ State per 8-bit parameter: ``step`` and ``exp_avg`` (uint8 codes into the signed
 Kernels, layout and checkpoints as every 8-bit family (:mod:`._blockwise`): the Triton kernel
 (:mod:`.blockwise_triton`) for contiguous tensors on CUDA, the C kernel ``lion8bit_cpu.c`` (the op
 ``hf_efficient::lion8bit_step``) for contiguous fp32/bf16 tensors on CPU, else the compiled or eager kernel. The
-fp32-momentum tensors: :func:`lion` (on CUDA :mod:`.lion_triton`, small tensors batched in one launch).
+fp32-momentum tensors: :func:`lion` (on CUDA :mod:`.lion_triton`, one launch per weight and gradient dtype).
 """
 
 from __future__ import annotations
@@ -151,7 +151,6 @@ class Lion8bit(Blockwise8bit):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, min_8bit_size=min_8bit_size,
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
-        self._tables = {}  # id(param group) -> the Triton kernel's pointer tables (lion_triton.lion)
 
     def step_32bit(self, group: dict, items) -> None:
         """fp32-state tensors: those on CUDA through the Triton kernel (device steps, no host sync), others through

@@ -1,11 +1,14 @@
 """The blockwise 8-bit codec of :mod:`.quant8` as ``@triton.jit`` functions, for the 8-bit families' Triton kernels.
 
-A program holds ``NB`` whole blocks as ``(NB, 256)`` fp32 values in element order. Codes stay in :mod:`.quant8`'s
-in-memory layout (byte ``4 * j + k`` of a block holds element ``64 * k + j``), so state, ``state_dict`` and
-checkpoints are the C and torch kernels'. Decoding looks values up in ``quant8.c_tables()`` (on the device: its
-first 512 floats are :func:`.quant8.decode` of every code, the rest the encoder's thresholds), so decoded values
-are the eager kernel's exactly; encoding is :func:`.quant8.encode`'s arithmetic, operation for operation; a block's
-scale is :func:`.quant8.block_scale`'s. Imported only where Triton is installed.
+A program holds ``NB`` whole blocks as a ``(4, NB, 64)`` fp32 tile: element ``64 * k + j`` of block ``b`` at
+``[k, b, j]``. Rows outermost: the compiler then gives a thread all 4 rows of its columns (warps split the blocks), so
+summing a column's codes into its word and a block's absmax need no exchange between warps. Codes stay in
+:mod:`.quant8`'s in-memory layout (byte ``4 * j + k`` of a block holds element ``64 * k + j``), so each 32-bit code
+word is loaded and stored once (its byte ``k`` is row ``k``'s code), and state, ``state_dict`` and checkpoints are
+the C and torch kernels'. Decoding looks values up in ``quant8.c_tables()`` (on the device: its first 512 floats are
+:func:`.quant8.decode` of every code, the rest the encoder's thresholds), so decoded values are the eager kernel's
+exactly; encoding is :func:`.quant8.encode`'s arithmetic, operation for operation; a block's scale is
+:func:`.quant8.block_scale`'s. Imported only where Triton is installed.
 """
 
 import torch
@@ -27,19 +30,21 @@ def tables(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
+def _words(words_ptr, blk):
+    """Addresses ``(1, NB, 64)`` of the code words of blocks ``blk``: rank 3 as the tiles, so that broadcasting a
+    word to its four rows and summing them back keep one layout (no exchange through shared memory)."""
+    return words_ptr + blk[None, :, None] * 64 + tl.arange(0, 64)[None, None, :]
 
 
 @triton.jit
 def load(words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr):
-    """Decoded values ``(NB, 256)`` fp32 of blocks ``blk`` (``(NB, 1)`` int64; ``bmask``: those that exist): each
-    element's code read from its 32-bit word, looked up in the map, times its block's absmax."""
-    r = tl.arange(0, 256)[None, :]
-    word = tl.load(words_ptr + blk * 64 + (r % 64), mask=bmask, other=0)
-    code = (word >> ((r // 64) * 8)) & 255
-    value = tl.load(table_ptr + code + (0 if SIGNED else 256), mask=bmask, other=0.0)
-    return value * tl.load(absmax_ptr + blk, mask=bmask, other=0.0)
+    """Decoded values ``(4, NB, 64)`` fp32 of blocks ``blk`` (``(NB,)`` int64; ``bmask``: those that exist), element
+    ``64 * k + j`` of block ``b`` at ``[k, b, j]``: each 32-bit word loaded once, its byte ``k`` looked up in the map
+    (codes are 0..255 whatever was masked: the lookup needs no mask), times its block's absmax."""
+    word = tl.load(_words(words_ptr, blk), mask=bmask[None, :, None], other=0)  # (1, NB, 64)
+    code = (word >> (tl.arange(0, 4) * 8)[:, None, None]) & 255
+    value = tl.load(table_ptr + code + (0 if SIGNED else 256))
+    return value * tl.load(absmax_ptr + blk, mask=bmask, other=0.0)[None, :, None]
 
 
 @triton.jit
@@ -67,17 +72,17 @@ def encode(x, table_ptr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def store(x, words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr, NB: tl.constexpr):
-    """Blocks ``x`` (``(NB, 256)`` fp32) stored as codes and absmaxes, as :func:`.quant8.pack`: each block's scale
-    (largest |x|, by the bits of |x| so that a NaN wins as in ``amax``; raised to 2**-126 where below it), the
-    values times its fp32 reciprocal, encoded, four codes per 32-bit word."""
-    top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+def store(x, words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr):
+    """Blocks ``x`` (``(4, NB, 64)`` fp32, as :func:`load` gives them) stored as codes and absmaxes, as
+    :func:`.quant8.pack`: each block's scale (largest |x|, by the bits of |x| so that a NaN wins as in ``amax``;
+    raised to 2**-126 where below it), the values times its fp32 reciprocal, encoded, the four codes of column ``j``
+    summed into word ``j`` (their bytes do not overlap)."""
+    top = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=0)
     a = top.to(tl.float32, bitcast=True)
     a = tl.where((a > 0) & (a < _TINY), _TINY, a)
-    one = tl.full((NB,), 1.0, tl.float32)
+    one = tl.full(a.shape, 1.0, tl.float32)
     inv = tl.div_rn(one, tl.where(a > 0, a, one))  # a zero block's scale counts as 1
-    code = encode(x * inv[:, None], table_ptr, SIGNED)
-    shift = (tl.arange(0, 4) * 8)[None, :, None]
-    word = tl.reduce(tl.reshape(code, (NB, 4, 64)) << shift, 1, _or)
-    tl.store(words_ptr + blk * 64 + tl.arange(0, 64)[None, :], word, mask=bmask)
-    tl.store(absmax_ptr + tl.reshape(blk, (NB,)), a, mask=tl.reshape(bmask, (NB,)))
+    code = encode(x * inv[None, :, None], table_ptr, SIGNED)
+    word = tl.sum(code << (tl.arange(0, 4) * 8)[:, None, None], axis=0, keep_dims=True)
+    tl.store(_words(words_ptr, blk), word, mask=bmask[None, :, None])
+    tl.store(absmax_ptr + blk, a, mask=bmask)
