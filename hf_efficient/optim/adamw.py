@@ -39,7 +39,8 @@ __all__ = ["AdamW", "adamw_fp32_state"]
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                      weight_decay, amsgrad: bool = False, maximize: bool = False, compensation: str = "none",
-                     comps=None, keys=None, c_kernel: bool = True, positions=None, found_inf=None) -> None:
+                     comps=None, keys=None, c_kernel: bool = True, positions=None, found_inf=None,
+                     offsets=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
     each tensor's noise key, or ``positions``: each tensor's index across groups, its key then being
@@ -47,7 +48,9 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     (``_KERNEL.split``; ``c_kernel`` False: never, nor the Triton kernel). On CUDA, the Triton kernel
     (:mod:`.adamw_triton`) steps the tensors whose step count lives on their device, without reading anything on the
     host; ``found_inf`` (a float32 scalar, torch's name) set voids the step, step counts included. Increments
-    ``steps``."""
+    ``steps``. ``offsets``: each tensor's first global element number where the tensors are FSDP2 shards (the
+    stochastic noise's index, :func:`.compensation.write_all`); those go through torch's path (pass ``c_kernel``
+    False)."""
     n = len(params)
     comps = [None] * n if comps is None else comps
     if c_kernel and not (amsgrad or maximize or torch.is_tensor(lr)):
@@ -92,11 +95,11 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
             pick(xs, rest) for xs in (params, grads, exp_avgs, exp_avg_sqs, steps, comps, keys))
     _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, compensation=compensation,
-                comps=comps, keys=keys)
+                comps=comps, keys=keys, offsets=offsets)
 
 
 def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
-                amsgrad, maximize, compensation, comps, keys) -> None:
+                amsgrad, maximize, compensation, comps, keys, offsets=None) -> None:
     """:func:`adamw_fp32_state` with torch's kernels: fp32 weights in place, the others through fp32 copies."""
     def step(idx, ps):
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
@@ -107,7 +110,7 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      pick(steps), foreach=None if fused else False, fused=fused, amsgrad=amsgrad, beta1=beta1,
                      beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
 
-    step_in_fp32(params, step, compensation, comps, keys)
+    step_in_fp32(params, step, compensation, comps, keys, offsets)
 
 
 # ----------------------------------------------------------------------------------------------------
