@@ -285,8 +285,7 @@ _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, b
                         backends.torchao_memory(2), layout=backends.torchao_layout(*_ADAM_MOMENTS),
                         keeps_8bit=backends.torchao_keeps_8bit, flaw=TORCHAO_FLAW)
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory, compensates=True)
-_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True,
-                      fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
+_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True)
 def _lion8bit_cls():
     from .optim.lion8bit import Lion8bit
     return Lion8bit

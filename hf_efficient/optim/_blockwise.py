@@ -367,8 +367,8 @@ class Blockwise8bit(Optimizer):
             return False
         if _sharded.is_sharded(p) and not _rows_of_blocks(p):
             _dispatch.log_once(logging.INFO, ("sharded-fp32", self.FAMILY), "hf_efficient: %s keeps fp32 state for "
-                               "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors, e.g. "
-                               "of shape %s): 8-bit blocks would straddle ranks and move with the mesh", self.FAMILY,
+                               "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors; the "
+                               "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh", self.FAMILY,
                                BLOCK, tuple(p.shape))
             return False
         return True
@@ -440,7 +440,7 @@ class Blockwise8bit(Optimizer):
             state["step"] += 1
             step = int(state["step"].item())
             coef = torch.tensor(self.coefficients(group, step), dtype=torch.float32, device=lp.device)
-            flat = {k: v.view(-1) if k != "kahan_comp" else v for k, v in local.items()}  # the kernels' flat views
+            flat = {k: v if k in ("step", "kahan_comp") else v.view(-1) for k, v in local.items()}  # kernels' views
             self.step_8bit(lp, lg, flat, coef, self.choose(lp, lg, group["compile"] or False), group["compensation"],
                            weight_key(position, step), _sharded.global_offset(p))
         if fp32:  # compile=False: torch's path, the one that numbers the noise from each shard's offset

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..options import check_saved, start_step
-from . import _dispatch, _triton
+from . import _dispatch, _sharded, _triton
 from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
                            weight_key)
 
@@ -293,6 +293,12 @@ class AdamW(torch.optim.AdamW):
                 position += 1
             if not items:
                 continue
+            low = [it for it in items if _sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION]
+            if low:
+                self._step_low_precision_shards(group, low)
+                items = [it for it in items if not (_sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION)]
+                if not items:
+                    continue
             states = [st for _, st, _ in items]
             beta1, beta2 = group["betas"]
             adamw_fp32_state([p for p, _, _ in items], [p.grad for p, _, _ in items],
@@ -304,6 +310,23 @@ class AdamW(torch.optim.AdamW):
                              comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
                              found_inf=getattr(self, "found_inf", None))
         return loss
+
+    def _step_low_precision_shards(self, group: dict, items: list) -> None:
+        """bf16/fp16 FSDP2 shards (``items``: parameter, state, position): their local tensors through torch's path,
+        whose compensated write has no DTensor rule, the noise numbered as in the whole tensor. fp32 shards keep
+        torch's DTensor ops (any placement); these need Shard(0) on a 1-D mesh (:func:`._sharded.check`)."""
+        for p, _, position in items:
+            _sharded.check(p, "AdamW", f"parameter {position}")
+        states = [_sharded.to_local_state(st) for _, st, _ in items]
+        beta1, beta2 = group["betas"]
+        adamw_fp32_state([_sharded.local(p) for p, _, _ in items], [_sharded.local(p.grad) for p, _, _ in items],
+                         [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                         [st.get("max_exp_avg_sq") for st in states], [st["step"] for st in states],
+                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
+                         compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
+                         positions=[i for _, _, i in items], found_inf=getattr(self, "found_inf", None),
+                         c_kernel=False, offsets=[_sharded.global_offset(p) for p, _, _ in items])
 
 
 def _step_device(p: Tensor) -> torch.device:
