@@ -368,8 +368,8 @@ class Blockwise8bit(Optimizer):
         if _sharded.is_sharded(p) and not _rows_of_blocks(p):
             _dispatch.log_once(logging.INFO, ("sharded-fp32", self.FAMILY), "hf_efficient: %s keeps fp32 state for "
                                "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors; the "
-                               "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh", self.FAMILY,
-                               BLOCK, tuple(p.shape))
+                               "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh",
+                               self.FAMILY, BLOCK, tuple(p.shape))
             return False
         return True
 
