@@ -120,8 +120,10 @@ def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) 
 def _allowed_shapes(family: Family, key: str, p: torch.Tensor) -> set[tuple]:
     """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p``."""
     shape, fmt = tuple(p.shape), family.state[key].format
-    return {"absmax": {(math.ceil(p.numel() / BLOCK),)}, "row": {shape[:-1]},
-            "col": {shape[:-2] + shape[-1:]}}.get(fmt, {shape})
+    absmax = {(math.ceil(p.numel() / BLOCK),)}
+    if len(shape) >= 2 and shape[0] and p.numel() // shape[0] % BLOCK == 0:  # FSDP2's (rows, blocks per row)
+        absmax.add((shape[0], p.numel() // shape[0] // BLOCK))
+    return {"absmax": absmax, "row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt, {shape})
 
 
 def _codes(family: Family, st: dict) -> list[str]:

@@ -148,18 +148,14 @@ _BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.50"}, backends.build_bnb
                      backends.bnb_memory(_NA), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
                      fsdp2=_BNB_NO_DTENSOR)
 _TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(_NA),
-                      needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True,
-                      fsdp2="our 8-bit kernels reshape each tensor into 256-element blocks, which a DTensor shard "
-                            "does not allow (not run on shards)")
+                      needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True)
 _TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit,
                         backends.torchao_memory(_NA), layout=backends.torchao_layout(*_ADAM_MOMENTS),
                         keeps_8bit=backends.torchao_keeps_8bit, flaw=TORCHAO_FLAW)
 _TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory, compensates=True)
-_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True,
-                      fsdp2="its step uses ops with no DTensor sharding rule (aten._foreach_copy_)")
+_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True)
 _TORCH_LION8BIT = Backend("torch", None, _ANY, backends.build_torch_lion8bit, backends.torch_8bit_memory(_NL),
-                          needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit,
-                          fsdp2=_TORCH_8BIT.fsdp2, compensates=True)
+                          needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True)
 _BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
                         backends.bnb_builder("Lion8bit", uses_eps=LION8BIT.uses_eps), backends.bnb_memory(_NL),
                         layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,

@@ -1,8 +1,9 @@
 """FSDP2 (torch's ``fully_shard``: DTensor parameters, Shard(0) on a 1-D mesh) on 1, 2 and 4 gloo CPU processes.
 
-Adafactor steps the shards and equals one process stepping the merged batch; its state is DTensors that
-torch.distributed.checkpoint (DCP) saves on 2 ranks and loads on 1, 2 and 4; hf_eff_adamw resumes through DCP's
-loader; a mesh the step cannot serve and a checkpoint of another model are refused before anything changes.
+Adafactor and the 8-bit families (AdamW8bit, Lion8bit) step the shards and equal one process stepping the merged
+batch; their state is DTensors that torch.distributed.checkpoint (DCP) saves on 2 ranks and loads on 1, 2 and 4;
+hf_eff_adamw resumes through DCP's loader; a mesh the step cannot serve and a checkpoint of another model are refused
+before anything changes.
 
 Three launches in all (2 ranks, then 1 and 4), each running every case for its world size: a launch costs more
 than its cases. The single-process references run in the test process.
@@ -21,7 +22,16 @@ import hf_efficient
 from fsdp_helpers import full, run_ranks, shard
 
 STEPS, SAVE_AT = 4, 2
-OPTS = {"adafactor": dict(lr=1e-2, weight_decay=0.01, beta1=0.9), "adamw": dict(lr=1e-2, weight_decay=0.01)}
+OPTS = {"adafactor": dict(lr=1e-2, weight_decay=0.01, beta1=0.9), "adamw": dict(lr=1e-2, weight_decay=0.01),
+        "adam8bit": dict(lr=1e-2, weight_decay=0.01, min_8bit_size=1024),
+        "lion8bit": dict(lr=1e-3, weight_decay=0.1, min_8bit_size=1024),
+        "adamw_bf16": dict(lr=1e-2, weight_decay=0.01)}
+EIGHT_BIT = ("adam8bit", "lion8bit")
+# Names whose FSDP2 runs the checkpoint tests cover (hf_eff_adamw_bf16 on a bf16 model)
+SHARDED = ("adafactor", "adamw", *EIGHT_BIT, "adamw_bf16")
+# bf16 weights (hf_eff_adamw_bf16) on shards vs one process: FSDP2's averaged gradients differ by fp32 ulps, which
+# can move a weight across a rounding boundary: a bf16 ulp (2**-8 relative) now and then, against the step of 1e-2
+BF16_RTOL, BF16_ATOL = 2**-7, 1e-3
 # Adafactor on shards vs one process: the column sums, row means and the clip's sum of squares add the ranks'
 # partial sums, and FSDP2's gradients are the ranks' mean gradients averaged: the same numbers summed in another
 # order, a few fp32 ulps per step. Relative 1e-5 of a weight holds them after 4 steps with room; a lost shard, a
@@ -46,6 +56,25 @@ class Tiny(nn.Module):
         return self.out(torch.tanh(torch.einsum("bi,kij->bj", h, self.mix)))
 
 
+class Wide(Tiny):
+    """Tiny with matrices whose rows are whole 8-bit blocks (512 = 2 x 256): ``mix`` of 10 rows (3+3+3+1 on 4
+    ranks) and ``out.weight`` of 3 (a rank with none) keep 8-bit state under FSDP2 at every mesh size; the rest is
+    under ``min_8bit_size`` (fp32 state)."""
+
+    def __init__(self, hidden: int = 10):
+        super().__init__(hidden)
+        self.mix = nn.Parameter(torch.randn(hidden, 512) / hidden**0.5)
+        self.out = nn.Linear(512, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(torch.tanh(self.inp(x))) @ self.mix))
+
+
+def model_for(name: str, **kw) -> nn.Module:
+    model = (Wide if name in EIGHT_BIT else Tiny)(**kw)
+    return model.to(torch.bfloat16) if name == "adamw_bf16" else model
+
+
 def batches():
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
@@ -58,7 +87,8 @@ def train(model, optimizer, steps) -> list[float]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     losses = []
     for x, y in steps:
-        loss = F.cross_entropy(model(x.view(world, -1, 6)[rank]), y.view(world, -1)[rank])
+        dtype = next(model.parameters()).dtype
+        loss = F.cross_entropy(model(x.to(dtype).view(world, -1, 6)[rank]).float(), y.view(world, -1)[rank])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -75,10 +105,16 @@ def params_of(model) -> dict:
 
 def reference(name: str, steps=None) -> tuple[list[float], dict]:
     """One process, the merged batches: what every mesh must reproduce."""
-    model = Tiny()
+    model = model_for(name)
     optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
     losses = train(model, optimizer, batches() if steps is None else steps)
     return losses, params_of(model)
+
+
+def eight_bit(model, optimizer) -> list[str]:
+    """Names of the parameters whose state is 8-bit codes."""
+    return sorted(n for n, p in model.named_parameters()
+                  if any(v.dtype == torch.uint8 for v in optimizer.state.get(p, {}).values()))
 
 
 # ------------------------------------------------------------------------------------------- rank workers
@@ -96,7 +132,7 @@ def fresh_run(name: str, save_to: str | None = None) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model = shard(Tiny())
+    model = shard(model_for(name))
     optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
     steps = batches()
     losses = train(model, optimizer, steps[:SAVE_AT])
@@ -106,9 +142,10 @@ def fresh_run(name: str, save_to: str | None = None) -> dict:
         # copied: its step tensors (and replicated statistics) are the live ones, which the steps below advance
         whole = copy.deepcopy(get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)))
     losses += train(model, optimizer, steps[SAVE_AT:])
-    state = optimizer.state[model.inp.weight]
+    state = optimizer.state[model.mix if name in EIGHT_BIT else model.inp.weight]
     placements = {k: str(getattr(v, "placements", "plain")) for k, v in state.items()}
-    return {"losses": losses, "params": params_of(model), "placements": placements, "whole": whole}
+    return {"losses": losses, "params": params_of(model), "placements": placements, "whole": whole,
+            "eight_bit": eight_bit(model, optimizer)}
 
 
 def resumed_run(name: str, load_from: str) -> dict:
@@ -116,7 +153,7 @@ def resumed_run(name: str, load_from: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    model = shard(Tiny())
+    model = shard(model_for(name))
     optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
     sd = _dcp_state(model, optimizer)
     dcp.load(sd, checkpoint_id=load_from)
@@ -185,16 +222,68 @@ def stochastic_vector(world: int) -> dict:
     return {"w": full(model.w)}
 
 
-def two_ranks(adafactor_dir: str, adamw_dir: str) -> dict:
-    return {"adafactor": fresh_run("adafactor", adafactor_dir),
-            "adafactor_2to2": resumed_run("adafactor", adafactor_dir),
-            "adamw": fresh_run("adamw", adamw_dir), "adamw_2to2": resumed_run("adamw", adamw_dir),
-            "stochastic": stochastic_vector(2), "refusals": refusals()}
+STOCHASTIC = (*EIGHT_BIT, "adamw", "adamw_bf16")
+# one process on the paths the shards take (eager kernels / torch's ops), so that they must agree bit for bit
+EAGER = {"adam8bit": {"compile": False}, "lion8bit": {"compile": False}, "adamw_bf16": {"foreach": False}}
 
 
-def other_ranks(adafactor_dir: str, adamw_dir: str) -> dict:
-    return {"adafactor": fresh_run("adafactor"), "adafactor_resumed": resumed_run("adafactor", adafactor_dir),
-            "adamw_resumed": resumed_run("adamw", adamw_dir)}
+def stochastic_bf16(name: str, world: int) -> dict:
+    """bf16 weights stepped under stochastic rounding from the same gradients (set whole, then sharded): a matrix of
+    rows of whole blocks (8-bit state: the eager kernel) and a vector (fp32 state: torch's path), in one process on
+    those same paths (:data:`EAGER`): the noise is keyed by the global element index, so the shards must round
+    exactly as one process does."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(3)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(5, 256, generator=g).to(torch.bfloat16))
+    model.v = nn.Parameter(torch.linspace(-1, 1, 37).to(torch.bfloat16))
+    grads = [{n: torch.randn(p.shape, generator=g).to(torch.bfloat16) for n, p in model.named_parameters()}
+             for _ in range(3)]
+    if world:
+        shard(model)
+    optimizer = hf_efficient.create_optimizer(model, name, compensation="stochastic", **OPTS[name])
+    for group in optimizer.param_groups:
+        group.update(EAGER.get(name, {}))
+    for step in grads:
+        for n, p in model.named_parameters():
+            p.grad = distribute_tensor(step[n], p.device_mesh, [Shard(0)]) if world else step[n].clone()
+        optimizer.step()
+    return {"params": params_of(model), "eight_bit": eight_bit(model, optimizer)}
+
+
+def fp32_rule() -> dict:
+    """Which tensors keep 8-bit state under FSDP2: a matrix over min_8bit_size whose rows are not whole blocks keeps
+    fp32 state (its blocks would straddle ranks), one whose rows are keeps 8-bit."""
+    model = nn.Module()
+    model.odd = nn.Parameter(torch.randn(40, 30))  # 1200 elements, rows of 30
+    model.even = nn.Parameter(torch.randn(4, 512))
+    shard(model)
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **OPTS["adam8bit"])
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for p in model.parameters():
+        p.grad = distribute_tensor(torch.ones(p.shape), p.device_mesh, [Shard(0)])
+    optimizer.step()
+    return {"eight_bit": eight_bit(model, optimizer)}
+
+
+def two_ranks(dirs: dict) -> dict:
+    out = {"stochastic": stochastic_vector(2), "refusals": refusals(), "fp32_rule": fp32_rule()}
+    for name, d in dirs.items():
+        out[name], out[f"{name}_2to2"] = fresh_run(name, d), resumed_run(name, d)
+    for name in STOCHASTIC:
+        out[f"{name}_stochastic"] = stochastic_bf16(name, 2)
+    return out
+
+
+def other_ranks(dirs: dict) -> dict:
+    out = {"fp32_rule": fp32_rule()}
+    for name, d in dirs.items():
+        if name != "adamw":
+            out[name] = fresh_run(name)
+        out[f"{name}_resumed"] = resumed_run(name, d)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -203,16 +292,21 @@ def other_ranks(adafactor_dir: str, adamw_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Every rank's results: {world size: [rank 0's dict, ...]}; the 2-rank run writes the checkpoints."""
-    dirs = [str(tmp_path_factory.mktemp(name)) for name in ("adafactor_ckpt", "adamw_ckpt")]
-    out = {2: run_ranks(two_ranks, 2, *dirs)}
+    dirs = {name: str(tmp_path_factory.mktemp(f"{name}_ckpt")) for name in SHARDED}
+    out = {2: run_ranks(two_ranks, 2, dirs)}
     for world in (1, 4):
-        out[world] = run_ranks(other_ranks, world, *dirs)
+        out[world] = run_ranks(other_ranks, world, dirs)
     return out
 
 
-def _close(a: dict, b: dict) -> None:
+def _tol(name: str = "") -> tuple[float, float]:
+    return (BF16_RTOL, BF16_ATOL) if name == "adamw_bf16" else (RTOL, ATOL)
+
+
+def _close(a: dict, b: dict, name: str = "") -> None:
+    rtol, atol = _tol(name)
     for n in b:
-        torch.testing.assert_close(a[n], b[n], rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(a[n], b[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_adafactor_on_two_ranks_equals_one_process_on_the_merged_batch(ranks):
@@ -236,7 +330,51 @@ def test_adafactor_final_loss_does_not_depend_on_the_mesh(ranks):
         assert ranks[world][0]["adafactor"]["losses"] == pytest.approx(losses, rel=RTOL), world
 
 
-@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_8bit_on_two_ranks_equals_one_process_on_the_merged_batch(ranks, name):
+    # elementwise: only the gradients differ (FSDP2 averages the ranks' mean gradients), by fp32 ulps; RTOL holds
+    losses, params = reference(name)
+    for r in ranks[2]:
+        _close(r[name]["params"], params)
+        assert r[name]["losses"] == pytest.approx(losses, rel=RTOL)
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_8bit_state_and_its_precision_do_not_depend_on_the_mesh(ranks, name):
+    placed = ranks[2][0][name]["placements"]  # of mix: codes of its shape, absmaxes (rows, 2), placed like its rows
+    assert {k: v for k, v in placed.items() if k != "step"} == {
+        k: "(Shard(dim=0),)" for k in placed if k != "step"}, placed
+    assert placed["step"] == "plain"
+    losses, _ = reference(name)
+    for world in (1, 2, 4):
+        assert ranks[world][0][name]["eight_bit"] == ["mix", "out.weight"], world
+        assert ranks[world][0][name]["losses"] == pytest.approx(losses, rel=RTOL), world
+
+
+def test_sharded_matrices_whose_rows_are_not_whole_blocks_keep_fp32_state(ranks):
+    for world in (1, 2, 4):
+        assert ranks[world][0]["fp32_rule"]["eight_bit"] == ["even"], world
+
+
+def test_adamw_bf16_on_two_ranks_equals_one_process_on_the_merged_batch(ranks):
+    losses, params = reference("adamw_bf16")
+    for world in (1, 2, 4):
+        _close(ranks[world][0]["adamw_bf16"]["params"], params, "adamw_bf16")
+        assert ranks[world][0]["adamw_bf16"]["losses"] == pytest.approx(losses, rel=BF16_RTOL), world
+    assert set(ranks[2][0]["adamw_bf16"]["placements"].values()) == {"(Shard(dim=0),)", "plain"}
+
+
+@pytest.mark.parametrize("name", STOCHASTIC)
+def test_stochastic_rounding_of_bf16_shards_rounds_as_one_process(ranks, name):
+    one = stochastic_bf16(name, 0)
+    assert one["eight_bit"] == (["w"] if name in EIGHT_BIT else [])
+    for r in ranks[2]:
+        assert r[f"{name}_stochastic"]["eight_bit"] == one["eight_bit"]
+        for n, p in one["params"].items():
+            assert torch.equal(r[f"{name}_stochastic"]["params"][n], p), n
+
+
+@pytest.mark.parametrize("name", SHARDED)
 def test_dcp_save_on_two_ranks_resumes_exactly_on_two(ranks, name):
     for r in ranks[2]:
         uninterrupted, resumed = r[name], r[f"{name}_2to2"]
@@ -245,27 +383,27 @@ def test_dcp_save_on_two_ranks_resumes_exactly_on_two(ranks, name):
             assert torch.equal(resumed["params"][n], p), n
 
 
-@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+@pytest.mark.parametrize("name", SHARDED)
 @pytest.mark.parametrize("world", [1, 4])
 def test_dcp_save_on_two_ranks_resumes_on_another_mesh(ranks, name, world):
     uninterrupted = ranks[2][0][name]
     resumed = ranks[world][0][f"{name}_resumed"]
-    _close(resumed["params"], uninterrupted["params"])
-    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][SAVE_AT:], rel=RTOL)
+    _close(resumed["params"], uninterrupted["params"], name)
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][SAVE_AT:], rel=_tol(name)[0])
 
 
-@pytest.mark.parametrize("name", ["adafactor", "adamw"])
+@pytest.mark.parametrize("name", SHARDED)
 def test_a_whole_state_taken_on_two_ranks_resumes_in_one_process(ranks, name):
     # DCP's full_state_dict: the single-file state a user leaving FSDP loads with the ordinary load_state_dict
     run = ranks[2][0][name]
     model_sd, optim_sd = run["whole"]
-    model = Tiny()
+    model = model_for(name)
     model.load_state_dict(model_sd)
     optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
     optimizer.load_state_dict(optim_sd)
     losses = train(model, optimizer, batches()[SAVE_AT:])
-    _close(params_of(model), run["params"])
-    assert losses == pytest.approx(run["losses"][SAVE_AT:], rel=RTOL)
+    _close(params_of(model), run["params"], name)
+    assert losses == pytest.approx(run["losses"][SAVE_AT:], rel=_tol(name)[0])
 
 
 def test_stochastic_rounding_on_shards_rounds_as_one_process(ranks):

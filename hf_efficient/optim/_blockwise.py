@@ -23,6 +23,16 @@ contiguous fp32 or bf16 weights and gradients go through the family's C kernel (
 a partial block, a gradient whose square overflows; the C kernel on 3 threads). Everything else (fp16 weights on
 CPU, other layouts, ``compile=True``) gets the ``torch.compile``'d kernel, and without a C++ compiler (or Triton
 on CUDA) the same kernel runs eagerly, in bounded chunks: same numbers, slower.
+
+FSDP2 (DTensor parameters, Shard(0) on a 1-D mesh: see :mod:`._sharded`): which tensors keep 8-bit state is decided
+from the whole tensor, so that every mesh size gives the same set: a matrix (or stack) under FSDP2 keeps 8-bit state
+where it has ``min_8bit_size`` elements and each row (``shape[1:]``) is whole blocks of 256 (most transformer
+matrices), so that every shard is whole blocks and no block ever straddles two ranks, whatever the mesh; its codes
+are a DTensor of the parameter's shape and its absmaxes one of shape ``(rows, row length / 256)``, both placed like
+the rows, and ``state_dict()`` keeps them so (flattened, a whole absmax is the canonical ``(blocks,)``, in order).
+Other tensors keep fp32 state under FSDP2 (logged once). Each rank steps its shard with the eager (or, with
+``compile=True``, the compiled) kernel, fp32-state shards through torch's path (no C or Triton kernel on shards);
+stochastic rounding numbers each element as in the whole tensor. Elementwise math: no sum across ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..options import check_group, check_saved_tensor, check_step, start_step
-from . import _dispatch, _native, _triton, quant8
+from . import _dispatch, _native, _sharded, _triton, quant8
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
                            weight_key, write)
 from .quant8 import BLOCK, WORDS, _describe
@@ -106,7 +116,9 @@ class Blockwise8bit(Optimizer):
     def coefficients(group: dict, step: int) -> list[float]:
         raise NotImplementedError
 
-    def step_32bit(self, group: dict, items: list[tuple[Tensor, Tensor, dict]]) -> None:
+    def step_32bit(self, group: dict, items: list[tuple[Tensor, Tensor, dict]], offsets=None) -> None:
+        """Step fp32-state ``items`` (weight, gradient, state, position); ``offsets``: where given, the items are
+        FSDP2 shards (local tensors) and each one's first global element number, for the stochastic noise."""
         raise NotImplementedError
 
     @classmethod
@@ -280,10 +292,11 @@ class Blockwise8bit(Optimizer):
 
     @classmethod
     def step_8bit(cls, p: Tensor, g: Tensor, state: dict, coef: Tensor, kernel, compensation: str = "none",
-                  key: int = 0) -> None:
+                  key: int = 0, offset: int = 0) -> None:
         """Update ``p`` and its 8-bit state: full blocks in bounded kernel calls, a partial last block in another.
         A bf16/fp16 weight under a compensation is stepped as an fp32 copy, then written by
-        :func:`.compensation.write` (its Kahan buffer ``state["kahan_comp"]``, its noise ``key``)."""
+        :func:`.compensation.write` (its Kahan buffer ``state["kahan_comp"]``, its noise ``key``; ``offset``: the
+        number of ``p``'s first element in the whole tensor, where ``p`` is an FSDP2 shard)."""
         flat = p.detach().view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
         gflat = g.reshape(-1)
         n = flat.numel()
@@ -301,7 +314,7 @@ class Blockwise8bit(Optimizer):
             old = pw.float()
             work = old.clone()
             cls._store(kernel, [work, gw, *state_args], coef)
-            write(pw, old, work - old, cw, compensation, key_t, element_index(pw, start))
+            write(pw, old, work - old, cw, compensation, key_t, element_index(pw, offset + start))
 
         for a in range(0, full, _CALL_BLOCKS):  # bounded calls: a 30522x768 embedding in one would allocate 190 MB
             b = min(a + _CALL_BLOCKS, full)
@@ -341,12 +354,26 @@ class Blockwise8bit(Optimizer):
     # --- the optimizer -------------------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
-        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice)."""
-        super().add_param_group(check_group(self, param_group, self.FAMILY, self.check_family_keys))
+        """As torch's, after :func:`..options.check_group` (hyperparameters, maximize, parameters listed twice) and
+        :func:`._sharded.check` (a DTensor placed as the step can serve)."""
+        param_group = check_group(self, param_group, self.FAMILY, self.check_family_keys)
+        params = param_group.get("params", ()) if isinstance(param_group, dict) else ()
+        for i, p in enumerate([params] if torch.is_tensor(params) else params):
+            _sharded.check(p, self.FAMILY, f"parameter {i} of the new param group")
+        super().add_param_group(param_group)
 
     def _has_8bit_state(self, p: Tensor, group: dict) -> bool:
-        """Whether ``p`` keeps 8-bit state (else fp32: small tensors, and those named at construction)."""
-        return p.numel() >= group["min_8bit_size"] and id(p) not in self._fp32_ids
+        """Whether ``p`` keeps 8-bit state (else fp32: small tensors, and those named at construction; under FSDP2
+        also tensors whose rows are not whole blocks, see the module docstring), decided from the whole tensor."""
+        if _sharded.global_numel(p) < group["min_8bit_size"] or id(p) in self._fp32_ids:
+            return False
+        if _sharded.is_sharded(p) and not _rows_of_blocks(p):
+            _dispatch.log_once(logging.INFO, ("sharded-fp32", self.FAMILY), "hf_efficient: %s keeps fp32 state for "
+                               "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors; the "
+                               "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh",
+                               self.FAMILY, BLOCK, tuple(p.shape))
+            return False
+        return True
 
     def _allocate_together(self, group: dict) -> None:
         """Fresh 8-bit state for the group's CPU tensors that start one at this step, each moment's codes and absmaxes
@@ -354,7 +381,7 @@ class Blockwise8bit(Optimizer):
         their size, where separate allocations step measurably slower. A loaded state is packed the same way
         (:meth:`_pack`). Other devices keep a buffer per tensor (nothing measured there)."""
         params = [p for p in group["params"] if p.grad is not None and p.is_cpu and not self.state.get(p)
-                  and self._has_8bit_state(p, group)]
+                  and not _sharded.is_sharded(p) and self._has_8bit_state(p, group)]
         sizes = [quant8.blocks(p.numel()) for p in params]
         for p in params:
             self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -367,6 +394,8 @@ class Blockwise8bit(Optimizer):
         """``p``'s state, created at its first step; ``on_device``: a kernel that reads the step count on the
         device (Triton) steps ``p``, so the count lives there (a loaded one is moved there once)."""
         state = self.state[p]
+        if _sharded.is_sharded(p):
+            return self._init_sharded_state(p, group)
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else None)
             if not self._has_8bit_state(p, group):
@@ -381,6 +410,44 @@ class Blockwise8bit(Optimizer):
             state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
         return state
 
+    def _init_sharded_state(self, p, group: dict) -> dict:
+        """:meth:`_init_state` for an FSDP2 parameter: DTensors placed like its rows (codes of its shape, absmaxes
+        ``(rows, row length / 256)``: see the module docstring), the step count a plain CPU tensor."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            eight_bit = self._has_8bit_state(p, group)
+            for key, signed in self.MOMENTS:
+                if not eight_bit:
+                    state[key] = _sharded.zeros(p, p.shape, torch.float32)
+                    continue
+                state[key] = _sharded.zeros(p, p.shape, torch.uint8)
+                _sharded.local(state[key]).fill_(quant8.ZERO_CODE[signed])
+                state[f"{key}_absmax"] = _sharded.zeros(p, _absmax_shape(p), torch.float32)
+        if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
+            state["kahan_comp"] = _sharded.zeros(p, p.shape, torch.bfloat16)
+        return state
+
+    def _step_sharded(self, group: dict, items: list) -> None:
+        """Step FSDP2 shards ``items`` (parameter, state, position): each rank its local shard, 8-bit state with the
+        eager kernel (the compiled one under ``compile=True``), fp32 state through :meth:`step_32bit`'s torch path;
+        the noise numbered as in the whole tensor. Elementwise: nothing is summed across ranks."""
+        fp32, offsets = [], []
+        for p, state, position in items:
+            lp, lg, local = _sharded.local(p), _sharded.local(p.grad), _sharded.to_local_state(state)
+            if state[self.MOMENTS[0][0]].dtype != torch.uint8:
+                fp32.append((lp, lg, local, position))
+                offsets.append(_sharded.global_offset(p))
+                continue
+            state["step"] += 1
+            step = int(state["step"].item())
+            coef = torch.tensor(self.coefficients(group, step), dtype=torch.float32, device=lp.device)
+            flat = {k: v if k in ("step", "kahan_comp") else v.view(-1) for k, v in local.items()}  # kernels' views
+            self.step_8bit(lp, lg, flat, coef, self.choose(lp, lg, group["compile"] or False), group["compensation"],
+                           weight_key(position, step), _sharded.global_offset(p))
+        if fp32:  # compile=False: torch's path, the one that numbers the noise from each shard's offset
+            self.step_32bit({**group, "compile": False}, fp32, offsets)
+
     def _triton_launch(self, p: Tensor, group: dict):
         """The Triton step of ``p`` where it takes it (automatic mode, :meth:`choose`'s first case), else None."""
         if group["compile"] is not None or not self.triton_fits(p, p.grad):
@@ -389,6 +456,8 @@ class Blockwise8bit(Optimizer):
 
     def _uses_triton(self, p: Tensor, group: dict) -> bool:
         """Whether a Triton kernel steps ``p``: its 8-bit one, or the family's fp32-state one (:attr:`TRITON_FP32`)."""
+        if _sharded.is_sharded(p):  # shards: the eager / torch paths (_step_sharded)
+            return False
         state = self.state.get(p)
         if state[self.MOMENTS[0][0]].dtype == torch.uint8 if state else self._has_8bit_state(p, group):
             return self._triton_launch(p, group) is not None
@@ -404,9 +473,14 @@ class Blockwise8bit(Optimizer):
     def step(self, closure=None):
         loss = start_step(self, closure, self.FAMILY)  # closure, then sparse gradients refused: nothing half-done
         first = self.MOMENTS[0][0]
+        for gi, group in enumerate(self.param_groups):  # placements checked before any state is made (FSDP2 swaps
+            for i, p in enumerate(group["params"]):  # parameters in after construction)
+                if p.grad is not None:
+                    _sharded.check(p, self.FAMILY, f"parameter {i} of param group {gi}")
         position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
             self._allocate_together(group)
+            sharded = []  # (p, state, position) of FSDP2 parameters
             mode = group["compensation"]
             fp32 = []  # (p, grad, state, position) of tensors with fp32 state
             coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
@@ -417,6 +491,9 @@ class Blockwise8bit(Optimizer):
                 if p.grad is None:
                     continue
                 state = self._init_state(p, group, self._uses_triton(p, group))
+                if _sharded.is_sharded(p):
+                    sharded.append((p, state, position - 1))
+                    continue
                 if state[first].dtype != torch.uint8:  # torch's kernels count the step themselves
                     fp32.append((p, p.grad, state, position - 1))
                     continue
@@ -446,6 +523,8 @@ class Blockwise8bit(Optimizer):
                     launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
             if fp32:
                 self.step_32bit(group, fp32)
+            if sharded:
+                self._step_sharded(group, sharded)
         return loss
 
     @staticmethod
@@ -462,7 +541,7 @@ class Blockwise8bit(Optimizer):
         for i, p in zip(ids, params):
             st = sd["state"].get(i)
             if st is not None and st[self.MOMENTS[0][0]].dtype == torch.uint8:
-                sd["state"][i] = {**st, **{k: quant8.to_canonical(st[k], p) for k, _ in self.MOMENTS}}
+                sd["state"][i] = {**st, **{k: _to_canonical(st[k], p) for k, _ in self.MOMENTS}}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -494,8 +573,8 @@ class Blockwise8bit(Optimizer):
         flight at a time)."""
         first = self.MOMENTS[0][0]
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.is_cpu and first in self.state.get(p, {})
-                      and self.state[p][first].dtype == torch.uint8]
+            params = [p for p in group["params"] if p.is_cpu and not _sharded.is_sharded(p)
+                      and first in self.state.get(p, {}) and self.state[p][first].dtype == torch.uint8]
             for key in (k for m, _ in self.MOMENTS for k in (m, f"{m}_absmax")) if params else ():
                 parts = [self.state[p][key] for p in params]
                 flat = torch.cat([t.reshape(-1) for t in parts])
@@ -559,16 +638,59 @@ class Blockwise8bit(Optimizer):
                 check_saved_tensor(saved[key], key, where, signed=signed, first_moment=signed)
                 st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
             return st
-        blocks = quant8.blocks(p.numel())
+        shapes = _absmax_shapes(p)
         for key in (f"{k}_absmax" for k in moments):
             t = saved[key]
-            if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != (blocks,):
-                raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape ({blocks},), one "
-                                 f"absmax per block of {BLOCK} elements; nothing was loaded")
+            if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) not in shapes:
+                raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape "
+                                 f"{' or '.join(map(str, shapes))}, one absmax per block of {BLOCK} elements; nothing "
+                                 "was loaded")
+            # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
             st[key] = t.to(device=p.device, dtype=torch.float32).clone()
+            st[key] = st[key] if _sharded.is_sharded(p) else st[key].reshape(-1)
             first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
             check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
         for key, signed in self.MOMENTS:
-            st[key] = quant8.from_canonical(saved[key], p, signed)
+            st[key] = _from_canonical(saved[key], p, signed)
         return st
+
+
+def _rows_of_blocks(p) -> bool:
+    """Whether each row of ``p`` (its elements ``p[i]``) is whole blocks: then a Shard(0) shard is whole blocks."""
+    if p.dim() < 2 or not p.shape[0]:
+        return False
+    return _sharded.global_numel(p) // p.shape[0] % BLOCK == 0
+
+
+def _absmax_shape(p) -> tuple[int, ...]:
+    """In-memory absmax shape: ``(blocks,)``, or ``(rows, blocks per row)`` for an FSDP2 parameter (placed like its
+    rows)."""
+    if _sharded.is_sharded(p):
+        return (p.shape[0], _sharded.global_numel(p) // p.shape[0] // BLOCK)
+    return (quant8.blocks(p.numel()),)
+
+
+def _absmax_shapes(p) -> list[tuple[int, ...]]:
+    """Saved absmax shapes ``p`` loads: its own, and for a plain parameter whose rows are whole blocks also the
+    ``(rows, blocks per row)`` of a whole state taken from FSDP2 shards."""
+    shapes = [_absmax_shape(p)]
+    if not _sharded.is_sharded(p) and p.dim() >= 2 and _rows_of_blocks(p):
+        shapes.append((p.shape[0], p.numel() // p.shape[0] // BLOCK))
+    return shapes
+
+
+def _to_canonical(codes, p):
+    """:func:`.quant8.to_canonical`, of each rank's shard for an FSDP2 parameter (its rows are whole blocks, so
+    the interleaving never crosses a shard)."""
+    if not _sharded.is_sharded(p):
+        return quant8.to_canonical(codes, p)
+    return _sharded.like(codes, quant8.to_canonical(_sharded.local(codes).reshape(-1), _sharded.local(p)))
+
+
+def _from_canonical(codes, p, signed: bool):
+    """:func:`.quant8.from_canonical`, shard by shard for an FSDP2 parameter (codes of its shape, placed alike)."""
+    if not _sharded.is_sharded(p):
+        return quant8.from_canonical(codes, p, signed)
+    lp = _sharded.local(p)
+    return _sharded.like(codes, quant8.from_canonical(_sharded.local(codes), lp, signed).view(lp.shape))
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUPPORTED", "is_sharded", "check", "local", "global_shape", "global_numel", "global_offset", "zeros",
-           "to_local_state", "sum_across"]
+           "like", "to_local_state", "sum_across"]
 
 SUPPORTED = "Shard(0) on a 1-D device mesh (torch's fully_shard)"
 
@@ -100,6 +100,15 @@ def zeros(p, shape, dtype: torch.dtype, *, replicate: bool = False):
     # shape and stride given: from_local would otherwise take the shards as even and get an uneven tensor's shape wrong
     return DTensor.from_local(torch.zeros(local_shape, dtype=dtype, device=device), p.device_mesh, placements,
                               run_check=False, shape=shape, stride=_contiguous_strides(shape))
+
+
+def like(t, local_tensor: Tensor):
+    """A DTensor of ``t``'s shape, mesh and placements whose shard on this rank is ``local_tensor`` (of ``t``'s
+    local shape): a state tensor converted shard by shard (a layout change within each shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def to_local_state(state: dict) -> dict:

@@ -31,7 +31,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..families import ADAMW
 from ..options import check_saved, start_step
-from . import _dispatch, _triton
+from . import _dispatch, _sharded, _triton
 from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
                            weight_key)
 
@@ -40,7 +40,8 @@ __all__ = ["AdamW", "adamw_fp32_state"]
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                      weight_decay, amsgrad: bool = False, maximize: bool = False, compensation: str = "none",
-                     comps=None, keys=None, c_kernel: bool = True, positions=None, found_inf=None) -> None:
+                     comps=None, keys=None, c_kernel: bool = True, positions=None, found_inf=None,
+                     offsets=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
     each tensor's noise key, or ``positions``: each tensor's index across groups, its key then being
@@ -48,7 +49,9 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     (``_KERNEL.split``; ``c_kernel`` False: never, nor the Triton kernel). On CUDA, the Triton kernel
     (:mod:`.adamw_triton`) steps the tensors whose step count lives on their device, without reading anything on the
     host; ``found_inf`` (a float32 scalar, torch's name) set voids the step, step counts included. Increments
-    ``steps``."""
+    ``steps``. ``offsets``: each tensor's first global element number where the tensors are FSDP2 shards (the
+    stochastic noise's index, :func:`.compensation.write_all`); those go through torch's path (pass ``c_kernel``
+    False)."""
     n = len(params)
     comps = [None] * n if comps is None else comps
     if c_kernel and not (amsgrad or maximize or torch.is_tensor(lr)):
@@ -93,11 +96,11 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
             pick(xs, rest) for xs in (params, grads, exp_avgs, exp_avg_sqs, steps, comps, keys))
     _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, compensation=compensation,
-                comps=comps, keys=keys)
+                comps=comps, keys=keys, offsets=offsets)
 
 
 def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
-                amsgrad, maximize, compensation, comps, keys) -> None:
+                amsgrad, maximize, compensation, comps, keys, offsets=None) -> None:
     """:func:`adamw_fp32_state` with torch's kernels: fp32 weights in place, the others through fp32 copies."""
     def step(idx, ps):
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
@@ -108,7 +111,7 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      pick(steps), foreach=None if fused else False, fused=fused, amsgrad=amsgrad, beta1=beta1,
                      beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
 
-    step_in_fp32(params, step, compensation, comps, keys)
+    step_in_fp32(params, step, compensation, comps, keys, offsets)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -292,6 +295,12 @@ class AdamW(torch.optim.AdamW):
                 position += 1
             if not items:
                 continue
+            low = [it for it in items if _sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION]
+            if low:
+                self._step_low_precision_shards(group, low)
+                items = [it for it in items if not (_sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION)]
+                if not items:
+                    continue
             states = [st for _, st, _ in items]
             beta1, beta2 = group["betas"]
             adamw_fp32_state([p for p, _, _ in items], [p.grad for p, _, _ in items],
@@ -303,6 +312,23 @@ class AdamW(torch.optim.AdamW):
                              comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
                              found_inf=getattr(self, "found_inf", None))
         return loss
+
+    def _step_low_precision_shards(self, group: dict, items: list) -> None:
+        """bf16/fp16 FSDP2 shards (``items``: parameter, state, position): their local tensors through torch's path,
+        whose compensated write has no DTensor rule, the noise numbered as in the whole tensor. fp32 shards keep
+        torch's DTensor ops (any placement); these need Shard(0) on a 1-D mesh (:func:`._sharded.check`)."""
+        for p, _, position in items:
+            _sharded.check(p, "AdamW", f"parameter {position}")
+        states = [_sharded.to_local_state(st) for _, st, _ in items]
+        beta1, beta2 = group["betas"]
+        adamw_fp32_state([_sharded.local(p) for p, _, _ in items], [_sharded.local(p.grad) for p, _, _ in items],
+                         [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                         [st.get("max_exp_avg_sq") for st in states], [st["step"] for st in states],
+                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], maximize=group["maximize"],
+                         compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
+                         positions=[i for _, _, i in items], found_inf=getattr(self, "found_inf", None),
+                         c_kernel=False, offsets=[_sharded.global_offset(p) for p, _, _ in items])
 
 
 def _step_device(p: Tensor) -> torch.device:

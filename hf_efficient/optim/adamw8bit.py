@@ -124,10 +124,11 @@ class AdamW8bit(Blockwise8bit):
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
 
-    def step_32bit(self, group: dict, items) -> None:
+    def step_32bit(self, group: dict, items, offsets=None) -> None:
         """fp32-state tensors through :func:`.adamw.adamw_fp32_state`: on CUDA its Triton kernel (their step counts
         live on the device, :attr:`TRITON_FP32`; keys from positions, the void flag read in the kernel), elsewhere the
-        C kernel or torch's (keys from the steps, read on the host there)."""
+        C kernel or torch's (keys from the steps, read on the host there). ``offsets``: FSDP2 shards' (see
+        :meth:`._blockwise.Blockwise8bit.step_32bit`)."""
         beta1, beta2 = group["betas"]
         states = [it[2] for it in items]
         adamw_fp32_state([p for p, *_ in items], [g for _, g, *_ in items], [st["exp_avg"] for st in states],
@@ -135,4 +136,4 @@ class AdamW8bit(Blockwise8bit):
                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          compensation=group["compensation"], comps=[st.get("kahan_comp") for st in states],
                          positions=[it[3] for it in items], found_inf=_triton.flag(self, items[0][0].device),
-                         c_kernel=group["compile"] is None)
+                         c_kernel=group["compile"] is None, offsets=offsets)

@@ -61,10 +61,10 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..families import ADAMW_BF16
 from ..options import check_group, check_saved, start_step
-from . import _dispatch, _native, _triton
+from . import _dispatch, _native, _sharded, _triton
 from .adamw import note_missing_triton, triton_may_apply
 from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
-                           noise_key, round_stochastic, write, drop_unused_buffers)
+                           noise_key, round_stochastic, write, drop_unused_buffers, element_index)
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
 
@@ -138,19 +138,20 @@ def _key(key: int | None, device) -> Tensor | None:
     return None if key is None else torch.tensor(key, dtype=torch.int32, device=device)
 
 
-def _single_tensor(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef):
-    """The kernel on each tensor, in flat pieces of ``_FOREACH_CHUNK`` elements to bound its fp32 temporaries."""
+def _single_tensor(kernel, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef, offsets=None):
+    """The kernel on each tensor, in flat pieces of ``_FOREACH_CHUNK`` elements to bound its fp32 temporaries
+    (``offsets``: each tensor's first element number where it is an FSDP2 shard: its noise is the whole tensor's)."""
     coef_t = torch.tensor(coef, dtype=torch.float32, device=params[0].device)
     for i, p in enumerate(params):
         ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i] if comps else None]
         key = _key(keys[i] if keys else None, p.device)
-        n = p.numel()
+        n, off = p.numel(), offsets[i] if offsets else 0
         if n <= _FOREACH_CHUNK or not all(t is None or t.is_contiguous() for t in ts):
-            kernel(*ts, key, None, coef_t)
+            kernel(*ts, key, element_index(p, off) if off else None, coef_t)
             continue
         for a in range(0, n, _FOREACH_CHUNK):
             b = min(a + _FOREACH_CHUNK, n)
-            idx = torch.arange(a, b, dtype=torch.int32, device=p.device)
+            idx = torch.arange(off + a, off + b, dtype=torch.int32, device=p.device)
             kernel(*(None if t is None else t.view(-1)[a:b] for t in ts), key, idx, coef_t)
 
 
@@ -663,6 +664,12 @@ class AdamWBF16(Optimizer):
                 position += 1
             if not lists[0]:
                 continue
+            shards = [i for i, p in enumerate(lists[0]) if _sharded.is_sharded(p) and p.dtype in _LOW_PRECISION]
+            if shards:
+                self._step_low_precision_shards(group, *([lst[i] for i in shards] for lst in lists))
+                lists = [[x for i, x in enumerate(lst) if i not in shards] for lst in lists]
+                if not lists[0]:
+                    continue
             params, grads, exp_avgs, exp_avg_sqs, comps, steps, noise_ids = lists
             beta1, beta2 = group["betas"]
             adamw_bf16(params, grads, exp_avgs, exp_avg_sqs, comps, steps, lr=group["lr"], beta1=beta1, beta2=beta2,
@@ -670,3 +677,28 @@ class AdamWBF16(Optimizer):
                        noise_ids=noise_ids, foreach=group["foreach"], compile=group["compile"],
                        found_inf=getattr(self, "found_inf", None))
         return loss
+
+    def _step_low_precision_shards(self, group: dict, params, grads, exp_avgs, exp_avg_sqs, comps, steps,
+                                   noise_ids) -> None:
+        """bf16/fp16 FSDP2 shards (Shard(0) on a 1-D mesh, :func:`._sharded.check`): the eager kernel on each local
+        shard (the C, compiled and Triton kernels address whole tensors), its noise numbered as in the whole tensor,
+        so that every mesh rounds alike. fp32 shards keep torch's AdamW on DTensors."""
+        for p, position in zip(params, noise_ids):
+            _sharded.check(p, "AdamWBF16", f"parameter {position}")
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf):  # as adamw_bf16's host paths: the flag voids the step
+            return
+        mode, beta1, beta2 = group["compensation"], *group["betas"]
+        local = lambda ts: [None if t is None else _sharded.local(t) for t in ts]  # noqa: E731
+        torch._foreach_add_(steps, 1)
+        by_step = defaultdict(list)
+        for i, s in enumerate(steps):
+            by_step[int(s.item())].append(i)
+        for step, idx in by_step.items():
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            coef = _coefficients(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                 weight_decay=group["weight_decay"], step=step)
+            keys = None if mode == "none" else [_noise_key(noise_ids[i], step) for i in idx]
+            _single_tensor(_KERNELS[mode], mode, *(local(pick(xs)) for xs in (params, grads, exp_avgs, exp_avg_sqs)),
+                           local(pick(comps)) if mode == "kahan" else None, keys, coef,
+                           [_sharded.global_offset(p) for p in pick(params)])

@@ -155,10 +155,11 @@ def drop_unused_buffers(optimizer, owner: str, states=None) -> None:
 CHUNK = 1 << 22  # elements per fp32 copy of step_in_fp32: bounds its temporaries whatever the model's size
 
 
-def step_in_fp32(params, step, mode: str, comps=None, keys=None) -> None:
+def step_in_fp32(params, step, mode: str, comps=None, keys=None, offsets=None) -> None:
     """``step(idx, work)`` updates ``work``, fp32 tensors of ``params[i]``'s shapes for i in ``idx``, in place: fp32
     weights themselves; other dtypes as views of a flat fp32 copy per device and dtype, then written back by
-    :func:`write_all` under ``mode`` (``comps``: each tensor's Kahan buffer or None; ``keys``: its noise key). The
+    :func:`write_all` under ``mode`` (``comps``: each tensor's Kahan buffer or None; ``keys``: its noise key;
+    ``offsets``: the global index of its first element where it is a shard, see :func:`write_all`). The
     copies hold at most :data:`CHUNK` elements (a larger tensor alone), so ``step`` is called once per chunk: the
     temporaries are bounded by the chunk or the largest tensor, not by the model."""
     kinds = {}
@@ -174,7 +175,8 @@ def step_in_fp32(params, step, mode: str, comps=None, keys=None) -> None:
             new = old.clone()
             step(chunk, flat_views(new, ps))
             write_all(ps, old, new, None if comps is None else [comps[i] for i in chunk], mode,
-                      None if keys is None else [keys[i] for i in chunk])
+                      None if keys is None else [keys[i] for i in chunk],
+                      None if offsets is None else [offsets[i] for i in chunk])
 
 
 def _chunks(idx: list[int], sizes: list[int]) -> list[list[int]]:
@@ -204,12 +206,13 @@ def flat_views(flat: Tensor, params) -> list[Tensor]:
     return [x.view(p.shape) for x, p in zip(flat.split([p.numel() for p in params]), params)]
 
 
-def write_all(params, old: Tensor, new: Tensor, comps, mode: str, keys) -> None:
+def write_all(params, old: Tensor, new: Tensor, comps, mode: str, keys, offsets=None) -> None:
     """Each of ``params`` (one device and dtype) from its fp32 values before (``old``) and after (``new``) a step,
     flat buffers laid out as :func:`fp32_copies`: :func:`write`'s operations for every element at once (``comps``:
-    Kahan buffers or None, ``keys``: the int noise keys), else the new values rounded to nearest as torch's
-    ``copy_``. One call for all the tensors: per tensor, a write's ~20 small operations would each be launched once
-    per bias and norm, a cost that grows with the number of small tensors."""
+    Kahan buffers or None, ``keys``: the int noise keys; ``offsets``: each tensor's first element number, 0 where
+    None: a shard of FSDP2 numbers its elements as in the whole tensor, so that every mesh rounds alike), else the
+    new values rounded to nearest as torch's ``copy_``. One call for all the tensors: per tensor, a write's ~20 small
+    operations would each be launched once per bias and norm, a cost that grows with the number of small tensors."""
     params = [p.detach() for p in params]
     if not applies(params[0], mode):
         torch._foreach_copy_(params, flat_views(new, params))
@@ -224,5 +227,7 @@ def write_all(params, old: Tensor, new: Tensor, comps, mode: str, keys) -> None:
         starts = torch.repeat_interleave(torch.cumsum(sizes, 0, dtype=torch.int32) - sizes, sizes)
         key = torch.repeat_interleave(torch.tensor(keys, dtype=torch.int32, device=old.device), sizes)
         idx = torch.arange(old.numel(), dtype=torch.int32, device=old.device) - starts
+        if offsets is not None:
+            idx += torch.repeat_interleave(torch.tensor(offsets, dtype=torch.int32, device=old.device), sizes)
         fresh = round_stochastic(old + (new - old), params[0].dtype, hash_noise(key, idx)).to(params[0].dtype)
     torch._foreach_copy_(params, flat_views(fresh, params))

@@ -56,7 +56,7 @@ def _coefficients(group: dict, step: int) -> list[float]:
 
 def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float, beta2: float,
          weight_decay: float, compensation: str = "none", comps=None, keys=None, c_kernel: bool = True, steps=None,
-         positions=None, found_inf=None, tables=None) -> None:
+         positions=None, found_inf=None, tables=None, offsets=None) -> None:
     """Lion on fp32 momenta (any weight dtype: the step runs in fp32), the same operations as the 8-bit kernel;
     low-precision weights written under ``compensation`` (:func:`.compensation.step_in_fp32`), bf16 weights on CPU
     by the C kernel ``lion_step`` where it applies (the same bits; ``c_kernel`` False: never).
@@ -65,7 +65,7 @@ def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, l
     optimizer's parameters), the tensors (contiguous, where :func:`._triton.applies`) go through the Triton kernel
     (:mod:`.lion_triton`), which counts the steps (not where ``found_inf``, a flag on the device, is set) and keys
     the noise itself: no host synchronisation. ``tables``: a dict the caller keeps between steps for its pointer
-    tables. ``keys`` are then unused."""
+    tables. ``keys`` are then unused. ``offsets``: as :func:`.adamw.adamw_fp32_state`'s (FSDP2 shards)."""
     comps = [None] * len(params) if comps is None else comps
     if steps is not None:
         from . import lion_triton
@@ -84,10 +84,11 @@ def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, l
         params, grads, exp_avgs, comps, keys = (pick(xs, rest) for xs in (params, grads, exp_avgs, comps, keys))
     if params:
         _torch_path(params, grads, exp_avgs, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                    compensation=compensation, comps=comps, keys=keys)
+                    compensation=compensation, comps=comps, keys=keys, offsets=offsets)
 
 
-def _torch_path(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, compensation, comps, keys) -> None:
+def _torch_path(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, compensation, comps, keys,
+                offsets=None) -> None:
     """:func:`lion` with torch's operations, on fp32 copies of low-precision weights."""
     def step(idx, ps):
         for i, p32 in zip(idx, ps):
@@ -96,7 +97,7 @@ def _torch_path(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, comp
             p32.copy_(p32 * (1.0 - lr * weight_decay) - update * lr)
             exp_avgs[i].mul_(beta2).add_(g32 * (1.0 - beta2))
 
-    step_in_fp32(params, step, compensation, comps, keys)
+    step_in_fp32(params, step, compensation, comps, keys, offsets)
 
 
 def _c_coefficients(*, lr, beta1, beta2, weight_decay) -> list[float]:
@@ -152,9 +153,10 @@ class Lion8bit(Blockwise8bit):
                         compile=compile, compensation=compensation)
         super().__init__(params, defaults, fp32_state_params)
 
-    def step_32bit(self, group: dict, items) -> None:
+    def step_32bit(self, group: dict, items, offsets=None) -> None:
         """fp32-state tensors: those on CUDA through the Triton kernel (device steps, no host sync), others through
-        torch's operations or the C kernel (steps counted here)."""
+        torch's operations or the C kernel (steps counted here). ``offsets``: FSDP2 shards' (see
+        :meth:`._blockwise.Blockwise8bit.step_32bit`)."""
         beta1, beta2 = group["betas"]
         hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                      compensation=group["compensation"], c_kernel=group["compile"] is None)
@@ -172,4 +174,4 @@ class Lion8bit(Blockwise8bit):
             for it in rest:
                 it[2]["step"] += 1
             lion([p for p, *_ in rest], [g for _, g, *_ in rest], [it[2]["exp_avg"] for it in rest],
-                 comps=[it[2].get("kahan_comp") for it in rest], keys=keys, **hyper)
+                 comps=[it[2].get("kahan_comp") for it in rest], keys=keys, offsets=offsets, **hyper)
