@@ -317,8 +317,11 @@ def test_distributed_checks_resolve_at_most_once_and_take_a_resolution(monkeypat
     res = registry.resolve("adam8bit", "cpu", log=False)
     calls.clear()
     check_deepspeed(res, None, {"embedding_state": "8bit"}, {})
-    with pytest.raises(ValueError, match=r"hf_eff_adam8bit \(backend=torch\) is not supported with FSDP2: our 8-bit"):
-        check_fsdp(res, None, version=2)
+    check_fsdp(res, None, version=2)  # our 8-bit kernels step FSDP2 shards
+    bnb = registry.resolve("adam8bit", "cpu", backend="bnb", log=False)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"hf_eff_adam8bit \(backend=bnb\) is not supported with FSDP2: bitsandbytes"):
+        check_fsdp(bnb, None, version=2)
     assert calls == []
 
 
