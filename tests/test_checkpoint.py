@@ -1,7 +1,7 @@
 """Issue 12, items 7-9: foreign optimizer state is converted (or refused, saying how to resume), a checkpoint is
 validated completely before anything is loaded, and parameters are matched by name.
 
-"Nothing half-applied" uses test_reliability's snapshot: parameters and the serialized optimizer state before
+"Nothing half-applied" uses tests/helpers.py's snapshot: parameters and the serialized optimizer state before
 the refused load equal those after it.
 """
 
@@ -16,7 +16,7 @@ import hf_efficient as hfe
 from hf_efficient import checkpoint
 from hf_efficient.registry import FAMILIES, SPECS
 from cases import CASES
-from test_reliability import Net, _assert_unchanged, _loss, _make, _snapshot, _train
+from helpers import Net, assert_unchanged, loss_of, make, snapshot, train
 
 BACKENDS_8BIT = ["torch", "bnb", "torchao"]
 
@@ -39,7 +39,7 @@ def _moments(st: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _torch_adamw(model, steps=2):
     """A transformers ``adamw_torch`` run: torch.optim.AdamW over the same groups, no hf_efficient tag."""
     opt = torch.optim.AdamW(hfe.build_param_groups(model, weight_decay=0.01), lr=1e-2)
-    _train(model, opt, steps)
+    train(model, opt, steps)
     return opt
 
 
@@ -50,15 +50,15 @@ def _foreign_adamw(source: str):
     """Trained fp32 AdamW state: untagged (torch.optim.AdamW, as transformers' adamw_torch) or hf_eff_adamw's."""
     if source == "torch.optim.AdamW":
         return _torch_adamw(Net())
-    model, opt = _make("adamw", None, torch.float32)
-    _train(model, opt, 2)
+    model, opt = make("adamw", None, torch.float32)
+    train(model, opt, 2)
     return opt
 
 
 @pytest.mark.parametrize("source", ["torch.optim.AdamW", "hf_eff_adamw"])
 @pytest.mark.parametrize("backend", BACKENDS_8BIT)
 def test_adamw_state_is_quantized_where_adam8bit_keeps_8bit_state(backend, source, caplog):
-    model, opt = _make("adam8bit", backend, torch.float32)
+    model, opt = make("adam8bit", backend, torch.float32)
     sd = _foreign_adamw(source).state_dict()
     with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
         opt.load_state_dict(copy.deepcopy(sd))
@@ -74,10 +74,10 @@ def test_adamw_state_is_quantized_where_adam8bit_keeps_8bit_state(backend, sourc
         torch.testing.assert_close(v, v0, atol=v0.max().item() / 20, rtol=0)
         assert not bool(((v == 0) & (v0 > 0)).any())  # no second moment rounded to 0
     # the same bytes as state this optimizer made itself (fp32 state would be 736 KB, not 320 KB)
-    fresh_model, fresh = _make("adam8bit", backend, torch.float32)
-    _train(fresh_model, fresh, 1)
+    fresh_model, fresh = make("adam8bit", backend, torch.float32)
+    train(fresh_model, fresh, 1)
     assert hfe.optimizer_state_bytes(opt) == hfe.optimizer_state_bytes(fresh)
-    _train(model, opt, 1, start=2)
+    train(model, opt, 1, start=2)
     assert _by_name(opt.state_dict())["fc.weight"]["exp_avg"].dtype == torch.uint8
 
 
@@ -87,15 +87,15 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         lib = pytest.importorskip("bitsandbytes" if backend == "bare bnb" else "torchao")
         src_model = Net()
         src = (lib.optim.AdamW8bit)(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
-        _train(src_model, src, 2)
+        train(src_model, src, 2)
         sd = src.state_dict()
         canonical = {n: checkpoint._any_to_canonical(st, FAMILIES["adamw"])[0] for n, st in _by_name(sd).items()}
     else:
-        src_model, src = _make("adam8bit", backend, torch.float32)
-        _train(src_model, src, 2)
+        src_model, src = make("adam8bit", backend, torch.float32)
+        train(src_model, src, 2)
         sd = src.state_dict()
         canonical = _by_name(sd)
-    model, opt = _make("adamw", None, torch.float32)
+    model, opt = make("adamw", None, torch.float32)
     with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
         opt.load_state_dict(sd if backend == "bare torchao" else copy.deepcopy(sd))  # its subclass cannot deepcopy
     assert "8-bit moments dequantized" in caplog.text and "fc.weight" in caplog.text
@@ -104,13 +104,13 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         for a, b in zip((st["exp_avg"], st["exp_avg_sq"]), _moments(canonical[name])):
             assert torch.equal(a, b), name
         assert st["step"].item() == 2
-    _train(model, opt, 1, start=2)
+    train(model, opt, 1, start=2)
 
 
 @pytest.mark.parametrize("source", ["torch.optim.AdamW", "hf_eff_adamw"])
 def test_fp32_adamw_state_into_adamw_bf16_is_cast_with_fresh_compensation(source, caplog):
     sd = _foreign_adamw(source).state_dict()
-    model, opt = _make("adamw_bf16", None, torch.bfloat16)
+    model, opt = make("adamw_bf16", None, torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
         opt.load_state_dict(copy.deepcopy(sd))
     assert "cast from float32 to bfloat16" in caplog.text and "Kahan compensation started at zero" in caplog.text
@@ -119,51 +119,51 @@ def test_fp32_adamw_state_into_adamw_bf16_is_cast_with_fresh_compensation(source
         assert torch.equal(st["exp_avg"], saved[name]["exp_avg"].bfloat16())
         assert torch.equal(st["exp_avg_sq"], saved[name]["exp_avg_sq"].bfloat16())
         assert st["kahan_comp"].dtype == torch.bfloat16 and not st["kahan_comp"].any()
-    _train(model, opt, 1, start=2)
+    train(model, opt, 1, start=2)
 
 
 def test_adamw_bf16_state_into_adamw_carries_the_compensation(caplog):
     """Both keep a Kahan buffer on bf16 weights: hf_eff_adamw takes it over, its bf16 moments widened to fp32; under
     compensation=none the buffer has no use and is dropped, saying so."""
-    src_model, src = _make("adamw_bf16", None, torch.bfloat16)
-    _train(src_model, src, 2)
+    src_model, src = make("adamw_bf16", None, torch.bfloat16)
+    train(src_model, src, 2)
     sd = src.state_dict()
     saved = _by_name(sd)
-    model, opt = _make("adamw", None, torch.bfloat16, compensation="kahan")
+    model, opt = make("adamw", None, torch.bfloat16, compensation="kahan")
     opt.load_state_dict(copy.deepcopy(sd))
     for name, st in _by_name(opt.state_dict()).items():
         assert torch.equal(st["kahan_comp"], saved[name]["kahan_comp"])
         assert st["exp_avg"].dtype == torch.float32 and torch.equal(st["exp_avg"], saved[name]["exp_avg"].float())
-    _train(model, opt, 1, start=2)
-    model, opt = _make("adamw", None, torch.bfloat16, compensation="none")
+    train(model, opt, 1, start=2)
+    model, opt = make("adamw", None, torch.bfloat16, compensation="none")
     with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
         opt.load_state_dict(copy.deepcopy(sd))
     assert "Kahan compensation dropped" in caplog.text
     assert all("kahan_comp" not in st for st in _by_name(opt.state_dict()).values())
-    _train(model, opt, 1, start=2)
+    train(model, opt, 1, start=2)
 
 
 @pytest.mark.parametrize("name, backend", [("adamw", None), ("adam8bit", "bnb"), ("adamw_bf16", None)])
 def test_adafactor_and_adamw_state_do_not_mix(name, backend):
     """Adafactor's factored statistics are not AdamW's moments: refused both ways, saying how to resume."""
     dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
-    af_model, af = _make("adafactor", None, dtype)
-    _train(af_model, af, 1)
-    model, opt = _make(name, backend, dtype)
-    _train(model, opt, 1)
+    af_model, af = make("adafactor", None, dtype)
+    train(af_model, af, 1)
+    model, opt = make(name, backend, dtype)
+    train(model, opt, 1)
     for target, target_model, sd in ((opt, model, af.state_dict()), (af, af_model, opt.state_dict())):
-        snap = _snapshot(target_model, target)
+        snap = snapshot(target_model, target)
         with pytest.raises(ValueError, match="resume with optim=hf_eff_.*or start the optimizer afresh"):
             target.load_state_dict(sd)
-        _assert_unchanged(target_model, target, snap)
+        assert_unchanged(target_model, target, snap)
     # an untagged torch AdamW state: its full second moment of a matrix is named, with the factored shapes expected
-    snap = _snapshot(af_model, af)
+    snap = snapshot(af_model, af)
     plain = _torch_adamw(Net(dtype)).state_dict()
     with pytest.raises(ValueError, match=r"'emb.weight' has a full exp_avg_sq \(shape \(64, 64\)\); Adafactor keeps "
                                          r".*exp_avg_sq_row of shape \(64,\) and exp_avg_sq_col of shape \(64,\).*"
                                          r"another optimizer"):
         af.load_state_dict(plain)
-    _assert_unchanged(af_model, af, snap)
+    assert_unchanged(af_model, af, snap)
 
 
 @pytest.mark.parametrize("name, backend", [("adam8bit", b) for b in BACKENDS_8BIT] + [("adamw_bf16", None)])
@@ -171,14 +171,14 @@ def test_amsgrad_adamw_state_is_refused_where_it_cannot_continue(name, backend):
     dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
     src_model = Net(dtype)
     src = torch.optim.AdamW(hfe.build_param_groups(src_model), lr=1e-2, amsgrad=True)
-    _train(src_model, src, 1)
-    model, opt = _make(name, backend, dtype)
-    _train(model, opt, 1)
-    snap = _snapshot(model, opt)
+    train(src_model, src, 1)
+    model, opt = make(name, backend, dtype)
+    train(model, opt, 1)
+    snap = snapshot(model, opt)
     with pytest.raises(ValueError, match=r"amsgrad=True, which hf_eff_\w+ does not continue: resume with "
                                          r"optim=hf_eff_adamw"):
         opt.load_state_dict(src.state_dict())
-    _assert_unchanged(model, opt, snap)
+    assert_unchanged(model, opt, snap)
 
 
 # --- item 8: everything is validated before anything is loaded ------------------------------------------
@@ -249,11 +249,11 @@ def _corrupt_groups(name: str):
 
 @pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
 def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, backend, dtype, compensation):
-    model, opt = _make(name, backend, dtype, compensation=compensation)
-    _train(model, opt, 2)
+    model, opt = make(name, backend, dtype, compensation=compensation)
+    train(model, opt, 2)
     good = opt.state_dict()
-    _train(model, opt, 1, start=2)  # what the refused loads must leave alone differs from the checkpoint
-    snap = _snapshot(model, opt)
+    train(model, opt, 1, start=2)  # what the refused loads must leave alone differs from the checkpoint
+    snap = snapshot(model, opt)
     cases = _corrupt_state(name, backend) + [
         (lambda sd, k=k, v=v: sd["param_groups"][0].__setitem__(k, v), match) for k, v, match in _corrupt_groups(name)]
     for corrupt, match in cases:
@@ -261,7 +261,7 @@ def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, back
         corrupt(sd)
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(sd)
-        _assert_unchanged(model, opt, snap)
+        assert_unchanged(model, opt, snap)
     kept = copy.deepcopy(good)
     opt.load_state_dict(good)  # the intact checkpoint loads, and is not changed by loading
     assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(kept["state"][pid][k]))
@@ -324,11 +324,11 @@ def test_same_shape_parameters_in_another_order_are_matched_by_name(name, backen
     renamed = Pair(dtype=dtype, first="c")
     opt3 = hfe.create_optimizer(renamed, name, lr=1e-2, weight_decay=0.01, backend=backend)
     _pair_train(renamed, opt3, 1)
-    snap = _snapshot(renamed, opt3)
+    snap = snapshot(renamed, opt3)
     with pytest.raises(ValueError, match=r"missing \['c.weight'\], not in this optimizer \['a.weight'\].*another "
                                          r"model"):
         opt3.load_state_dict(copy.deepcopy(sd))
-    _assert_unchanged(renamed, opt3, snap)
+    assert_unchanged(renamed, opt3, snap)
 
 
 def test_stale_live_param_names_fall_back_to_position():
