@@ -63,7 +63,7 @@ def state_dtypes(optimizer) -> dict:
 
 
 def fixed_batch(rank: int) -> dict:
-    from test_accelerate import variable_batches
+    from helpers import variable_batches
 
     return variable_batches(n_batches=2, per_batch=2, seed=3)[rank]
 
@@ -72,7 +72,7 @@ def plugin_case(stage: int, name: str, optim_args: str, out_dir: str) -> dict:
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     from hf_efficient.integrations.accelerate import EfficientOptimPlugin
-    from test_accelerate import logits_of, tiny_mlm
+    from helpers import logits_of, tiny_mlm
 
     reset_accelerate()
     plugin = EfficientOptimPlugin(optim=name, optim_args=optim_args or None, lr=1e-2,
@@ -125,7 +125,7 @@ class _Tokens(torch.utils.data.Dataset):
 def trainer_case(stage: int, name: str, optim_args: str, out_dir: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
-    from test_accelerate import tiny_mlm
+    from helpers import tiny_mlm
 
     reset_accelerate()
     kwargs = dict(output_dir=os.path.join(out_dir, f"trainer-{stage}-{name}"), optim=f"hf_eff_{name}",

@@ -1,6 +1,7 @@
-"""Shared test helpers: a small model whose tensors cover every state layout, and the train / snapshot / compare
-steps the cross-cutting tests (tests/cases.py's CASES) build on. Plain functions, imported by test modules, so that
-no test module imports another."""
+"""Shared test helpers, plain functions imported by test modules (and the workers they launch), so that no test
+module imports another: a small model whose tensors cover every state layout with the train / snapshot / compare
+steps the cross-cutting tests (tests/cases.py's CASES) build on; a tiny masked LM with batches of uneven token
+counts, for gradient accumulation under Accelerate."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import io
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import hf_efficient as hfe
 
 INF, NAN = float("inf"), float("nan")
+IGNORE = -100  # the label of a token without a target
 
 
 class Net(nn.Module):
@@ -73,3 +76,85 @@ def assert_unchanged(model, opt, snap):
     for a, b in zip(model.parameters(), params):
         assert torch.equal(a, b)
     assert snapshot(model, opt)[1] == state
+
+
+# --- a tiny masked LM and batches of uneven token counts (gradient accumulation) ---------------------------------
+
+def tiny_mlm(seed: int = 0, dropout: float = 0.0, dtype=torch.float32, intermediate: int = 64):
+    """A 1-layer BERT masked LM whose matrices are all 64x64 (4096 elements: just big enough for 8-bit state;
+    one shape, so torchao compiles its step once), decoder tied to the embeddings as in the real MiniLM."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=intermediate, max_position_embeddings=32, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
+    return BertForMaskedLM(cfg).to(dtype)
+
+
+def variable_batches(n_batches: int = 4, per_batch: int = 2, seed: int = 0) -> list[dict]:
+    """Micro-batches of sequences whose lengths (3-24) and target counts (1 to all) differ a lot."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n_batches * per_batch):
+        n = int(torch.randint(3, 25, (1,), generator=g))
+        ids = torch.randint(1, 100, (n,), generator=g)
+        rate = 0.1 if i % 2 else 0.9  # sparse and dense targets alternate, so token counts differ per batch
+        labels = torch.where(torch.rand(n, generator=g) < rate, torch.randint(1, 100, (n,), generator=g), IGNORE)
+        labels[0] = int(ids[0])  # at least one target
+        seqs.append((ids, labels))
+    return [collate(seqs[i:i + per_batch]) for i in range(0, len(seqs), per_batch)]
+
+
+def collate(seqs) -> dict:
+    width = max(len(ids) for ids, _ in seqs)
+    batch = {"input_ids": torch.zeros(len(seqs), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(seqs), width, dtype=torch.long),
+             "labels": torch.full((len(seqs), width), IGNORE)}
+    for i, (ids, labels) in enumerate(seqs):
+        batch["input_ids"][i, :len(ids)], batch["attention_mask"][i, :len(ids)] = ids, 1
+        batch["labels"][i, :len(ids)] = labels
+    return batch
+
+
+def merge(batches: list[dict]) -> dict:
+    """One big batch from micro-batches (re-padded to the widest)."""
+    seqs = [(b["input_ids"][i][b["attention_mask"][i] == 1], b["labels"][i][b["attention_mask"][i] == 1])
+            for b in batches for i in range(len(b["input_ids"]))]
+    return collate(seqs)
+
+
+def logits_of(model, batch):
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def reference_grads(batch: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Gradients of the big batch's token-mean loss."""
+    model = tiny_mlm(seed)
+    F.cross_entropy(logits_of(model, batch).flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def accumulated_grads(accelerator, model, batches: list[dict], naive: bool = False) -> dict[str, torch.Tensor]:
+    """Gradients after one window through accelerate.accumulate: token-counted, or the naive mean of means."""
+    from hf_efficient.integrations.accelerate import accumulation_windows, summed_token_loss
+
+    for window in accumulation_windows(accelerator, batches):
+        for batch in window:
+            with accelerator.accumulate(model):
+                logits = logits_of(model, batch)
+                if naive:
+                    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+                else:
+                    loss = window.scale(summed_token_loss(logits, batch["labels"]))
+                accelerator.backward(loss)
+    unwrapped = accelerator.unwrap_model(model)
+    return {n: p.grad.clone() for n, p in unwrapped.named_parameters() if p.grad is not None}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """Largest per-tensor relative difference; the floor keeps gradients that are exactly zero in exact math
+    (attention's key bias: softmax ignores a per-query constant) from turning rounding noise into a ratio."""
+    assert a.keys() == b.keys()
+    floor = 1e-4 * torch.stack([v.norm() for v in b.values()]).norm()
+    return max(((a[k] - b[k]).norm() / torch.maximum(b[k].norm(), floor)).item() for k in a)

@@ -102,8 +102,8 @@ def worker(out_dir: str) -> None:
     sys.path.insert(0, HERE)
     import hf_efficient
     from hf_efficient.integrations.accelerate import EfficientOptimPlugin, accumulation_windows, summed_token_loss
-    from test_accelerate import (IGNORE, accumulated_grads, logits_of, max_rel_diff, merge, reference_grads,
-                                 tiny_mlm, variable_batches)
+    from helpers import (IGNORE, accumulated_grads, logits_of, max_rel_diff, merge, reference_grads, tiny_mlm,
+                         variable_batches)
 
     accelerator = EfficientOptimPlugin(gradient_accumulation_steps=2).create_accelerator()
     rank = accelerator.process_index
@@ -190,7 +190,7 @@ def fsdp2_probe() -> dict:
     import hf_efficient
     from hf_efficient.integrations.accelerate import EfficientOptimPlugin, summed_token_loss
     from hf_efficient.integrations.accelerator_checks import fp32_state_flags, restore_fp32_state_ids
-    from test_accelerate import logits_of, tiny_mlm, variable_batches
+    from helpers import logits_of, tiny_mlm, variable_batches
 
     mesh = init_device_mesh("cpu", (2,))
     batch = variable_batches(n_batches=1, per_batch=2)[0]
