@@ -16,7 +16,7 @@ import hf_efficient as hfe
 from hf_efficient import checkpoint
 from hf_efficient.registry import FAMILIES, SPECS
 from cases import CASES
-from helpers import Net, assert_unchanged, loss_of, make, snapshot, train
+from helpers import Net, assert_unchanged, make, snapshot, train
 
 BACKENDS_8BIT = ["torch", "bnb", "torchao"]
 
