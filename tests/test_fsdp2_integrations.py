@@ -159,6 +159,54 @@ def test_per_rank_state_bytes_predicted_equal_measured(name):
         assert r0["predicted"] < r0["whole"]
 
 
+def _save_state_run(name: str, tmp: str) -> dict:
+    """accelerate's FSDP2 loop on this rank: save_state after one step, then two more; a fresh Accelerator, model
+    and optimizer load_state and take the same two steps. Losses, weights and the 8-bit state's dtypes of both."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin
+
+    x, y = _data()
+    x = torch.nn.functional.pad(x, (0, 248))  # 256 inputs: the first matrix (33 x 256) keeps 8-bit state
+
+    def run(load: bool) -> dict:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state()  # a fresh Accelerator (else the second one keeps the first's state, no FSDP)
+        _as_fsdp_capable()
+        plugin = EfficientOptimPlugin(optim=name, lr=1e-2, weight_decay=0.01)
+        acc = plugin.create_accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        torch.manual_seed(int(load))  # the resumed run starts from other weights: load_state must restore them
+        model = torch.nn.Sequential(torch.nn.Linear(256, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+        model, opt, _ = plugin.prepare(acc, model, num_training_steps=STEPS)
+        if load:
+            acc.load_state(tmp)
+        losses = []
+        for step in range(1 if load else 0, STEPS):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if step == 0:
+                acc.save_state(tmp)
+        inner = unwrap(opt, until="state")
+        dtypes = sorted({str(v.dtype) for st in inner.state.values() for k, v in st.items() if k != "step"})
+        return {"losses": losses[-(STEPS - 1):], "weights": [full(p) for p in model.parameters()], "dtypes": dtypes}
+
+    return {"uninterrupted": run(load=False), "resumed": run(load=True)}
+
+
+@pytest.mark.parametrize("name", [n for n in ("adam8bit",) if n in SHARDABLE])
+def test_accelerate_save_state_load_state_under_fsdp2_resumes_exactly(name, tmp_path):
+    for r in run_ranks(_save_state_run, 2, name, str(tmp_path / "ckpt")):
+        want, got = r["uninterrupted"], r["resumed"]
+        assert "torch.uint8" in want["dtypes"] and got["dtypes"] == want["dtypes"]  # 8-bit state saved and loaded
+        assert got["losses"] == want["losses"]
+        for a, b in zip(got["weights"], want["weights"]):
+            assert torch.equal(a, b)
+
+
 def _trainer_run(name: str, tmp: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
