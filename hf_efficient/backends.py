@@ -424,14 +424,28 @@ def torchao_memory(moments: int) -> Callable:
     return rule
 
 
+def _torch_keeps_8bit_shape(t, opts: Mapping) -> bool:
+    """``Blockwise8bit._has_8bit_state`` on paper: >= ``min_8bit_size`` elements, not a 32-bit embedding; an FSDP2
+    row shard (``t.shard_of``) is judged by its whole tensor, which must be a matrix whose rows are whole blocks
+    (optim/_blockwise.py's module docstring), so the answer does not change with the mesh."""
+    if _keeps_32bit(t, opts):
+        return False
+    if t.shard_of is None:
+        return t.numel >= opts["min_8bit_size"]
+    whole = t.shard_of
+    numel = math.prod(whole)
+    return numel >= opts["min_8bit_size"] and len(whole) >= 2 and whole[0] > 0 and numel // whole[0] % BLOCK == 0
+
+
 def torch_8bit_memory(moments: int) -> Callable:
-    """This package's 8-bit optimizers: per moment uint8 codes padded to whole blocks + float32 absmax per block;
-    else float32 moments. Step: float32. The code books are module constants, not state. bf16/fp16 weights under
-    compensation=kahan: their bf16 buffer."""
+    """This package's 8-bit optimizers: per moment uint8 codes padded to whole blocks + float32 absmax per block
+    (an FSDP2 shard of an 8-bit tensor is whole rows of whole blocks: no padding); else float32 moments. Step:
+    float32. The code books are module constants, not state. bf16/fp16 weights under compensation=kahan: their
+    bf16 buffer."""
     def rule(ts, opts: Mapping) -> int:
         total = 0
         for t in ts:
-            if _keeps_32bit(t, opts) or t.numel < opts["min_8bit_size"]:
+            if not _torch_keeps_8bit_shape(t, opts):
                 total += t.count * moments * 4 * t.numel
             else:
                 blocks = -(-t.numel // BLOCK)

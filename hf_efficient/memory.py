@@ -165,6 +165,7 @@ class ParamShape:
     embedding: bool = False
     trainable: bool = True
     count: int = 1
+    shard_of: tuple[int, ...] | None = None  # an FSDP2 row shard of a tensor of this global shape (None: whole)
 
     @property
     def elements(self) -> int:
@@ -307,7 +308,7 @@ def _shard_rows(t: ParamShape, world_size: int) -> ParamShape:
         return t
     rows = -(-t.shape[0] // world_size)
     shape = (rows, *t.shape[1:])
-    return ParamShape(math.prod(shape), shape, t.dtype, t.embedding, t.trainable, t.count)
+    return ParamShape(math.prod(shape), shape, t.dtype, t.embedding, t.trainable, t.count, t.shard_of or t.shape)
 
 
 def _per_rank(tensors: list[ParamShape], world_size: int, sharding: str | None) -> list[ParamShape]:
@@ -338,7 +339,7 @@ def _bytes(tensors: list[ParamShape], world_size: int, flat: bool) -> int:
 
 
 def _as_fp32(t: ParamShape) -> ParamShape:
-    return ParamShape(t.numel, t.shape, torch.float32, t.embedding, t.trainable, t.count)
+    return ParamShape(t.numel, t.shape, torch.float32, t.embedding, t.trainable, t.count, t.shard_of)
 
 
 class Described(NamedTuple):

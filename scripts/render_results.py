@@ -696,6 +696,36 @@ def _plot_bf16(plt, axes, bf16: list[dict], base: dict | None, doc: dict) -> Non
 
 # ------------------------------------------------------------------------------------------ entry points
 
+# ------------------------------------------------------------------------------------------ fsdp2_memory
+
+def fsdp2_memory_md(doc: dict) -> str:
+    m = doc["model"]
+    rows = [[r["name"], r["world_size"], f"{r['predicted']:,}", " / ".join(f"{b:,}" for b in r["measured"]),
+             "yes" if r["predicted"] == max(r["measured"]) else "**no**"] for r in doc["memory"]]
+    worlds = sorted({k for d in doc["resume_max_abs_diff"].values() for k in d}, key=lambda k: int(k.split(">")[1]))
+    resumes = [[name, *(f"{d[k]:.3g}" for k in worlds)] for name, d in doc["resume_max_abs_diff"].items()]
+    return "\n".join([
+        "# Optimizer state per rank under FSDP2, and resumes across mesh sizes", "",
+        f"Command: `{doc['command']}`", "", machine_md(doc["machine"]), "",
+        f"Model: `LlamaForCausalLM` from a `LlamaConfig` (random init, untied): hidden {m['hidden_size']}, "
+        f"{m['num_hidden_layers']} layers, MLP {m['intermediate_size']}, vocabulary {m['vocab_size']}: "
+        f"{m['num_params']:,} parameters, fp32 (bf16 for hf_eff_adamw_bf16). Each rank a gloo process on this CPU, "
+        "every decoder layer and then the model `fully_shard`-ed on a 1-D mesh of all ranks (1 rank: a 1-rank "
+        f"mesh); every rank trains on the same batch of {doc['batch'][0]} x {doc['batch'][1]} tokens, lr "
+        f"{doc['lr']}, weight decay {doc['weight_decay']}.", "",
+        "## Optimizer state bytes per rank", "",
+        "Measured: `optimizer_state_bytes(optimizer)` on each rank after one step (its local shards), rank 0 first. "
+        "Predicted: `estimate_memory(model, name, world_size=N, sharding=\"fsdp2\")` of the unsharded model "
+        "(the largest rank's bytes).", "",
+        md_table(["name", "ranks", "predicted B", "measured B (rank 0 / 1 / ...)", "predicted = largest"], rows), "",
+        "## Resharded resume", "",
+        f"{doc['steps']} steps on 2 ranks, model and optimizer saved through DCP (`get_model_state_dict` / "
+        f"`get_optimizer_state_dict`, `dcp.save`) after step {doc['save_at']}; each mesh below builds the model "
+        "afresh, loads that checkpoint (DCP reshards it) and trains the remaining steps. Max |difference| of any "
+        "weight from the uninterrupted 2-rank run (0: bit for bit):", "",
+        md_table(["name", *worlds], resumes)]) + "\n"
+
+
 PAGES = {  # page -> (markdown, plot or None)
     "bench_step": (bench_step_md, bench_step_png),
     "bench_cuda": (bench_cuda_md, None),
@@ -703,6 +733,7 @@ PAGES = {  # page -> (markdown, plot or None)
     "bench_adamw8bit": (bench_adamw8bit_md, None),
     "memory_release": (memory_release_md, memory_release_png),
     "convergence": (convergence_md, convergence_png),
+    "fsdp2_memory": (fsdp2_memory_md, None),
 }
 
 

@@ -25,6 +25,7 @@ STEPS = 3
 SHARDABLE = sorted(s.name for s in SPECS.values() if s.backends and s.name != "paged_adam8bit"
                    and resolve(s.name, "cpu", log=False).implementation.fsdp2 is None)
 RUN = [n for n in ("adafactor", "adamw") if n in SHARDABLE]  # the names whose memory is measured on 2 ranks (time)
+RUN_8BIT = [n for n in ("adam8bit", "lion8bit") if n in SHARDABLE]  # measured on _Blocks: 8-bit state under FSDP2
 LOOPS = [n for n in SHARDABLE if n != "auto"]  # every name that steps shards trains in both loops
 
 
@@ -111,27 +112,99 @@ def test_accelerate_fsdp2_trains_like_one_process(name):
     assert ranks[1]["measured"] < ranks[0]["measured"]
 
 
+class _Blocks(torch.nn.Module):
+    """Every case of the 8-bit rule under FSDP2 (decided from the global shape, see optim/_blockwise.py), each
+    layer its own FSDP2 unit, fed its own input: rows of 256 and 512 elements (8-bit; 33 rows split unevenly), a
+    matrix whose shard is below min_8bit_size (24 x 256: 8-bit, as the whole), rows that are not whole blocks
+    (40 x 300: fp32), and a vector of min_8bit_size elements (the norm: fp32 under FSDP2, 8-bit in one process)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        for i, m in enumerate([torch.nn.Linear(256, 33), torch.nn.Linear(512, 40), torch.nn.Linear(256, 24),
+                               torch.nn.Linear(300, 40), torch.nn.LayerNorm(4096)]):
+            self.add_module(f"l{i}", m)
+
+    def loss(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1)
+        return sum(m(torch.randn(2, m.weight.shape[-1], generator=g)).square().mean() for m in self.children())
+
+
 def _memory_case(name: str) -> dict:
     """Shard by hand, step once, and compare per-rank bytes: measured (local tensors) against predicted, both for
-    the sharded model itself (its mesh read from its DTensors) and for the plain model with world_size=2."""
-    plain = _mlp()
+    the sharded model itself (its mesh read from its DTensors) and for the plain model with world_size=2. The 8-bit
+    names train :class:`_Blocks` (the MLP's matrices are too small for 8-bit state)."""
+    make = _Blocks if name in RUN_8BIT else _mlp
+    plain = make()
     predicted = estimate_memory(plain, name, world_size=2, sharding="fsdp2").state_bytes
-    model = shard(_mlp())
+    model = shard(make())
     opt = create_optimizer(model, name, lr=1e-2)
-    x, y = _data()
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    if name in RUN_8BIT:
+        model.loss().backward()
+    else:
+        x, y = _data()
+        torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     return {"measured": optimizer_state_bytes(opt), "predicted": predicted,
             "from_sharded": estimate_memory(model, name).state_bytes,
             "whole": estimate_memory(plain, name).state_bytes}
 
 
-@pytest.mark.parametrize("name", RUN)
+@pytest.mark.parametrize("name", RUN + RUN_8BIT)
 def test_per_rank_state_bytes_predicted_equal_measured(name):
     r0, r1 = run_ranks(_memory_case, 2, name)
     assert r0["measured"] == r0["predicted"] == r0["from_sharded"] == r1["predicted"]  # the largest shard's bytes
     assert r1["measured"] <= r0["measured"]
-    assert r0["predicted"] < r0["whole"]
+    if name not in RUN_8BIT:  # _Blocks' norm and 40 x 300 keep fp32 state under FSDP2, 8-bit in one process
+        assert r0["predicted"] < r0["whole"]
+
+
+def _save_state_run(name: str, tmp: str) -> dict:
+    """accelerate's FSDP2 loop on this rank: save_state after one step, then two more; a fresh Accelerator, model
+    and optimizer load_state and take the same two steps. Losses, weights and the 8-bit state's dtypes of both."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_efficient.integrations.accelerate import EfficientOptimPlugin
+
+    x, y = _data()
+    x = torch.nn.functional.pad(x, (0, 248))  # 256 inputs: the first matrix (33 x 256) keeps 8-bit state
+
+    def run(load: bool) -> dict:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state()  # a fresh Accelerator (else the second one keeps the first's state, no FSDP)
+        _as_fsdp_capable()
+        plugin = EfficientOptimPlugin(optim=name, lr=1e-2, weight_decay=0.01)
+        acc = plugin.create_accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        torch.manual_seed(int(load))  # the resumed run starts from other weights: load_state must restore them
+        model = torch.nn.Sequential(torch.nn.Linear(256, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+        model, opt, _ = plugin.prepare(acc, model, num_training_steps=STEPS)
+        if load:
+            acc.load_state(tmp)
+        losses = []
+        for step in range(1 if load else 0, STEPS):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if step == 0:
+                acc.save_state(tmp)
+        inner = unwrap(opt, until="state")
+        dtypes = sorted({str(v.dtype) for st in inner.state.values() for k, v in st.items() if k != "step"})
+        return {"losses": losses[-(STEPS - 1):], "weights": [full(p) for p in model.parameters()], "dtypes": dtypes}
+
+    return {"uninterrupted": run(load=False), "resumed": run(load=True)}
+
+
+@pytest.mark.parametrize("name", [n for n in ("adam8bit",) if n in SHARDABLE])
+def test_accelerate_save_state_load_state_under_fsdp2_resumes_exactly(name, tmp_path):
+    for r in run_ranks(_save_state_run, 2, name, str(tmp_path / "ckpt")):
+        want, got = r["uninterrupted"], r["resumed"]
+        assert "torch.uint8" in want["dtypes"] and got["dtypes"] == want["dtypes"]  # 8-bit state saved and loaded
+        assert got["losses"] == want["losses"]
+        for a, b in zip(got["weights"], want["weights"]):
+            assert torch.equal(a, b)
 
 
 def _trainer_run(name: str, tmp: str) -> dict:
