@@ -3,8 +3,8 @@
  * buffers), and on AVX-512 VBMI CPUs whole blocks in one fused vector pass in place (step_block_fused, the same
  * results). Built with -O3 -ffp-contract=off: every fp32 operation rounds as torch's eager ops do.
  *
- * Why not inductor: its C++ for this kernel spends ~200 vector operations per 8 elements on decoding and
- * encoding (5x torch's fused fp32 AdamW step); here a block's moments stay in 1 KiB buffers between the passes
+ * Why not inductor: its C++ for this kernel spends most of its vector operations on decoding and encoding (it
+ * cannot look values up or read a float's exponent; docs/results/bench_step.md has the times); here a block's moments stay in 1 KiB buffers between the passes
  * its absmax needs, decoding looks values up, and encoding finds the decade from the float's exponent.
  * The codec (tables, decoding, encoding, layout) is quant8.h's, shared with the other 8-bit kernels.
  *
@@ -57,7 +57,7 @@ static void step_block(float *restrict p, const float *restrict g, uint32_t *res
 /* step_block on the whole block at element `off` of the tensors (c: the Kahan buffer's start), read and written in
  * place, 16 elements at a time: both moments decoded into 1 KiB buffers, then one pass updates them (with their
  * absmax), steps the weight and writes it (bf16: under compensation `mode`), then both are encoded. The same
- * operations on the same values as step_block (see step_blocks), so the same results, in 10-20% less time: no block
+ * operations on the same values as step_block (see step_blocks), so the same results, in less time: no block
  * copies, weight and moments in one pass (the moments interleaved with their decoding were slower still). */
 static void step_block_fused(void *p, const void *g, int is_bf16, uint16_t *c, uint32_t key, comp_mode_t mode,
                              int64_t off, uint32_t *restrict wm, uint32_t *restrict wv, float *restrict am,

@@ -3,8 +3,8 @@
  * no multiply-add is fused and every fp32 operation rounds as torch's eager ops do).
  *
  * Why not inductor: its C++ for this kernel is compute-bound on the hash and the stochastic rounding (it
- * scalarizes bit casts); this loop is close to memory-bound (0.8x torch's fused fp32 AdamW step at 28M
- * parameters on 2 AVX-512 cores, moving 18 bytes per parameter against 28).
+ * scalarizes bit casts); this loop is close to memory-bound, moving 18 bytes per parameter against fused fp32
+ * AdamW's 28 (times: docs/results/bench_step.md).
  *
  * bf16 values travel as uint16_t. coef: an adamw_bf16_coef_t per call (adamw_bf16._coefficients). An element's
  * index in its tensor numbers its noise, as torch.arange does in the Python kernels.

@@ -6,10 +6,9 @@
  * and with AVX2: the same bits as torch 2.13, checked in the tests); then the new weight written under compensation
  * `mode` as write_all writes it (native.h's write_bf16; `none` rounds the new value itself).
  *
- * Why: the torch path copies every weight to fp32 and back. For hf_eff_adamw on a bf16 model that is the whole
- * step's traffic doubled (28M parameters: 7.5 ms stochastic, 9.2 ms Kahan here, ~1x torch's fused fp32 AdamW); for
- * the 32 biases and norms of 4 BERT layers beside 8-bit state (0.2% of the parameters) it was ~100 small operations,
- * 0.74 ms of every step (0.31 ms here).
+ * Why: the torch path copies every weight to fp32 and back. For hf_eff_adamw on a bf16 model that doubles the
+ * whole step's traffic; for the biases and norms beside 8-bit state it is ~100 small operations a step, each with
+ * its fixed cost (times: docs/results/bench_step.md).
  *
  * coef: an adamw_coef_t per tensor (adamw._c_coefficients). Gradients fp32, or bf16 where g_bf16[t]. keys: each
  * tensor's weight noise key.
