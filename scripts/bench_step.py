@@ -640,6 +640,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
         dynamo.config.disable = dynamo_disabled
+        if args.no_compile:  # frames first run with dynamo off stay skipped: a later torch.compile(fullgraph) fails
+            dynamo.reset()
     config = {k: getattr(args, k) for k in ("hidden", "layers", "reps", "warmup", "probe_mb", "threads",
                                             "trainer_reps", "trainer_steps", "trainer_hidden", "backward_reps",
                                             "backward_warmup", "backward_tokens", "no_compile")}

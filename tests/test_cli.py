@@ -212,10 +212,14 @@ def test_estimate_per_rank(capsys):
     assert rc == 0 and (data["world_size"], data["sharding"]) == (4, "fsdp2")
     rows = {r["label"]: r for r in data["rows"]}
     assert rows["hf_eff_adamw"]["state_bytes"] < one["hf_eff_adamw"]["state_bytes"] / 3  # each rank a quarter
-    assert "does not step FSDP2 shards" in rows["hf_eff_adamw_bf16 (bf16 params)"]["unavailable"]
+    assert not [label for label, r in rows.items() if "unavailable" in r]  # every name steps FSDP2 shards
     rc, out, _ = run(capsys, "estimate", "--params", "1000000000", "--device", "cpu", "--world-size", "4",
                      "--sharding", "zero2")
     assert rc == 0 and "bytes per rank of 4 (zero2)" in " ".join(out.split())
+    rc, out, _ = run(capsys, "estimate", "--params", "1000000000", "--device", "cpu", "--world-size", "4",
+                     "--sharding", "zero2", "--json")
+    zero = {r["label"]: r for r in json.loads(out)["rows"]}
+    assert "does not train under DeepSpeed ZeRO" in zero["hf_eff_adamw_bf16 (bf16 params)"]["unavailable"]
     with pytest.raises(SystemExit):
         run(capsys, "estimate", "--params", "1B", "--world-size", "0")
     assert "--world-size 0: the number of processes" in capsys.readouterr().err

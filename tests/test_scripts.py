@@ -63,7 +63,8 @@ def test_bench_step_quick(tmp_path):
     for f in {r["format"] for r in measured}:  # one fastest row per format, among the alternatives
         fastest = [r for r in measured if r["format"] == f and r["fastest_of_format"]]
         assert len(fastest) == 1, f
-        alternatives = [r for r in measured if r["format"] == f and r["note"] != "nonfinite=ignore"]
+        alternatives = [r for r in measured if r["format"] == f and r["note"] != "nonfinite=ignore"
+                        and not r["note"].startswith("runs ")]  # a fallback running another name is no rival
         assert fastest[0]["step_ms"] == min(r["step_ms"] for r in alternatives), f
     arms = {o["arm"]: o for o in doc["trainer_overhead"]}
     assert {"hf_eff_adamw", "hf_eff_adam8bit", "torch AdamW fused, passed in"} <= set(arms)
