@@ -47,15 +47,24 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
 
 def run_ranks(fn, world: int, *args) -> list:
     """``fn(*args)`` on ``world`` gloo processes; each rank's return value (picklable), in rank order."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, (world, _free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
-        results = []
-        for rank in range(world):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-                status, value = pickle.load(f)
-            assert status == "ok", f"rank {rank} of {world} raised:\n{value}"
-            results.append(value)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's, at their start; put back for later tests' own
+    try:  # subprocesses (a run compared with one made in this process must get its thread count)
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.start_processes(_entry, (world, _free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
+            return _results(out_dir, world)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _results(out_dir: str, world: int) -> list:
+    results = []
+    for rank in range(world):
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+            status, value = pickle.load(f)
+        assert status == "ok", f"rank {rank} of {world} raised:\n{value}"
+        results.append(value)
     return results
 
 
