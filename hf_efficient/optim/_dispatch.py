@@ -24,7 +24,7 @@ import torch
 
 from . import _native
 
-__all__ = ["cached", "compiled", "native", "custom_op", "call", "compile_errors", "log_once", "c_array",
+__all__ = ["cached", "compiled", "probed", "native", "custom_op", "call", "compile_errors", "log_once", "c_array",
            "Bf16WeightKernel"]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,19 @@ def compiled(key, fn: Callable, probe: Callable[[Callable], bool] | None = None,
         return kernel
 
     return cached(key, make)
+
+
+def probed(name: str, device, load: Callable[[], Callable], probe: Callable, reference: str):
+    """The step function ``load()`` returns (it imports the Triton kernels), once ``probe(fn, device)`` agreed with
+    ``reference`` on ``device``; else None, logged once (cached per process and device under ``("triton", name,
+    device)``): the caller runs its reference path."""
+    def make():
+        fn = load()
+        if not probe(fn, device):
+            raise RuntimeError(f"the Triton kernel disagrees with {reference} on its probe on {device}")
+        return fn
+
+    return cached(("triton", name, str(device)), make)
 
 
 def native(source: str, symbol: str, argtypes: list, probe: Callable[[Callable], bool], restype=None):

@@ -190,14 +190,11 @@ def _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensati
 
 def _triton_kernel(device: torch.device):
     """:func:`.adamw_triton.fp32_state_step`, once its probe on ``device`` passed; else None (logged once)."""
-    def make():
+    def load():
         from . import adamw_triton
-
-        if not _triton_probe(adamw_triton.fp32_state_step, device):
-            raise RuntimeError(f"the Triton kernel disagrees with torch's AdamW on its probe on {device}")
         return adamw_triton.fp32_state_step
 
-    return _dispatch.cached(("triton", "adamw_fp32_state", str(device)), make)
+    return _dispatch.probed("adamw_fp32_state", device, load, _triton_probe, "torch's AdamW")
 
 
 def _triton_probe(kernel, device: torch.device) -> bool:

@@ -498,14 +498,11 @@ def _triton_split(low, params, grads, exp_avgs, exp_avg_sqs, comps, steps, compe
 
 def _triton_kernel(device: torch.device):
     """:func:`.adamw_triton.bf16_state_step`, once its probe on ``device`` passed; else None (logged once)."""
-    def make():
+    def load():
         from . import adamw_triton
-
-        if not _triton_agrees(adamw_triton.bf16_state_step, device):
-            raise RuntimeError(f"the Triton kernel disagrees with the eager one on its probe on {device}")
         return adamw_triton.bf16_state_step
 
-    return _dispatch.cached(("triton", "adamw_bf16", str(device)), make)
+    return _dispatch.probed("adamw_bf16", device, load, _triton_agrees, "the eager one")
 
 
 def _triton_agrees(step_fn, device: torch.device) -> bool:
