@@ -37,13 +37,25 @@ kernel = getattr(importlib.import_module(module), name)
 constexprs = {k: eval(v, {"tl": tl}) if isinstance(v, str) else v for k, v in constexprs.items()}
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
-print(json.dumps({"shared": compiled.metadata.shared, "ptx": len(compiled.asm["ptx"]), "cubin": len(compiled.asm["cubin"])}))
+info = {"shared": compiled.metadata.shared, "ptx": len(compiled.asm["ptx"]), "cubin": len(compiled.asm["cubin"]),
+        "num_warps": compiled.metadata.num_warps}
+if len(sys.argv) > 2:  # nvdisasm's lines: scheduling fields, a tab, [@predicate] OPCODE.modifiers operands;
+    info["sass"] = {}
+    for line in compiled.asm["sass"].splitlines():
+        words = line.split("\t", 1)[1].split() if "\t" in line else []
+        words = words[1:] if words and words[0].startswith("@") else words
+        if words:
+            op = words[0].rstrip(";").split(".")[0]
+            info["sass"][op] = info["sass"].get(op, 0) + 1
+print(json.dumps(info))
 """
 
 
-def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: dict) -> dict:
+def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: dict, sass: bool = False) -> dict:
     """Compile ``module.kernel`` ahead of time for sm_90 (no GPU needed: Triton's wheel carries ptxas), in a
-    subprocess without the interpreter; returns its sizes (shared memory bytes, PTX and cubin lengths). ``signature``: argument -> Triton type
+    subprocess without the interpreter; returns its sizes (shared memory bytes, PTX and cubin lengths, ``num_warps``)
+    and, with ``sass``, the static count of each machine instruction's opcode (``{"FSEL": 36, ...}``: for judging a
+    compute-bound kernel without a GPU; loops count once). ``signature``: argument -> Triton type
     ("*bf16", "i32", "fp32", "constexpr"); ``constexprs``: values, dtypes written as strings ("tl.bfloat16").
 
     Raises:
@@ -55,7 +67,8 @@ def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: di
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, "-c", _AOT, json.dumps([module, kernel, signature, constexprs])],
+    run = subprocess.run([sys.executable, "-c", _AOT, json.dumps([module, kernel, signature, constexprs]),
+                          *(["sass"] if sass else [])],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
