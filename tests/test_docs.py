@@ -71,3 +71,14 @@ def test_readme_links_resolve():
     assert links
     missing = [t for t in links if not (ROOT / t).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_contributing_page_names_every_module():
+    """docs/contributing.md's layout names every source file of the package (Python, C and headers), by its path
+    under hf_efficient/, so a module added without a line there fails here."""
+    page = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
+    package = ROOT / "hf_efficient"
+    modules = sorted(str(p.relative_to(package)) for ext in ("py", "c", "h") for p in package.rglob(f"*.{ext}"))
+    assert modules
+    missing = [m for m in modules if f"`{m}`" not in page]
+    assert not missing, f"docs/contributing.md does not name these modules in its layout: {missing}"
