@@ -82,3 +82,17 @@ def test_contributing_page_names_every_module():
     assert modules
     missing = [m for m in modules if f"`{m}`" not in page]
     assert not missing, f"docs/contributing.md does not name these modules in its layout: {missing}"
+
+
+def test_readme_speed_figures_are_the_gpu_results_page():
+    """The README's speed section is a short excerpt of docs/results/bench_cuda.md (written by its script): each
+    ratio and GB figure it quotes, and the GPU it names, are on that page, so a re-run that changes them shows here."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Speed\n", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "results" / "bench_cuda.md").read_text(encoding="utf-8")
+    figures = re.findall(r"\b\d+\.\d+x|\b\d+\.\d+ GB", section)
+    assert len(figures) >= 8, figures
+    missing = [f for f in figures if f.removesuffix(" GB") not in page]
+    assert not missing, f"README's speed figures not on docs/results/bench_cuda.md: {missing}"
+    gpu = re.search(r"\(([^)]*NVIDIA[^)]*)\)", page.splitlines()[0]).group(1)
+    assert gpu in section, f"README's speed section should name the results page's GPU, {gpu}"
