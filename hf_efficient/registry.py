@@ -192,7 +192,8 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
         OptimizerSpec("lion8bit", LION8BIT, 1.02, "~1.02",
                       "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit momentum; "
-                      "the paper advises lr 3-10x below AdamW's (convergence.md: AdamW's own did best here); "
+                      "the paper advises lr 3-10x below AdamW's (in our fine-tuning run AdamW's own lr did best: "
+                      "see the convergence results); "
                       "embeddings and tensors < min_8bit_size keep 32-bit state",
                       {"torch": _TORCH_LION8BIT, "bnb": _BNB_LION8BIT},
                       # as adam8bit: our C kernel on CPU, our Triton kernel on CUDA (else bitsandbytes')
