@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, triton  # noqa: F401
+from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, signature_8bit, triton  # noqa: F401
 from hf_efficient.optim import _triton, quant8
 from hf_efficient.optim.adamw8bit import AdamW8bit
 from hf_efficient.optim.lion8bit import Lion8bit
@@ -232,20 +232,6 @@ def test_state_is_in_bitsandbytes_canonical_layout(on_cpu):
         assert torch.equal(quant8.from_canonical(st[key], params[0], signed), opt.state[params[0]][key])
 
 
-def _signature(kernel):
-    head = {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32"}
-    if kernel == "lion_kernel":
-        scalars = "b1 omb1 b2 omb2 decay lr"
-    elif kernel == "adamw8bit_kernel":
-        head["maps"] = "*fp32"
-        scalars = "omb1 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
-    else:
-        head["maps"] = "*fp32"
-        scalars = "b1 omb1 b2 omb2 decay lr"
-    constexprs = ("MODE", "OUT", "GRAD", "ALIGNED", "BLOCK" if kernel == "lion_kernel" else "NB")
-    return {**head, **{x: "fp32" for x in scalars.split()}, **{c: "constexpr" for c in constexprs}}
-
-
 def test_every_launched_variant_compiles_for_hopper():
     """Each kernel compiled for sm_90 on each weight dtype, the three compensation paths among them (fp32 weights
     ignore the mode; the other (dtype, mode) pairs differ only inside ``_triton_lib.compensated``, whose every mode
@@ -260,7 +246,7 @@ def test_every_launched_variant_compiles_for_hopper():
              for dtype, mode, aligned in variants]
     with ThreadPoolExecutor(3) as pool:
         infos = list(pool.map(lambda j: compile_for_hopper(
-            f"hf_efficient.optim.{j[0]}", j[1], _signature(j[1]),
+            f"hf_efficient.optim.{j[0]}", j[1], signature_8bit(j[1]),
             {"MODE": j[3], "OUT": names[j[2]], "GRAD": names[j[2]], **j[4]}),
             jobs))
     assert all(info["cubin"] > 0 for info in infos)
