@@ -361,3 +361,38 @@ def test_the_guard_checks_on_the_device_where_every_tensor_takes_a_triton_kernel
         opt.step()
     for p, (w, st) in zip(model.parameters(), before):
         assert torch.equal(w, p) and all(torch.equal(v, opt.state[p][k]) for k, v in st.items())
+
+
+def _encoder_inputs(signed: bool) -> torch.Tensor:
+    """Values where an encoder can go wrong: every map value and every threshold with their fp32 neighbours (two
+    each side), the top of the range (1.0, a little above: a normalized value's rounding), zeros, subnormals, and
+    log-uniform values over the whole range; negated too (the unsigned map's negative values: eager's code 0)."""
+    inf = torch.tensor(float("inf"))
+    mids, top = quant8.THRESHOLDS[signed]
+    anchors = torch.cat([quant8.dynamic_map(signed).abs(), torch.tensor([*mids, top, 1.0, 0.0, 1e-45, 1e-39, 2.0**-126])])
+    near = [anchors]
+    for direction in (inf, -inf):
+        x = anchors
+        for _ in range(2):
+            x = torch.nextafter(x, direction)
+            near.append(x)
+    gen = torch.Generator().manual_seed(0)
+    random = 10.0 ** (torch.rand(20000, generator=gen) * 10 - 9.5)
+    x = torch.cat([*near, random, torch.rand(5000, generator=gen)]).float().clamp(0, 1.0000001)
+    return torch.cat([x, -x])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_encoder_gives_the_eager_encoders_codes(signed):
+    """quant8_triton.encode (binade and count tables) against quant8.encode (the chain of comparisons), code for code,
+    where a decade or the top begins and ends and everywhere between."""
+    from hf_efficient.optim import quant8_triton
+    import _triton_test_kernels as K
+
+    x = _encoder_inputs(signed)
+    out = torch.empty(x.numel(), dtype=torch.int32)
+    K.encode_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, quant8_triton.tables("cpu"), x.numel(), SIGNED=signed,
+                                                      BLOCK=1024)
+    expected = quant8.encode(x, signed).to(torch.int32)
+    assert torch.equal(out, expected), x[out != expected][:8]
