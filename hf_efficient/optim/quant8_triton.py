@@ -16,40 +16,45 @@ import triton
 import triton.language as tl
 
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126, fp32's smallest normal (quant8.block_scale)
-# int64 entries of tables() after quant8.c_tables()' 528 floats: each map's binade table, then its count table
-# binade entries (signed: indexed by |x|'s exponent; unsigned: by x's sign and exponent) and where each table starts
-_BINADES = {True: 256, False: 512}
+# tables(): quant8.c_tables()' 528 floats, then each map's binade table (ENTRY int64 a binade; signed: indexed by
+# |x|'s exponent, 256 binades; unsigned: by x's sign and exponent, 512): where each starts, in int64 units
+ENTRY = 4
 _ENC_SIGNED = tl.constexpr(264)
-_ENC_UNSIGNED = tl.constexpr(264 + 256 + 16)
+_ENC_UNSIGNED = tl.constexpr(264 + 256 * ENTRY)
 _TABLES: dict = {}
 
 
 def _encoder_table(signed: bool) -> torch.Tensor:
-    """:func:`encode`'s tables of one map (int64: low 32 bits one fp32 value's bits, high 32 another int32).
+    """:func:`encode`'s binade table of one map: ``ENTRY`` int64 per binade (the exponent bits of ``a``: |x| signed,
+    x unsigned, with its sign bit), as fp32 / int32 pairs: ``(inner, n_below)``, ``(inv_scale_below, n_above)``,
+    ``(inv_scale_above, 0)``, ``(0, 0)``.
 
-    Binade table, indexed by the bits of ``a`` (|x| signed, x unsigned) shifted right by 23: the count of thresholds
-    at or below the binade's bottom (high) and the one threshold inside the binade (low; +inf where none: the
-    thresholds are about 10x apart, at most one falls in a binade). The thresholds are the 7 decade midpoints and
-    the top one as the next float above it (``a >= next(top)`` is ``a > top``), so ``count`` = entry + (a >= inner)
-    is eager's decade, or 8 above the top. Exponent 255 (NaN: eager's comparisons all fail) and the unsigned map's
-    negative values (eager's decade 0) count 0. Count table, indexed by the count: ``n`` (low) and ``inv_scale``
-    (high) as :func:`.quant8.encode` sets them."""
+    The thresholds are the 7 decade midpoints and the top one as the next float above it (``a >= next(top)`` is
+    ``a > top``), about 10x apart: at most one (``inner``; +inf where none) falls inside a binade, so eager's decade
+    (the count of thresholds at or below ``a``, 8 above the top) is the count below the binade, plus one where
+    ``a >= inner``; ``n`` and ``inv_scale`` are :func:`.quant8.encode`'s for either count. Exponent 255 (NaN: eager's
+    comparisons all fail) and the unsigned map's negative values (eager's decade 0) count 0."""
     from . import quant8
 
     mids, top = quant8.THRESHOLDS[signed]
     cuts = torch.tensor([*mids, top], dtype=torch.float32)
     cuts[-1] = torch.nextafter(cuts[-1], torch.tensor(float("inf")))
     low = torch.arange(256, dtype=torch.int64).mul(2**23).to(torch.int32).view(torch.float32)  # each binade's bottom
-    base = (cuts[None, :] <= low[:, None]).sum(1)
+    below = (cuts[None, :] <= low[:, None]).sum(1)
     inside = (cuts[None, :] > low[:, None]) & (cuts[None, :] < 2 * low[:, None])
     assert int(inside.sum(1).max()) <= 1, "two thresholds in one binade: the encoder's one comparison cannot tell"
     inner = torch.where(inside, cuts[None, :], float("inf")).amin(1)
-    base[255], inner[255] = 0, float("inf")
-    binades = torch.cat([_pair(inner, base), _pair(torch.full((256,), float("inf")), torch.zeros(256))])
+    below[255], inner[255] = 0, float("inf")
+    if not signed:  # the negative values
+        below, inner = torch.cat([below, torch.zeros(256, dtype=below.dtype)]), torch.cat([inner, inner.new_full(
+            (256,), float("inf"))])
+    above = (below + 1).clamp_max(8)  # (unused where inner is inf)
     first = 1.0 if signed else 2.0
-    n = torch.tensor([0.0 if signed else 1.0, *(first * 2**d for d in range(8))] + [0.0] * 7)
-    inv_scale = torch.tensor([0.0, *(10.0 ** (7 - d) for d in range(7))] + [0.0] * 8)  # exact in fp32
-    return torch.cat([binades[:_BINADES[signed]], _pair(n, inv_scale.view(torch.int32))])
+    n = torch.tensor([0.0 if signed else 1.0, *(first * 2**d for d in range(8))])
+    inv_scale = torch.tensor([0.0, *(10.0 ** (7 - d) for d in range(7)), 0.0])  # exact in fp32
+    zero = torch.zeros_like(inner)
+    return torch.stack([_pair(inner, n[below].view(torch.int32)), _pair(inv_scale[below], n[above].view(torch.int32)),
+                        _pair(inv_scale[above], zero), _pair(zero, zero)], 1).reshape(-1)
 
 
 def _pair(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -60,7 +65,7 @@ def _pair(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
 def tables(device: torch.device) -> torch.Tensor:
     """The codec's tables on ``device`` (fp32; copied there once per process, never inside a step after the first):
     ``quant8.c_tables()`` (the decoder reads its first 512 floats), then :func:`_encoder_table` of the signed and
-    the unsigned map (int64 entries from float 528)."""
+    the unsigned map (int64 entries from float 528: 32-byte aligned, an entry in one sector)."""
     key = torch.device(device)
     if key not in _TABLES:
         from . import quant8
@@ -91,21 +96,22 @@ def load(words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr):
 @triton.jit
 def encode(x, table_ptr, SIGNED: tl.constexpr):
     """:func:`.quant8.encode` of normalized values ``x`` (fp32): codes as int32. Eager's decade (the count of
-    midpoints at or below ``a``, or 8 above the top threshold) from two gathers instead of its 16 selects: the
-    binade table by ``a``'s exponent bits gives the count below the binade and the one threshold inside it, the
-    count table ``n`` and ``inv_scale`` (see :func:`_encoder_table`); the rest is eager's arithmetic in its order."""
+    midpoints at or below ``a``, or 8 above the top threshold) and its ``n`` and ``inv_scale`` from one entry of the
+    binade table (:func:`_encoder_table`), by ``a``'s exponent bits, and one comparison, instead of 8 comparisons and
+    16 selects; the rest is eager's arithmetic in its order."""
     bits = x.to(tl.uint32, bitcast=True)
     if SIGNED:
         bits = bits & 0x7FFFFFFF
         a = bits.to(tl.float32, bitcast=True)
     else:
         a = x  # a negative x (never stored: the second moment is >= 0) has a binade of its own, counting 0
-    enc = table_ptr.to(tl.pointer_type(tl.int64)) + (_ENC_SIGNED if SIGNED else _ENC_UNSIGNED)
-    binade = tl.load(enc + (bits >> 23))
-    count = (binade >> 32).to(tl.int32) + (a >= binade.to(tl.int32).to(tl.float32, bitcast=True)).to(tl.int32)
-    pair = tl.load(enc + (256 if SIGNED else 512) + count)  # _BINADES
-    n = pair.to(tl.int32).to(tl.float32, bitcast=True)
-    inv_scale = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    entry = table_ptr.to(tl.pointer_type(tl.int64)) + (_ENC_SIGNED if SIGNED else _ENC_UNSIGNED) + (bits >> 23) * 4  # ENTRY
+    q0 = tl.load(entry)  # one 32-byte sector: three 8-byte loads at immediate offsets of one address
+    q1 = tl.load(entry + 1)
+    q2 = tl.load(entry + 2)
+    up = a >= q0.to(tl.int32).to(tl.float32, bitcast=True)
+    n = tl.where(up, (q1 >> 32).to(tl.int32), (q0 >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+    inv_scale = tl.where(up, q2.to(tl.int32), q1.to(tl.int32)).to(tl.float32, bitcast=True)
     k = tl.floor((a * inv_scale - 1.0) * (n * 0.1111111111111111))
     j = n + tl.maximum(tl.minimum(k, n - 1.0), 0.0)
     if SIGNED:  # the signed map has no -1.0: below -top (count 8) eager's decade 6 gives its last code, j = 127
