@@ -34,9 +34,8 @@ def bf16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def pow_kernel(n_ptr, out_ptr, base_hi, base_lo, count, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    m = offs < count
-    tl.store(out_ptr + offs, L.pow_int(base_hi, base_lo, tl.load(n_ptr + offs, mask=m)), mask=m)
+    for i in range(count):  # pow_int takes a scalar exponent (a tensor's step), as the kernels call it
+        tl.store(out_ptr + i, L.pow_int(base_hi, base_lo, tl.load(n_ptr + i)))
 
 
 @triton.jit
