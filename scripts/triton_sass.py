@@ -10,9 +10,10 @@ element. A developer tool: no rendering, no timing.
 
 Instructions per element: the kernel's static instruction count over the elements one thread steps per program
 (``NB * 256 / (32 * num_warps)``) and over 2, the bodies each kernel holds (whole blocks, and the tensor's last,
-partial program: nearly the same code). Loops count once (the kernels have none at run time but their unrolled
-ones); per-program work (addresses, bias corrections) is spread over the thread's elements as it runs. An estimate
-of the executed count, comparable between versions of the same kernels.
+partial program: nearly the same code). A static count, an estimate of the executed one, comparable between versions
+of the same kernels: a loop's body counts once (``pow_int``'s, over the step's bits, runs ~log2(step) times per
+program), slow paths never taken count (correctly rounded division's and square root's), and per-program work the
+compiler hoists out of both bodies (the bias corrections) counts half of its share at run time.
 """
 
 from __future__ import annotations
