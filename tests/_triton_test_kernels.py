@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from hf_efficient.optim import _triton
+from hf_efficient.optim import quant8_triton as Q
 
 L = _triton.jit_helpers()
 
@@ -33,6 +34,12 @@ def bf16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def pow_kernel(n_ptr, out_ptr, base_hi, base_lo, count, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    m = offs < count
-    tl.store(out_ptr + offs, L.pow_int(base_hi, base_lo, tl.load(n_ptr + offs, mask=m)), mask=m)
+    for i in range(count):  # pow_int takes a scalar exponent (a tensor's step), as the kernels call it
+        tl.store(out_ptr + i, L.pow_int(base_hi, base_lo, tl.load(n_ptr + i)))
+
+
+@triton.jit
+def encode_kernel(x_ptr, out_ptr, maps, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, Q.encode(tl.load(x_ptr + offs, mask=m, other=0.0), maps, SIGNED), mask=m)

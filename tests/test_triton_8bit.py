@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, triton  # noqa: F401
+from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, signature_8bit, triton  # noqa: F401
 from hf_efficient.optim import _triton, quant8
 from hf_efficient.optim.adamw8bit import AdamW8bit
 from hf_efficient.optim.lion8bit import Lion8bit
@@ -232,20 +232,6 @@ def test_state_is_in_bitsandbytes_canonical_layout(on_cpu):
         assert torch.equal(quant8.from_canonical(st[key], params[0], signed), opt.state[params[0]][key])
 
 
-def _signature(kernel):
-    head = {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32"}
-    if kernel == "lion_kernel":
-        scalars = "b1 omb1 b2 omb2 decay lr"
-    elif kernel == "adamw8bit_kernel":
-        head["maps"] = "*fp32"
-        scalars = "omb1 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
-    else:
-        head["maps"] = "*fp32"
-        scalars = "b1 omb1 b2 omb2 decay lr"
-    constexprs = ("MODE", "OUT", "GRAD", "ALIGNED", "BLOCK" if kernel == "lion_kernel" else "NB")
-    return {**head, **{x: "fp32" for x in scalars.split()}, **{c: "constexpr" for c in constexprs}}
-
-
 def test_every_launched_variant_compiles_for_hopper():
     """Each kernel compiled for sm_90 on each weight dtype, the three compensation paths among them (fp32 weights
     ignore the mode; the other (dtype, mode) pairs differ only inside ``_triton_lib.compensated``, whose every mode
@@ -260,7 +246,7 @@ def test_every_launched_variant_compiles_for_hopper():
              for dtype, mode, aligned in variants]
     with ThreadPoolExecutor(3) as pool:
         infos = list(pool.map(lambda j: compile_for_hopper(
-            f"hf_efficient.optim.{j[0]}", j[1], _signature(j[1]),
+            f"hf_efficient.optim.{j[0]}", j[1], signature_8bit(j[1]),
             {"MODE": j[3], "OUT": names[j[2]], "GRAD": names[j[2]], **j[4]}),
             jobs))
     assert all(info["cubin"] > 0 for info in infos)
@@ -375,3 +361,60 @@ def test_the_guard_checks_on_the_device_where_every_tensor_takes_a_triton_kernel
         opt.step()
     for p, (w, st) in zip(model.parameters(), before):
         assert torch.equal(w, p) and all(torch.equal(v, opt.state[p][k]) for k, v in st.items())
+
+
+def _encoder_inputs(signed: bool) -> torch.Tensor:
+    """Values where an encoder can go wrong: every map value and every threshold with their fp32 neighbours (two
+    each side), the top of the range (1.0, a little above: a normalized value's rounding), zeros, subnormals, and
+    log-uniform values over the whole range; negated too (the unsigned map's negative values: eager's code 0)."""
+    inf = torch.tensor(float("inf"))
+    mids, top = quant8.THRESHOLDS[signed]
+    anchors = torch.cat([quant8.dynamic_map(signed).abs(), torch.tensor([*mids, top, 1.0, 0.0, 1e-45, 1e-39, 2.0**-126])])
+    near = [anchors]
+    for direction in (inf, -inf):
+        x = anchors
+        for _ in range(2):
+            x = torch.nextafter(x, direction)
+            near.append(x)
+    gen = torch.Generator().manual_seed(0)
+    random = 10.0 ** (torch.rand(20000, generator=gen) * 10 - 9.5)
+    x = torch.cat([*near, random, torch.rand(5000, generator=gen)]).float().clamp(0, 1.0000001)
+    return torch.cat([x, -x])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_encoder_gives_the_eager_encoders_codes(signed):
+    """quant8_triton.encode (binade and count tables) against quant8.encode (the chain of comparisons), code for code,
+    where a decade or the top begins and ends and everywhere between."""
+    from hf_efficient.optim import quant8_triton
+    import _triton_test_kernels as K
+
+    x = _encoder_inputs(signed)
+    out = torch.empty(x.numel(), dtype=torch.int32)
+    K.encode_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, quant8_triton.tables("cpu"), x.numel(), SIGNED=signed,
+                                                      BLOCK=1024)
+    expected = quant8.encode(x, signed).to(torch.int32)
+    assert torch.equal(out, expected), x[out != expected][:8]
+
+
+# Instructions per element (scripts/triton_sass.py's measure) of two variants, ~5% over what they compile to
+# now: AdamW's both encoders and fp32 weights, Lion's bf16 weights under the default compensation. Raise a bound only
+# with a reason (a kernel that computes more); lower it when a change cuts instructions.
+SASS_BOUNDS = {("adamw8bit_kernel", "float32", "none"): 148, ("lion8bit_kernel", "bfloat16", "stochastic"): 82}
+
+
+def test_the_8bit_kernels_instructions_per_element_stay_within_bounds():
+    """The 8-bit kernels are compute-bound on a GPU (their time follows their instructions per element, not their
+    bytes): a change that adds instructions to the codec or the step fails here, with the opcodes to look at."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "triton_sass.py"
+    spec = importlib.util.spec_from_file_location("_script_triton_sass", path)
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    with ThreadPoolExecutor(2) as pool:
+        rows = list(pool.map(lambda variant: sass.count(*variant), SASS_BOUNDS))
+    for row, bound in zip(rows, SASS_BOUNDS.values()):
+        assert row["per_element"] <= bound, (row["kernel"], row["weights"], row["per_element"], row["opcodes"])

@@ -72,3 +72,19 @@ def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: di
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def signature_8bit(kernel: str) -> dict:
+    """The argument types of ``blockwise_triton``'s 8-bit kernels (or ``lion_triton.lion_kernel``) for
+    :func:`compile_for_hopper`."""
+    head = {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32"}
+    if kernel == "lion_kernel":
+        scalars = "b1 omb1 b2 omb2 decay lr"
+    elif kernel == "adamw8bit_kernel":
+        head["maps"] = "*fp32"
+        scalars = "omb1 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
+    else:
+        head["maps"] = "*fp32"
+        scalars = "b1 omb1 b2 omb2 decay lr"
+    constexprs = ("MODE", "OUT", "GRAD", "ALIGNED", "BLOCK" if kernel == "lion_kernel" else "NB")
+    return {**head, **{x: "fp32" for x in scalars.split()}, **{c: "constexpr" for c in constexprs}}

@@ -40,14 +40,18 @@ def weight_key(position, step):
 
 @triton.jit
 def pow_int(base_hi, base_lo, n):
-    """``base ** n`` in float64 for an int32 ``n`` >= 0, by squaring; ``base`` comes as two fp32 halves (Triton passes
-    Python floats as fp32): ``hi = fp32(base)``, ``lo = fp32(base - hi)`` (:func:`._triton.split64`). Within a few
-    float64 ulp of Python's ``base ** n``, so its fp32 rounding is the host's value."""
+    """``base ** n`` in float64 for an int32 scalar ``n`` >= 0, by squaring; ``base`` comes as two fp32 halves (Triton
+    passes Python floats as fp32): ``hi = fp32(base)``, ``lo = fp32(base - hi)`` (:func:`._triton.split64`). Within a
+    few float64 ulp of Python's ``base ** n``, so its fp32 rounding is the host's value. A loop over ``n``'s bits up
+    to its highest set one: every thread of a program runs it (float64, half rate), so ~log2(step) rounds instead of
+    31 matter to a kernel of few elements per thread."""
     result = tl.full((), 1.0, tl.float64)
     b = tl.cast(base_hi, tl.float64) + tl.cast(base_lo, tl.float64)
-    for i in tl.static_range(31):
-        result = tl.where(((n >> i) & 1) != 0, result * b, result)
+    e = n
+    while e > 0:
+        result = tl.where((e & 1) != 0, result * b, result)
         b = b * b
+        e = e >> 1
     return result
 
 

@@ -156,9 +156,9 @@ def _lion8bit(table, info, count, t, n, first, maps, b1, omb1, b2, omb2, decay, 
     g = tl.load(g_ptr + offs, mask=emask, other=0.0).to(tl.float32)
     m = Q.load(wm_ptr, am_ptr, blk, bmask, maps, True)
     u = m * b1 + g * omb1
-    update = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))  # torch.sign (0 for NaN, as on CPU)
+    update = tl.where(u > 0, lr, tl.where(u < 0, -lr, 0.0))  # torch.sign(u) * lr exactly (0 for NaN, as on CPU)
     old = tl.load(p_ptr + offs, mask=emask, other=0.0).to(tl.float32)
-    _write(p_ptr, address(table, 4, count, t, tl.bfloat16, 8 * ALIGNED), old, old * decay - update * lr, offs,
+    _write(p_ptr, address(table, 4, count, t, tl.bfloat16, 8 * ALIGNED), old, old * decay - update, offs,
            emask, tl.load(info + count + t).to(tl.int32), step, MODE, OUT)
     Q.store(m * b2 + g * omb2, wm_ptr, am_ptr, blk, bmask, maps, True)
 
