@@ -16,9 +16,24 @@ tensor at a time): a bucket pays a call's fixed cost (Python, dispatch) once for
 kernels run on torch's own OpenMP threads (the libgomp torch loaded), so a call between backward's ops wakes no second
 thread pool; MiniLM's step times with either setting: docs/results/memory_release.md.
 
-inf/NaN check (``nonfinite``): each tensor is checked the moment its gradient completes, by the guard's scan in backward
-(its C scan, and its rule for a scan that stalled) where the guard hooked the optimizer (CPU, C compiler), else by
+inf/NaN check (``nonfinite``): on CPU each tensor is checked the moment its gradient completes, by the guard's scan in
+backward (its C scan, and its rule for a scan that stalled) where the guard hooked the optimizer (C compiler), else by
 torch's check (the C scans cost a fraction of torch's check per backward: docs/results/memory_release.md).
+
+inf/NaN on CUDA: a check per tensor would cost a launch and a host read per tensor, so a bucket is checked when it is
+stepped (:func:`.nonfinite.checked_per_bucket`). Where the backend's step takes the guard's device flag (its Triton
+kernels, ``takes_found_inf()``; torch's fused AdamW): the Triton scan of the bucket (one launch per gradient dtype,
+over a pointer table kept per bucket) leaves a flag on the device that the bucket's step call takes as
+``optimizer.found_inf``; nothing is read on the host in backward or ``step()``. The unit that a bad gradient voids is
+then the bucket (``bucket_bytes=0``: the tensor, as on CPU): ``skip``: its bucket is not stepped (weights, state, step
+counts), the other buckets are; the tensors are counted, and said in one warning, when :func:`release_info` is read or
+at a later backward's first hook once the count's copy to the host is done (``optimizer_info(opt).skipped_steps``
+includes them from then on). ``raise``: the bucket holding it and every later bucket of that backward are not
+stepped (the flag stays set for the backward); backward and ``step()`` do not raise: the FloatingPointError comes at
+the next host read of the flag: the next backward's first hook (which then steps nothing), ``state_dict()`` or
+:func:`.guard.raise_if_voided`; that read waits for the flag's own copy, queued at the end of the step before.
+Where the backend takes no flag (bitsandbytes, torchao): one host read per bucket, and each bad tensor as on CPU
+(``raise`` raises at the end of its bucket: the tensors completed before it are stepped, it and the later ones not).
 
 ``optimizer.step()`` and ``zero_grad()`` keep working: no parameter holds a gradient when they run, so the step finds
 nothing to update and the guard still counts one step per ``step()`` call (``optimizer.hf_efficient.steps``); the
@@ -41,7 +56,8 @@ Decided, and refused or checked where it cannot hold (never silent):
 - Clipping by the global norm needs every gradient before the first step: refused (``max_grad_norm`` must be 0). The
   Trainer would otherwise "clip" gradients that are already None, i.e. not clip at all. In a hand-written loop,
   ``clip_grad_norm_`` after ``backward()`` finds no gradients and returns 0: do not call it.
-- inf/NaN (``nonfinite``, :mod:`hf_efficient.guard`), decided per tensor, in the order backward completes them:
+- inf/NaN (``nonfinite``, :mod:`hf_efficient.guard`), decided per tensor (on CUDA per bucket where the check stays on
+  the device: see above), in the order backward completes them:
   ``raise``: the tensors completed earlier in this backward were stepped; the bad one and every later one were not
   (the FloatingPointError stops the backward; the bad gradient stays in ``.grad`` for inspection, and the next
   backward refuses to start stepping until ``zero_grad()`` cleared it). ``skip``: that tensor is not stepped (its
@@ -251,7 +267,7 @@ class _Release:
         self.checks: list[tuple] = []
         self.void: torch.Tensor | None = None
         self.tables: dict[tuple, dict] = {}
-        self.unread = None
+        self.unread: list[tuple] = []
         # torch's step hooks run once per step() call (not for the release's own steps: see _raw_step)
         self.step_hook = opt.register_step_pre_hook(lambda opt, args, kwargs: self._on_step(opt))
         weakref.finalize(opt, _remove_handles, self.handles)  # a dead optimizer leaves no hooks behind
@@ -283,7 +299,7 @@ class _Release:
         except FloatingPointError:
             self._drop(p)
             raise
-        self._fold(opt)
+        self._fold(opt, wait=False)
         nested, roots = _backward_context()
         if nested:
             self._drop(p)
@@ -474,16 +490,17 @@ class _Release:
         event = torch.cuda.Event() if cuda else None
         if cuda:
             event.record()  # this copy alone is waited for when read: long done by the next backward
-        self.unread = (host, event, [c[3] for c in checks], names, info.counted_steps + 1)
+        self.unread.append((host, event, [c[3] for c in checks], names, info.counted_steps + 1))
 
-    def _fold(self, opt) -> None:
-        """Count the tensors that the last backward's voided buckets held (under "skip"), and say so once."""
-        unread, self.unread = self.unread, None
-        if unread is None:
-            return
-        host, event, sizes, names, step = unread
+    def _fold(self, opt, wait: bool = True) -> None:
+        """Count the tensors that earlier backward passes' voided buckets held (under "skip"), and say so once per
+        backward. ``wait=False`` (at a backward's first hook): only the counts whose copy is done, no waiting."""
+        while self.unread and (wait or self.unread[0][1] is None or self.unread[0][1].query()):
+            self._fold_one(opt, *self.unread.pop(0))
+
+    def _fold_one(self, opt, host, event, sizes, names, step) -> None:
         if event is not None:
-            event.synchronize()
+            event.synchronize()  # recorded after this copy alone: done when query() said so
         values = host.numpy()  # the pinned host copy, not a device read
         voided = sum(n for v, n in zip(values[:len(sizes)], sizes) if v)
         if not voided:
