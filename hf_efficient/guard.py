@@ -175,17 +175,18 @@ def void_later(optimizer, found: torch.Tensor, flags: torch.Tensor, names: list[
     _VOIDS[optimizer] = _VoidRecord(found, flags, names, info.counted_steps + 1, voided)
 
 
-def raise_if_voided(optimizer) -> None:
+def raise_if_voided(optimizer, *, where: str = "raise_if_voided()") -> None:
     """Raise now if the last step, checked on the device under ``nonfinite="raise"``, was voided by a non-finite
     gradient (else the next ``step()`` or ``state_dict()`` raises). For where a loop reads values to log them: the
-    flag's copy to the host is long done by then, so it does not stall.
+    flag's copy to the host is long done by then, so it does not stall. ``where``: named in the message (gradient
+    release reads it at the next backward).
 
     Raises:
         FloatingPointError: naming the parameter and the step, which was not applied.
     """
     opt = unwrap(optimizer)
     if isinstance(opt, _Protected) and opt.hf_efficient.options.get("nonfinite") == "raise":
-        _raise_voided(opt, "raise_if_voided()")
+        _raise_voided(opt, where)
 
 
 # ---------------------------------------------------------------------------------------- the subclass

@@ -295,7 +295,7 @@ class _Release:
         release cannot step as the ordinary step would; then open its window, closed at the backward's end."""
         self._leave_record(opt)  # a backward that raised before step(): its buckets' checks
         try:
-            guard.raise_if_voided(opt)  # "raise", checked on the device: the last backward's flag, long copied
+            guard.raise_if_voided(opt, where="the next backward")  # "raise" on the device: the last one's flag
         except FloatingPointError:
             self._drop(p)
             raise
@@ -419,7 +419,6 @@ class _Release:
         found = None
         if (opt.hf_efficient.options.get("nonfinite", "ignore") != "ignore"
                 and nonfinite.checked_per_bucket(self.pending[0].grad)):
-            guard.grads_in_param_layout(opt)  # the scan reads what the step will
             found = self._check_bucket(opt)
         self._step_pending(opt, found)
 
@@ -510,8 +509,9 @@ class _Release:
         info.counted_skips += 1
         self.info.skipped_tensors += voided
         self.info.stepped_tensors -= voided
-        logger.warning("%s: step %d (gradient release): non-finite gradient in %s, found on the device: its "
-                       "bucket's %d tensor(s) were not stepped, the others were; %d tensors skipped so far",
+        logger.warning("%s: step %d (gradient release): non-finite gradient in %s, found on the device: the %d "
+                       "tensor(s) stepped in the same call(s) were not stepped, the others were; %d tensors skipped so "
+                       "far",
                        info.resolution.spec.trainer_name, step, ", ".join(map(repr, bad[:3])), voided,
                        self.info.skipped_tensors)
 
