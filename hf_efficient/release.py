@@ -433,6 +433,8 @@ class _Release:
             if not live:
                 return None
             bucket = tuple(id(self.pending[i]) for i in live)
+            if bucket not in self.tables and len(self.tables) > 2 * len(self.handles):
+                self.tables.clear()  # buckets that keep changing (the same every step otherwise): bounded
             found, flags = nonfinite.flag_grads([grads[i] for i in live], self.tables.setdefault(bucket, {}))
             if info.options["nonfinite"] == "raise":
                 found = self.void = found if self.void is None else torch.maximum(self.void, found)

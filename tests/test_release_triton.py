@@ -217,21 +217,28 @@ def test_each_bucket_keeps_its_own_scan_tables(device_path, monkeypatch):
     assert all(len(shapes) == 1 for shapes in seen.values())
 
 
-def test_a_backend_without_the_flag_checks_each_bucket_with_one_read(monkeypatch):
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_backend_without_the_flag_checks_each_bucket_with_one_read(monkeypatch, policy):
     """The device path's devices, a backend that takes no flag (here the C kernels: no interpreter): one host read
-    per bucket, and each bad tensor handled as its hook would have (raise: earlier ones stepped, raised at once)."""
+    per bucket, and each bad tensor handled as its hook would have (raise: earlier ones stepped, raised at once;
+    skip: that tensor alone not stepped)."""
     monkeypatch.setattr(nonfinite, "_DEVICE_FLAG_ON_CPU", True)
     reads = []
     real = nonfinite.bad_grads
     monkeypatch.setattr(nonfinite, "bad_grads", lambda grads: reads.append(len(grads)) or real(grads))
     model = _model(bad=True)
-    opt = _opt(model, "adam8bit", "raise", 0)
+    opt = _opt(model, "adam8bit", policy, 0)
     before = _snapshot(model, opt)
-    with pytest.raises(FloatingPointError, match="'1.weight'.*were stepped"):
+    with pytest.raises(FloatingPointError, match="'1.weight'.*were stepped") if policy == "raise" else \
+            contextlib.nullcontext():
         model(_batches(1)[0]).sum().backward()
     stepped = _changed(before, _snapshot(model, opt))
-    assert stepped == {"2.weight", "2.bias", "1.bias"} and reads == [1, 1, 1, 1]
-    assert model[1].weight.grad is not None  # left for inspection, as the per-tensor check leaves it
+    if policy == "raise":
+        assert stepped == {"2.weight", "2.bias", "1.bias"} and reads == [1, 1, 1, 1]
+        assert model[1].weight.grad is not None  # left for inspection, as the per-tensor check leaves it
+    else:
+        assert stepped == {n for n, _ in model.named_parameters()} - {"1.weight"} and reads == [1] * 6
+        assert release.release_info(opt).skipped_tensors == 1 and model[1].weight.grad is None
 
 
 def test_a_pointer_table_is_one_upload_rebuilt_only_when_an_address_moves(monkeypatch):
