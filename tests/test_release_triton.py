@@ -198,11 +198,11 @@ def test_raise_is_read_by_state_dict_too(device_path, monkeypatch):
 def test_each_bucket_keeps_its_own_scan_tables(device_path, monkeypatch):
     """A pointer table per bucket (the same tensors each step): no table is rebuilt because another bucket used it
     (one table per dtype for the whole backward would be rebuilt at every bucket, an upload each)."""
-    seen: dict[int, set] = {}
+    seen: dict = {}  # table (held: no id reused) -> the shapes it was given
     real = _triton.PointerTable.get
 
     def get(self, lists, sizes, device):
-        seen.setdefault(id(self), set()).add(tuple(tuple(t.shape) for ts in lists for t in ts))
+        seen.setdefault(self, set()).add(tuple(tuple(t.shape) for ts in lists for t in ts))
         return real(self, lists, sizes, device)
 
     monkeypatch.setattr(_triton.PointerTable, "get", get)
