@@ -50,7 +50,7 @@ from .info import unwrap
 from .options import check_flags, check_hyperparams, check_unique, run_closure
 from .param_groups import group_names, named_params
 
-__all__ = ["protect", "check_params", "raise_if_voided", "backend_class", "grads_in_param_layout"]
+__all__ = ["protect", "check_params", "raise_if_voided", "void_later", "backend_class", "grads_in_param_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,14 @@ class _VoidRecord:
     to pinned host memory (queued, with a CUDA event that marks that copy alone as done), and the per-gradient flags
     with their parameters' names, read only to name the parameter when it raises."""
 
-    def __init__(self, found: torch.Tensor, flags: torch.Tensor, names: list[str], step: int):
+    def __init__(self, found: torch.Tensor, flags: torch.Tensor, names: list[str], step: int, voided: str = ""):
         cuda = found.device.type == "cuda"
         self.host = torch.empty((), dtype=torch.float32, pin_memory=cuda).copy_(found, non_blocking=cuda)
         self.event = torch.cuda.Event() if cuda else None
         if cuda:
             self.event.record()
         self.flags, self.names, self.step = flags, names, step
+        self.what = voided or f"step {step} was not applied, nothing was updated by it"
 
     def voided(self) -> bool:
         if self.event is not None:
@@ -160,22 +161,32 @@ def _raise_voided(optimizer, where: str) -> None:
     also = "; nor is this step()" if where == "step()" else ""
     raise FloatingPointError(
         f"{info.resolution.spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 whose "
-        f"square overflows) in parameter {name!r} at step {record.step}, found on the device and read at {where}: step "
-        f"{record.step} was not applied, nothing was updated by it{also}. Find the cause (learning rate, loss scale, "
-        "bad data), or set optim_args='nonfinite=skip' to skip such steps")
+        f"square overflows) in parameter {name!r} at step {record.step}, found on the device and read at {where}: "
+        f"{record.what}{also}. Find the cause (learning rate, loss scale, bad data), or set "
+        "optim_args='nonfinite=skip' to skip such steps")
 
 
-def raise_if_voided(optimizer) -> None:
+def void_later(optimizer, found: torch.Tensor, flags: torch.Tensor, names: list[str], voided: str) -> None:
+    """Leave a device-side check made outside ``step()`` (gradient release's buckets, under ``nonfinite="raise"``)
+    for the next host read, as the device path's own: the next ``step()``, ``state_dict()`` or
+    :func:`raise_if_voided` raises if ``found`` is set, naming the parameter whose ``flags`` entry is, and saying
+    ``voided`` (what was not applied). Call it where the check's work is queued; it reads nothing."""
+    info = optimizer.hf_efficient
+    _VOIDS[optimizer] = _VoidRecord(found, flags, names, info.counted_steps + 1, voided)
+
+
+def raise_if_voided(optimizer, *, where: str = "raise_if_voided()") -> None:
     """Raise now if the last step, checked on the device under ``nonfinite="raise"``, was voided by a non-finite
     gradient (else the next ``step()`` or ``state_dict()`` raises). For where a loop reads values to log them: the
-    flag's copy to the host is long done by then, so it does not stall.
+    flag's copy to the host is long done by then, so it does not stall. ``where``: named in the message (gradient
+    release reads it at the next backward).
 
     Raises:
         FloatingPointError: naming the parameter and the step, which was not applied.
     """
     opt = unwrap(optimizer)
     if isinstance(opt, _Protected) and opt.hf_efficient.options.get("nonfinite") == "raise":
-        _raise_voided(opt, "raise_if_voided()")
+        _raise_voided(opt, where)
 
 
 # ---------------------------------------------------------------------------------------- the subclass

@@ -21,8 +21,9 @@ second moment would be inf). Four ways to find one, each used where it is cheape
   are not seen: change gradients through torch's ops.
 
 The interface the guard and gradient release use: :func:`first_nonfinite`, :func:`checks_on_device`,
-:func:`flag_on_device`, :func:`check_on_host`, :func:`watch`, :func:`follow_params`, :func:`is_bad` and
-:func:`defer_scans`. What a bad gradient then does (raise, skip, count) is the guard's policy, not decided here.
+:func:`flag_on_device`, :func:`check_on_host`, :func:`watch`, :func:`follow_params`, :func:`is_bad`,
+:func:`defer_scans`, and for gradient release's buckets :func:`checked_per_bucket`, :func:`flag_grads` and
+:func:`bad_grads`. What a bad gradient then does (raise, skip, count) is the guard's policy, not decided here.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .optim._dispatch import c_array, cached, log_once, native
 from .param_groups import named_params
 
 __all__ = ["OVERFLOW", "first_nonfinite", "checks_on_device", "flag_on_device", "check_on_host", "watch",
-           "follow_params", "is_bad", "defer_scans"]
+           "follow_params", "is_bad", "defer_scans", "flag_grads", "checked_per_bucket", "bad_grads"]
 
 logger = logging.getLogger(__name__)
 
@@ -379,14 +380,37 @@ def flag_on_device(optimizer) -> tuple[torch.Tensor, torch.Tensor, list[str]] | 
             if p.grad is not None and not p.grad.is_sparse and p.grad.numel()]
     if not live:
         return None
-    grads = [g for _, g in live]
+    found, flags = flag_grads([g for _, g in live], _SCAN_TABLES.setdefault(optimizer, {}))
+    return found, flags, [n for n, _ in live]
+
+
+def flag_grads(grads: list[torch.Tensor], tables: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(found, flags)`` of non-empty ``grads`` of one device, left on the device (no host read): the Triton scan
+    where it applies, else torch's check. ``tables``: the caller's pointer tables, kept between calls over the same
+    tensors (a table per set of gradients: gradient release keeps one per bucket, so none is rebuilt per bucket)."""
     scan = _triton_scan(grads)
     if scan is not None:
-        found, flags = scan(grads, _SCAN_TABLES.setdefault(optimizer, {}))
-    else:
-        flags = _bad_flags(grads)
-        found = flags.any().float()
-    return found, flags, [n for n, _ in live]
+        return scan(grads, tables)
+    flags = _bad_flags(grads)
+    return flags.any().float(), flags
+
+
+def checked_per_bucket(grad: torch.Tensor) -> bool:
+    """Whether gradient release checks ``grad`` with its bucket, when the bucket is stepped, rather than alone in its
+    hook: on CUDA (or on CPU under the tests' switch), where a check per tensor would add a launch and a host read
+    per tensor, and a bucket's check can stay on the device (:func:`flag_grads`) or cost one read."""
+    kind = grad.device.type
+    return kind == "cuda" or (kind == "cpu" and _DEVICE_FLAG_ON_CPU)
+
+
+def bad_grads(grads: list[torch.Tensor]) -> list[int]:
+    """Indices of the gradients (of one device) holding an inf, NaN or ``|g| >= OVERFLOW``, in order: one host read
+    for all of them (gradient release's check of a bucket whose backend takes no device flag)."""
+    nonempty = [i for i, g in enumerate(grads) if g.numel() and not g.is_sparse]
+    if not nonempty:
+        return []
+    flags = _bad_flags([grads[i] for i in nonempty]).tolist()
+    return [i for i, bad in zip(nonempty, flags) if bad]
 
 
 _SCAN_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its scan's pointer tables

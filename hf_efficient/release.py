@@ -16,9 +16,24 @@ tensor at a time): a bucket pays a call's fixed cost (Python, dispatch) once for
 kernels run on torch's own OpenMP threads (the libgomp torch loaded), so a call between backward's ops wakes no second
 thread pool; MiniLM's step times with either setting: docs/results/memory_release.md.
 
-inf/NaN check (``nonfinite``): each tensor is checked the moment its gradient completes, by the guard's scan in backward
-(its C scan, and its rule for a scan that stalled) where the guard hooked the optimizer (CPU, C compiler), else by
+inf/NaN check (``nonfinite``): on CPU each tensor is checked the moment its gradient completes, by the guard's scan in
+backward (its C scan, and its rule for a scan that stalled) where the guard hooked the optimizer (C compiler), else by
 torch's check (the C scans cost a fraction of torch's check per backward: docs/results/memory_release.md).
+
+inf/NaN on CUDA: a check per tensor would cost a launch and a host read per tensor, so a bucket is checked when it is
+stepped (:func:`.nonfinite.checked_per_bucket`). Where the backend's step takes the guard's device flag (its Triton
+kernels, ``takes_found_inf()``; torch's fused AdamW): the Triton scan of the bucket (one launch per gradient dtype,
+over a pointer table kept per bucket) leaves a flag on the device that the bucket's step call takes as
+``optimizer.found_inf``; nothing is read on the host in backward or ``step()``. The unit that a bad gradient voids is
+then the bucket (``bucket_bytes=0``: the tensor, as on CPU): ``skip``: its bucket is not stepped (weights, state, step
+counts), the other buckets are; the tensors are counted, and said in one warning, when :func:`release_info` is read or
+at a later backward's first hook once the count's copy to the host is done (``optimizer_info(opt).skipped_steps``
+includes them from then on). ``raise``: the bucket holding it and every later bucket of that backward are not
+stepped (the flag stays set for the backward); backward and ``step()`` do not raise: the FloatingPointError comes at
+the next host read of the flag: the next backward's first hook (which then steps nothing), ``state_dict()`` or
+:func:`.guard.raise_if_voided`; that read waits for the flag's own copy, queued at the end of the step before.
+Where the backend takes no flag (bitsandbytes, torchao): one host read per bucket, and each bad tensor as on CPU
+(``raise`` raises at the end of its bucket: the tensors completed before it are stepped, it and the later ones not).
 
 ``optimizer.step()`` and ``zero_grad()`` keep working: no parameter holds a gradient when they run, so the step finds
 nothing to update and the guard still counts one step per ``step()`` call (``optimizer.hf_efficient.steps``); the
@@ -41,7 +56,8 @@ Decided, and refused or checked where it cannot hold (never silent):
 - Clipping by the global norm needs every gradient before the first step: refused (``max_grad_norm`` must be 0). The
   Trainer would otherwise "clip" gradients that are already None, i.e. not clip at all. In a hand-written loop,
   ``clip_grad_norm_`` after ``backward()`` finds no gradients and returns 0: do not call it.
-- inf/NaN (``nonfinite``, :mod:`hf_efficient.guard`), decided per tensor, in the order backward completes them:
+- inf/NaN (``nonfinite``, :mod:`hf_efficient.guard`), decided per tensor (on CUDA per bucket where the check stays on
+  the device: see above), in the order backward completes them:
   ``raise``: the tensors completed earlier in this backward were stepped; the bad one and every later one were not
   (the FloatingPointError stops the backward; the bad gradient stays in ``.grad`` for inspection, and the next
   backward refuses to start stepping until ``zero_grad()`` cleared it). ``skip``: that tensor is not stepped (its
@@ -108,9 +124,14 @@ def is_attached(optimizer) -> bool:
 
 
 def release_info(optimizer) -> ReleaseInfo | None:
-    """The counters of an attached optimizer, else None."""
-    rel = _ATTACHED.get(unwrap(optimizer))
-    return None if rel is None else rel.info
+    """The counters of an attached optimizer, else None. Tensors voided on the device (CUDA, ``nonfinite="skip"``)
+    are counted here, or at the next backward, not before."""
+    opt = unwrap(optimizer)
+    rel = _ATTACHED.get(opt)
+    if rel is None:
+        return None
+    rel._fold(opt)  # counts of the last backward checked on the device (one wait for their copy, long done)
+    return rel.info
 
 
 def _raw_step(cls: type):
@@ -166,6 +187,8 @@ def detach(optimizer) -> None:
     opt = unwrap(optimizer)
     rel = _ATTACHED.pop(opt, None)
     if rel is not None:
+        rel._leave_record(opt)
+        rel._fold(opt)
         rel.remove()
         opt.__class__ = type(opt).__bases__[1]  # the class before attach (see _attached_class)
         nonfinite.defer_scans(opt, False)
@@ -223,7 +246,8 @@ class _Release:
         self.bucket_bytes = bucket_bytes
         self.pending: list[torch.Tensor] = []  # completed gradients waiting for the bucket to fill
         self.pending_bytes = 0
-        self.step = _raw_step(guard.backend_class(opt))
+        self.backend = guard.backend_class(opt)
+        self.step = _raw_step(self.backend)
         self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.names: dict[int, str] = {}
         self.info = ReleaseInfo(params=0)
@@ -237,6 +261,13 @@ class _Release:
         self.backward_done = False  # a backward completed since the last step(): a second one is refused
         self.warned_zero = False
         self.check_scaler = True  # until a backward whose loss is a product found no GradScaler (see _open)
+        # The buckets' checks on the device (see "inf/NaN on CUDA" in the module docstring): per bucket checked there
+        # (kernel flag, per-gradient flags, names, tensors), the sticky flag under "raise", the scan's pointer tables
+        # per bucket (kept between steps: a bucket is the same tensors each step), and the counts left for a read.
+        self.checks: list[tuple] = []
+        self.void: torch.Tensor | None = None
+        self.tables: dict[tuple, dict] = {}
+        self.unread: list[tuple] = []
         # torch's step hooks run once per step() call (not for the release's own steps: see _raw_step)
         self.step_hook = opt.register_step_pre_hook(lambda opt, args, kwargs: self._on_step(opt))
         weakref.finalize(opt, _remove_handles, self.handles)  # a dead optimizer leaves no hooks behind
@@ -262,6 +293,13 @@ class _Release:
     def _open(self, opt, p) -> None:
         """First hook of a backward (of each autograd graph task): refuse, before this backward steps anything, what
         release cannot step as the ordinary step would; then open its window, closed at the backward's end."""
+        self._leave_record(opt)  # a backward that raised before step(): its buckets' checks
+        try:
+            guard.raise_if_voided(opt, where="the next backward")  # "raise" on the device: the last one's flag
+        except FloatingPointError:
+            self._drop(p)
+            raise
+        self._fold(opt, wait=False)
         nested, roots = _backward_context()
         if nested:
             self._drop(p)
@@ -336,7 +374,7 @@ class _Release:
         self.zeros.discard(id(p))  # it holds this backward's gradient now, not zeros
         info = opt.hf_efficient
         checked = info.options.get("nonfinite", "ignore") != "ignore" and not p.grad.is_sparse
-        if checked and nonfinite.is_bad(opt, p.grad):
+        if checked and not nonfinite.checked_per_bucket(p.grad) and nonfinite.is_bad(opt, p.grad):
             self._nonfinite(opt, p, info)
             return
         self._add(opt, p)
@@ -371,25 +409,119 @@ class _Release:
                 q.grad = torch.zeros_like(q)
                 self._add(opt, q)
         self._flush(opt)
+        self._leave_record(opt)
 
     def _flush(self, opt) -> None:
-        """Step the pending parameters (the only ones holding gradients) in one call of the backend's step."""
+        """Step the pending parameters (the only ones holding gradients) in one call of the backend's step, after
+        checking them as a bucket where their checks were left to it (:func:`.nonfinite.checked_per_bucket`)."""
         if not self.pending:
             return
-        guard.grads_in_param_layout(opt)  # gradients whose strides differ from their parameter's: a copy in its layout
-        with torch.no_grad():
-            self.step(opt)
+        found = None
+        if (opt.hf_efficient.options.get("nonfinite", "ignore") != "ignore"
+                and nonfinite.checked_per_bucket(self.pending[0].grad)):
+            found = self._check_bucket(opt)
+        self._step_pending(opt, found)
+
+    def _check_bucket(self, opt) -> torch.Tensor | None:
+        """Check the pending gradients together. Where the backend takes the device flag: on the device, no read;
+        returns the flag for its step (under "raise" sticky: it voids every later bucket of the backward too).
+        Elsewhere: one host read, then each bad tensor as its hook would have had it (:meth:`_nonfinite`)."""
+        info = opt.hf_efficient
+        grads = [q.grad for q in self.pending]
+        if nonfinite.checks_on_device(opt, self.backend, scaled=False):
+            live = [i for i, g in enumerate(grads) if g.numel() and not g.is_sparse]
+            if not live:
+                return None
+            bucket = tuple(id(self.pending[i]) for i in live)
+            if bucket not in self.tables and len(self.tables) > 2 * len(self.handles):
+                self.tables.clear()  # buckets that keep changing (the same every step otherwise): bounded
+            found, flags = nonfinite.flag_grads([grads[i] for i in live], self.tables.setdefault(bucket, {}))
+            if info.options["nonfinite"] == "raise":
+                found = self.void = found if self.void is None else torch.maximum(self.void, found)
+            self.checks.append((found, flags, [self.names[i] for i in bucket], len(self.pending)))
+            return found
+        bad = nonfinite.bad_grads(grads)
+        if bad and info.options["nonfinite"] == "raise":
+            first = bad[0]
+            for q in self.pending[first + 1:]:  # completed after the bad one: not stepped, as if backward stopped there
+                q.grad = None
+            p, self.pending = self.pending[first], self.pending[:first]
+            self._nonfinite(opt, p, info)  # steps the earlier ones, raises
+        for i in bad:
+            self._nonfinite(opt, self.pending[i], info)
+        self.pending = [q for q in self.pending if q.grad is not None]
+        return None
+
+    def _step_pending(self, opt, found: torch.Tensor | None = None) -> None:
+        """The backend's step over the pending (checked) parameters; ``found``: the device flag it then takes."""
+        if self.pending:
+            guard.grads_in_param_layout(opt)  # gradients whose strides differ from their parameter's: a copy
+            if found is not None:
+                opt.found_inf = found
+            try:
+                with torch.no_grad():
+                    self.step(opt)
+            finally:
+                if found is not None:
+                    del opt.found_inf
         for q in self.pending:
             q.grad = None
         self.stepped += len(self.pending)
         self.info.stepped_tensors += len(self.pending)
         self.pending, self.pending_bytes = [], 0
 
+    def _leave_record(self, opt) -> None:
+        """What this backward's device checks found, for the host to read later (queued copies, nothing read now):
+        under "raise" the guard's record (:func:`.guard.void_later`: the next backward's first hook, ``step()``,
+        ``state_dict()`` or ``raise_if_voided`` raises); under "skip" the counts :meth:`_fold` reads."""
+        checks, void, self.checks, self.void = self.checks, self.void, [], None
+        if not checks:
+            return
+        flags = torch.cat([c[1].reshape(-1).float() for c in checks])
+        names = [n for c in checks for n in c[2]]
+        info = opt.hf_efficient
+        if info.options.get("nonfinite") == "raise":
+            guard.void_later(opt, void, flags, names, "under gradient release, the buckets stepped before the one "
+                             "holding it were applied; that bucket and every later one of that backward were not "
+                             "(nothing updated by them, step counts included)")
+            return
+        found = torch.cat([torch.stack([c[0].reshape(()).float() for c in checks]), flags])
+        cuda = found.device.type == "cuda"
+        host = torch.empty(found.shape, dtype=torch.float32, pin_memory=cuda).copy_(found, non_blocking=cuda)
+        event = torch.cuda.Event() if cuda else None
+        if cuda:
+            event.record()  # this copy alone is waited for when read: long done by the next backward
+        self.unread.append((host, event, [c[3] for c in checks], names, info.counted_steps + 1))
+
+    def _fold(self, opt, wait: bool = True) -> None:
+        """Count the tensors that earlier backward passes' voided buckets held (under "skip"), and say so once per
+        backward. ``wait=False`` (at a backward's first hook): only the counts whose copy is done, no waiting."""
+        while self.unread and (wait or self.unread[0][1] is None or self.unread[0][1].query()):
+            self._fold_one(opt, *self.unread.pop(0))
+
+    def _fold_one(self, opt, host, event, sizes, names, step) -> None:
+        if event is not None:
+            event.synchronize()  # recorded after this copy alone: done when query() said so
+        values = host.numpy()  # the pinned host copy, not a device read
+        voided = sum(n for v, n in zip(values[:len(sizes)], sizes) if v)
+        if not voided:
+            return
+        bad = [n for n, v in zip(names, values[len(sizes):]) if v]
+        info = opt.hf_efficient
+        info.counted_skips += 1
+        self.info.skipped_tensors += voided
+        self.info.stepped_tensors -= voided
+        logger.warning("%s: step %d (gradient release): non-finite gradient in %s, found on the device: the %d "
+                       "tensor(s) stepped in the same call(s) were not stepped, the others were; %d tensors skipped so "
+                       "far",
+                       info.resolution.spec.trainer_name, step, ", ".join(map(repr, bad[:3])), voided,
+                       self.info.skipped_tensors)
+
     def _nonfinite(self, opt, p, info) -> None:
         name, spec = self.names[id(p)], info.resolution.spec
         if info.options["nonfinite"] == "raise":
             bad, p.grad = p.grad, None
-            self._flush(opt)  # the tensors completed before this one are stepped, as the docstring promises
+            self._step_pending(opt)  # the (checked) tensors completed before this one, as the docstring promises
             p.grad = bad
             raise FloatingPointError(
                 f"{spec.trainer_name}: non-finite gradient (inf or NaN, or a value of magnitude >= 2**64 whose square "

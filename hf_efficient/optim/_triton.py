@@ -121,7 +121,8 @@ class PointerTable:
     """Device arrays of the addresses (int64) of lists of tensors, and of their sizes, for one launch over many
     tensors. Rebuilt only when an address or size changes (parameters and state do not move, and the caching
     allocator mostly gives a step's gradients the same addresses as the last one's), and then copied from pinned
-    memory without blocking: no host synchronisation either way.
+    memory without blocking, in one upload: no host synchronisation either way (``pin_memory()`` copies on the host
+    into a block of torch's caching host allocator; the upload is a ``cudaMemcpyAsync`` on the current stream).
 
     ``aligned``: every address is a multiple of 16 bytes, so a kernel may promise 16-byte vector loads
     (``tl.multiple_of``) on pointers it read from the table, which the compiler cannot see by itself."""
@@ -137,11 +138,13 @@ class PointerTable:
         if key != self._key:
             device = torch.device(device)
             pin = device.type == "cuda"
-            ptrs = torch.tensor([[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64)
-            counts = torch.tensor(sizes, dtype=torch.int64)
-            if pin:  # the caching host allocator keeps a pinned buffer until the copy that reads it is done
-                ptrs, counts = ptrs.pin_memory(), counts.pin_memory()
-            self.tables = (ptrs.to(device, non_blocking=pin), counts.to(device, non_blocking=pin))
+            flat = torch.tensor([a for row in key[0] for a in row] + list(sizes), dtype=torch.int64)
+            if pin:  # a host-side copy into the caching host allocator's pinned block (no CUDA call, no sync); the
+                flat = flat.pin_memory()  # block is reused only once the event of the copy that reads it is done
+            flat = flat.to(device, non_blocking=pin)  # one asynchronous upload for both arrays
+            rows = len(lists)
+            count = len(lists[0]) if lists else 0
+            self.tables = (flat[:rows * count].view(rows, count), flat[rows * count:])
             self.aligned = all(a % 16 == 0 for row in key[0] for a in row)
             self._key = key
         return self.tables
