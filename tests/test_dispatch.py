@@ -3,6 +3,7 @@ its prototype in the .c file, values reach C as the kinds say, and a wrong value
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_efficient import nonfinite  # noqa: F401 - declares the gradient scan's kernel
+from hf_efficient import nonfinite
 from hf_efficient.optim import _blockwise, _dispatch, adafactor, adamw, adamw8bit, adamw_bf16, lion8bit  # noqa: F401
 from hf_efficient.optim.compensation import C_MODES
 
@@ -124,3 +125,40 @@ def test_a_signature_with_an_unknown_kind_is_refused():
         _dispatch.CKernel("test.c", "test_kind", "count x:f16s", lambda fn: True)
     with pytest.raises(ValueError, match="a count must come before it"):
         _dispatch.CKernel("test.c", "test_count", "x:ptrs count", lambda fn: True)
+
+
+def test_every_triton_site_is_admitted_by_probed(monkeypatch):
+    """No Triton site keeps its own cache, probe or log: each asks :func:`_dispatch.probed`."""
+    calls = []
+
+    def probed(name, device, load, probe, reference):
+        calls.append((name, str(device)))
+        return "kernel"
+
+    monkeypatch.setattr(_dispatch, "probed", probed)
+    monkeypatch.setattr(nonfinite, "probed", probed)  # imported by name there
+    monkeypatch.setattr(nonfinite._triton, "applies", lambda *tensors: True)
+    cpu = torch.device("cpu")
+    sites = [adamw8bit.AdamW8bit.triton_fn, lion8bit.Lion8bit.triton_fn, adafactor._triton_module, adamw._triton_kernel,
+             adamw_bf16._triton_kernel, lambda device: nonfinite._triton_scan([torch.zeros(1, device=device)])]
+    assert [site(cpu) for site in sites] == ["kernel"] * len(sites)
+    assert calls == [(name, "cpu") for name in ("adamw8bit", "lion8bit", "adafactor", "adamw_fp32_state", "adamw_bf16",
+                                                "nonfinite")]
+
+
+def test_a_triton_probe_runs_on_its_device(monkeypatch):
+    """Triton launches on the current CUDA device, which need not be the tensors': the probe runs under theirs."""
+    current = []
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(d)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(_dispatch, "_COMPILED", {})
+    seen, gpu = [], torch.device("cuda", 1)
+    assert _dispatch.probed("test", gpu, lambda: "k", lambda k, d: seen.append((k, d, list(current))) or True,
+                            "the reference") == "k"
+    assert seen == [("k", gpu, [gpu])] and not current

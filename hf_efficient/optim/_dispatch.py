@@ -202,20 +202,28 @@ class CKernel:
                                      f"{sorted(C_MODES)}") from None
                 raise TypeError(f"{self.symbol}: argument {name!r} is not a {kind} value ({type(e).__name__}: "
                                 f"{e})") from None
-            if kind in _ARRAYS and arg is not None and not (
-                    len(buf) == exact if exact is not None else len(buf) == count * per if per
-                    else len(buf) % max(count, 1) == 0 and (len(buf) > 0) == (count > 0)):
-                want = exact if exact is not None else f"{per} per tensor" if per else "a whole number per tensor"
-                raise ValueError(f"{self.symbol}: argument {name!r} ({kind}) has {len(buf)} entries for {count} "
-                                 f"tensors; expected {want}")
+            if kind in _ARRAYS and arg is not None:
+                self._check_length(name, kind, len(buf), count, per, exact)
             args.append(arg)
         return args, keep
+
+    def _check_length(self, name: str, kind: str, length: int, count: int, per: int | None, exact: int | None):
+        """Raise unless an array of ``length`` entries fits its rule for ``count`` tensors (see the class)."""
+        if exact is not None:
+            fits, want = length == exact, exact
+        elif per is not None:
+            fits, want = length == count * per, f"{per} per tensor"
+        else:
+            fits, want = length % max(count, 1) == 0 and (length > 0) == (count > 0), "a whole number per tensor"
+        if not fits:
+            raise ValueError(f"{self.symbol}: argument {name!r} ({kind}) has {length} entries for {count} tensors; "
+                             f"expected {want}")
 
     def run(self, fn, *values, n: int = 0, unit: int = 1, threads: int | None = None):
         """``fn`` (:meth:`fn`'s result, or a probe's candidate) on ``values``: a split kernel over ``n`` items of
         ``unit`` elements through :func:`._native.run_split` (its results, a list; ``threads`` as it takes it),
         any other called once (its result)."""
-        args, keep = self.args(*values)
+        args, keep = self.args(*values)  # noqa: F841 - keep: the buffers C reads, alive until it returned
         if not self.split:
             return fn(*args)
         return _native.run_split(fn, tuple(args), n, unit=unit, threads=threads)
