@@ -196,9 +196,9 @@ class Blockwise8bit(Optimizer):
         :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn; bf16 weights are
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
-        cls.c_kernel().run(fn, count, params, grads, *(codes[i::k] for i in range(k)), *(absmax[i::k] for i in range(k)),
-                           numel, [p.dtype == torch.bfloat16 for p in params], comps or [None] * count,
-                           keys or [0] * count, compensation, quant8.c_tables(), coef,
+        cls.c_kernel().run(fn, count, params, grads, *(codes[i::k] for i in range(k)),
+                           *(absmax[i::k] for i in range(k)), numel, [p.dtype == torch.bfloat16 for p in params],
+                           comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
                            n=sum(quant8.blocks(n) for n in numel), unit=BLOCK, threads=threads)
 
     @classmethod
