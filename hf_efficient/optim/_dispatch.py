@@ -266,9 +266,8 @@ def call(kernel: Callable, fallback: Callable, family: str, *args):
 class Bf16WeightKernel:
     """A family's C kernel for bf16 weights with fp32 state on CPU, where the torch path steps fp32 copies and
     writes them back (:func:`.compensation.step_in_fp32`): ``adamw_cpu.c``'s ``adamw_step``, ``lion8bit_cpu.c``'s
-    ``lion_step``. Their C signature: ``(count, params, grads, states, comps, numel, grad_is_bf16, keys, coef, mode,
-    start, end, threads)``, ``states[k * count + t]`` the k-th fp32 state tensor of tensor t, ``coef`` the family's
-    scalars per tensor. Exposed as the op ``torch.ops.hf_efficient.{name}``.
+    ``lion_step``. Their C signature is declared once, in ``self.c``: ``states[k * count + t]`` the k-th fp32 state
+    tensor of tensor t, ``coef`` the family's scalars per tensor. Exposed as the op ``torch.ops.hf_efficient.{name}``.
 
     Used only once its probe passed: on fresh tensors (``probe_states``: each state's initial value; ``probe_coef``:
     the scalars of the step ``reference(params, grads, states, comps, keys, mode)``, the torch path, takes), every
