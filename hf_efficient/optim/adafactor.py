@@ -363,8 +363,11 @@ _GROUP_BYTES = 6 << 20
 
 
 def _native_items(op, items, threads: int = -1) -> None:
-    """``items`` (as :func:`_eager_step` takes them) through ``op``, in one call."""
+    """``items`` (as :func:`_eager_step` takes them) through ``op``, in one call. Every list holds one tensor per
+    item: an empty tensor (its data pointer NULL) where the item has no such state (a vector's columns, no beta1,
+    no Kahan buffer); ``meta`` tells the kernel which it has."""
     params, grads, stats, cols, exp_avgs, comps, meta, coef = ([] for _ in range(8))
+    none = torch.empty(0)
     for p, grad, state, c, mode, key, beta1 in items:
         params.append(p)
         grads.append(grad)
@@ -374,11 +377,10 @@ def _native_items(op, items, threads: int = -1) -> None:
             meta += (_DTYPES[p.dtype], math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1], C_MODES[mode], key, beta1)
         else:
             stats.append(state["exp_avg_sq"])
+            cols.append(none)
             meta += (_DTYPES[p.dtype], 1, p.numel(), 0, C_MODES[mode], key, beta1)
-        if beta1:
-            exp_avgs.append(state["exp_avg"])
-        if mode == "kahan" and p.dtype == torch.bfloat16:
-            comps.append(state["kahan_comp"])
+        exp_avgs.append(state["exp_avg"] if beta1 else none)
+        comps.append(state["kahan_comp"] if mode == "kahan" and p.dtype == torch.bfloat16 else none)
         coef += c
     op(params, grads, stats, cols, exp_avgs, comps, meta, coef, threads)
 
@@ -386,24 +388,14 @@ def _native_items(op, items, threads: int = -1) -> None:
 def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
          exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int,
          group_bytes: int | None = None) -> None:
-    """The C kernel over the tensors; the optional lists (cols, exp_avgs, comps) hold only the tensors that have
-    one, each given its tensor's slot here (NULL in the others)."""
-    at = range(0, len(meta), _META)
+    """The C kernel over the tensors (lists as :func:`_native_items` makes them)."""
     if threads < 0:
         threads = max(1, min(torch.get_num_threads(), sum(p.numel() for p in params) // _native._MIN_PER_THREAD))
     group_bytes = _GROUP_BYTES if group_bytes is None else group_bytes
-    if _C_KERNEL.run(fn, len(params), params, grads, stats, _slots(cols, [meta[i + 3] > 0 for i in at]),
-                     _slots(exp_avgs, [meta[i + 6] for i in at]),
-                     _slots(comps, [meta[i] == 1 and meta[i + 4] == C_MODES["kahan"] for i in at]), meta, coef,
-                     group_bytes, threads) != 0:
+    if _C_KERNEL.run(fn, len(params), params, grads, stats, cols, exp_avgs, comps, meta, coef, group_bytes,
+                     threads) != 0:
         raise MemoryError("Adafactor: the C kernel could not allocate its scratch memory (a few MB); nothing was "
                           "updated")
-
-
-def _slots(tensors: list[Tensor], has: list) -> list:
-    """One slot per tensor of the step: the next of ``tensors`` where ``has``, else None."""
-    it = iter(tensors)
-    return [next(it) if h else None for h in has]
 
 
 def _step_op(params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
