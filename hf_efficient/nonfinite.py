@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .optim import _native, _triton
-from .optim._dispatch import c_array, cached, log_once, native
+from .optim._dispatch import CKernel, log_once, probed
 from .param_groups import named_params
 
 __all__ = ["OVERFLOW", "first_nonfinite", "checks_on_device", "flag_on_device", "check_on_host", "watch",
@@ -66,10 +66,8 @@ def _c_scannable(grads: list[torch.Tensor]) -> bool:
 
 
 def _scan(fn, grads: list[torch.Tensor], threads: int | None = None) -> int:
-    c_int64 = ctypes.c_int64
-    args = (len(grads), c_array(ctypes.c_void_p, grads), c_array(c_int64, (g.numel() for g in grads)),
-            c_array(ctypes.c_int32, (_KINDS[g.dtype] for g in grads)))
-    found = [i for i in _native.run_split(fn, args, sum(g.numel() for g in grads), threads=threads) if i >= 0]
+    found = [i for i in _SCAN.run(fn, len(grads), grads, [g.numel() for g in grads], [_KINDS[g.dtype] for g in grads],
+                                  n=sum(g.numel() for g in grads), threads=threads) if i >= 0]
     return min(found, default=-1)
 
 
@@ -82,12 +80,14 @@ def _scan_probe(fn) -> bool:
     return _scan(fn, clean, 3) == -1 and _scan(fn, last, 3) == 1 and _scan(fn, first, 3) == 1
 
 
+_SCAN = CKernel("grad_check_cpu.c", "first_nonfinite", "count grads:ptrs numel:i64s kind:i32s", _scan_probe,
+                ctypes.c_int64)
+
+
 def _scan_kernel():
     """The C scan, once :func:`_scan_probe` passed (cached, probed and logged by the kernels' dispatcher); else
     None: the torch check is used."""
-    return native("grad_check_cpu.c", "first_nonfinite",
-                  [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int], _scan_probe,
-                  ctypes.c_int64)
+    return _SCAN.fn()
 
 
 def _bad_flags(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -425,12 +425,6 @@ def _triton_scan(grads: list[torch.Tensor]):
 
     if not all(g.dtype in kernel.DTYPES and g.is_contiguous() for g in grads):
         return None
-    device = grads[0].device
-
-    def make():
-        if not kernel.probe(device):
-            raise RuntimeError(f"the Triton inf/NaN scan disagrees with its probe on {device}")
-        return kernel.scan
-
-    return cached(("triton", "nonfinite", str(device)), make)
+    return probed("nonfinite", grads[0].device, lambda: kernel.scan, lambda scan, device: kernel.probe(device),
+                  "the flags it expects")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_efficient import nonfinite
 from hf_efficient.optim import _dispatch, _native
 from hf_efficient.optim import adamw8bit as m8
 from hf_efficient.optim import adamw_bf16 as mbf
@@ -35,29 +36,26 @@ CPU = torch.device("cpu")
 N = (1 << 20) + 1
 
 
+def _bound(kernel: _dispatch.CKernel):
+    """``kernel``'s C function, bound but not probed (None without a C compiler)."""
+    lib = _native.load(kernel.source)
+    return None if lib is None else _native.bind(lib, kernel.symbol, kernel.argtypes, kernel.restype)
+
+
 def _bound_8bit():
-    lib = _native.load("adamw8bit_cpu.c")
-    return None if lib is None else _native.bind(lib, "adamw8bit_step", m8.AdamW8bit.argtypes())
+    return _bound(m8.AdamW8bit.c_kernel())
 
 
 def _bound_bf16():
-    lib = _native.load("adamw_bf16_cpu.c")
-    return None if lib is None else _native.bind(lib, "adamw_bf16_step", [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                                                 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+    return _bound(mbf._NATIVE)
 
 
 def _bound_scan():
-    lib = _native.load("grad_check_cpu.c")
-    return None if lib is None else _native.bind(lib, "first_nonfinite", [ctypes.c_int64] + [ctypes.c_void_p] * 3
-                                                 + [ctypes.c_int64] * 2 + [ctypes.c_int], ctypes.c_int64)
+    return _bound(nonfinite._SCAN)
 
 
 def _scan(fn, grads, threads=None) -> int:
-    kinds = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-    count, numel = len(grads), [g.numel() for g in grads]
-    args = (count, _native.pointers(grads), (ctypes.c_int64 * count)(*numel),
-            (ctypes.c_int32 * count)(*(kinds[g.dtype] for g in grads)))
-    return min([i for i in _native.run_split(fn, args, sum(numel), threads=threads) if i >= 0], default=-1)
+    return nonfinite._scan(fn, grads, threads)
 
 
 def check_every_element_done() -> None:

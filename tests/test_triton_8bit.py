@@ -145,8 +145,8 @@ def test_a_failed_probe_falls_back_to_the_next_kernel_with_one_warning(on_cpu, m
         run(pt, ot, 2)
     assert spy["adamw8bit_kernel"].launches == 0
     assert [r.getMessage() for r in caplog.records if "triton" in r.getMessage()] == [
-        "hf_efficient: kernel ('triton', 'adamw8bit', device(type='cpu')) unavailable (RuntimeError: the Triton "
-        "kernel disagrees with the eager one on its probe); using the next path (same results, slower)"]
+        "hf_efficient: kernel ('triton', 'adamw8bit', 'cpu') unavailable (RuntimeError: the Triton kernel disagrees "
+        "with the eager one on its probe on cpu); using the next path (same results, slower)"]
     run(pe, oe, 2)
     assert_same(pt, ot, pe, oe)  # the C kernel took the steps
 

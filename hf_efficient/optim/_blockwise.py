@@ -37,8 +37,6 @@ stochastic rounding numbers each element as in the whole tensor. Elementwise mat
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 
 import torch
@@ -47,6 +45,7 @@ from torch.optim import Optimizer
 
 from ..options import check_group, check_saved_tensor, check_step, start_step
 from . import _dispatch, _native, _sharded, _triton, quant8
+from ._dispatch import on_device
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
                            weight_key, write)
 from .quant8 import BLOCK, WORDS, _describe
@@ -56,12 +55,6 @@ __all__ = ["Blockwise8bit"]
 _EAGER_BLOCKS = 1024  # blocks per eager chunk: bounds the fp32 temporaries (~1 MiB each)
 _TRITON_DTYPES = (torch.float32, *LOW_PRECISION)  # of weights and gradients the Triton kernels load
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
-
-
-def on_device(device: torch.device):
-    """The context a Triton launch for ``device`` runs in: Triton launches on the current CUDA device, which need not
-    be the tensors' (a model over several GPUs)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_8bit_keys(group: dict) -> None:
@@ -144,15 +137,18 @@ class Blockwise8bit(Optimizer):
     @classmethod
     def native_fn(cls):
         """The C function, once its probe passed; else None."""
-        return _dispatch.native(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step", cls.argtypes(), cls._probe)
+        return cls.c_kernel().fn()
 
     @classmethod
-    def argtypes(cls) -> list:
-        """The C function's: count, weights, gradients, each moment's codes then absmaxes, numel, bf16 flags, Kahan
-        buffers, noise keys, compensation mode, maps, coefficients, start, end, threads."""
-        k = len(cls.MOMENTS)
-        return ([ctypes.c_int64] + [ctypes.c_void_p] * (2 + 2 * k + 4) + [ctypes.c_int] + [ctypes.c_void_p] * 2
-                + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+    def c_kernel(cls) -> _dispatch.CKernel:
+        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c``, declared once per class (its argument list
+        depends on the number of moments)."""
+        if "_c_kernel" not in cls.__dict__:
+            moments = " ".join(f"{kind}{i}:ptrs" for kind in ("codes", "absmax") for i in range(len(cls.MOMENTS)))
+            cls._c_kernel = _dispatch.CKernel(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step", "count params:ptrs grads:ptrs "
+                                              f"{moments} numel:i64s bf16:i32s comps:ptrs keys:i32s mode:mode "
+                                              "maps:ptr coef:f32s*", cls._probe)
+        return cls._c_kernel
 
     @staticmethod
     def native_fits(p: Tensor, g: Tensor) -> bool:
@@ -187,17 +183,11 @@ class Blockwise8bit(Optimizer):
     def triton_fn(cls, device: torch.device):
         """The family's Triton step (``blockwise_triton.{NAME}``) on ``device``, once its probe there agreed with
         the eager kernel (:meth:`_probe`); else None (Triton failed or disagreed: logged once)."""
-        def make():
+        def load():
             from . import blockwise_triton
+            return getattr(blockwise_triton, cls.NAME)
 
-            launch = getattr(blockwise_triton, cls.NAME)
-            with on_device(torch.device(device)):
-                agrees = cls._probe(launch, device)
-            if not agrees:
-                raise RuntimeError("the Triton kernel disagrees with the eager one on its probe")
-            return launch
-
-        return _dispatch.cached(("triton", cls.NAME, torch.device(device)), make)
+        return _dispatch.probed(cls.NAME, device, load, cls._probe, "the eager one")
 
     @classmethod
     def run_native(cls, fn, params, grads, codes, absmax, coef, threads=None, comps=(), keys=(),
@@ -205,16 +195,11 @@ class Blockwise8bit(Optimizer):
         """``fn`` (the C function) over all the tensors at once, blocks split over threads (``threads``: see
         :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn; bf16 weights are
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
-        c = _dispatch.c_array
-        numel = [p.numel() for p in params]
-        args = (len(params), c(ctypes.c_void_p, params), c(ctypes.c_void_p, grads),
-                *(c(ctypes.c_void_p, codes[i::len(cls.MOMENTS)]) for i in range(len(cls.MOMENTS))),
-                *(c(ctypes.c_void_p, absmax[i::len(cls.MOMENTS)]) for i in range(len(cls.MOMENTS))),
-                c(ctypes.c_int64, numel), c(ctypes.c_int32, [p.dtype == torch.bfloat16 for p in params]),
-                c(ctypes.c_void_p, comps) if comps else (ctypes.c_void_p * len(params))(),  # empty tensor: NULL
-                c(ctypes.c_int32, keys) if keys else (ctypes.c_int32 * len(params))(), C_MODES[compensation],
-                quant8.c_tables().data_ptr(), c(ctypes.c_float, coef))
-        _native.run_split(fn, args, sum(quant8.blocks(n) for n in numel), unit=BLOCK, threads=threads)
+        k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
+        cls.c_kernel().run(fn, count, params, grads, *(codes[i::k] for i in range(k)),
+                           *(absmax[i::k] for i in range(k)), numel, [p.dtype == torch.bfloat16 for p in params],
+                           comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
+                           n=sum(quant8.blocks(n) for n in numel), unit=BLOCK, threads=threads)
 
     @classmethod
     def native_step(cls, fn, items, threads: int | None = None, compensation: str = "none") -> None:

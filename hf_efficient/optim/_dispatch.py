@@ -6,6 +6,8 @@ A family has up to three kernels for one step: its C kernel (CPU, via :mod:`._na
 picks (kernel name, device type, dtype or mode): each is built and probed against the eager kernel once, under a
 lock, and published only then (a thread that finds it published never sees a kernel that was not checked).
 Where building or the probe fails, None is published and the reason logged once: the caller runs the next path.
+Each C function is declared once as a :class:`CKernel` (its signature gives the ctypes types and checks every call's
+values), and each Triton kernel is admitted by :func:`probed`.
 
 A compiled kernel that fails when first called (no C++ compiler, no Triton) may fall back to eager, but only on
 :func:`compile_errors`: an error from a running kernel may come after its in-place weight update, and running the
@@ -14,18 +16,22 @@ step again would apply it twice.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
 import threading
+from array import array
+from operator import index
 from typing import Callable
 
 import torch
 
 from . import _native
+from .compensation import C_MODES, COMPENSATIONS
 
-__all__ = ["cached", "compiled", "probed", "native", "custom_op", "call", "compile_errors", "log_once", "c_array",
-           "Bf16WeightKernel"]
+__all__ = ["cached", "compiled", "probed", "on_device", "CKernel", "C_KERNELS", "custom_op", "call", "compile_errors",
+           "log_once", "Bf16WeightKernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,34 +89,144 @@ def compiled(key, fn: Callable, probe: Callable[[Callable], bool] | None = None,
     return cached(key, make)
 
 
-def probed(name: str, device, load: Callable[[], Callable], probe: Callable, reference: str):
-    """The step function ``load()`` returns (it imports the Triton kernels), once ``probe(fn, device)`` agreed with
-    ``reference`` on ``device``; else None, logged once (cached per process and device under ``("triton", name,
-    device)``): the caller runs its reference path."""
+def on_device(device):
+    """The context a Triton launch for ``device`` runs in: Triton launches on the current CUDA device, which need not
+    be the tensors' (a model over several GPUs)."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def probed(name: str, device, load: Callable[[], object], probe: Callable, reference: str):
+    """What ``load()`` returns (it imports the Triton kernels: a step function, or a module), once ``probe(loaded,
+    device)``, run under :func:`on_device`, agreed with ``reference`` on ``device``; else None, logged once (cached
+    per process and device under ``("triton", name, str(device))``): the caller runs its reference path. Every
+    Triton kernel of the package is admitted here."""
     def make():
-        fn = load()
-        if not probe(fn, device):
+        loaded = load()
+        with on_device(device):
+            agrees = probe(loaded, device)
+        if not agrees:
             raise RuntimeError(f"the Triton kernel disagrees with {reference} on its probe on {device}")
-        return fn
+        return loaded
 
     return cached(("triton", name, str(device)), make)
 
 
-def native(source: str, symbol: str, argtypes: list, probe: Callable[[Callable], bool], restype=None):
-    """The C function ``symbol`` of ``source`` (built by :mod:`._native`), once ``probe(fn)`` showed it gives the
-    eager kernel's results; else None (no compiler, build failed, probe failed: logged once)."""
-    def make():
-        lib = _native.load(source)
-        if lib is None:
-            return None  # _native logged why
-        fn = _native.bind(lib, symbol, argtypes, restype)
-        if not probe(fn):
-            log_once(logging.WARNING, ("probe", source), "hf_efficient: the C kernel %s disagrees with the eager "
-                     "kernel on its probe; not using it", source)
-            return None
-        return fn
+_ARRAYS = {"ptrs": "Q", "i64s": "q", "i32s": "i", "f32s": "f", "f64s": "d"}  # array kinds -> array typecode
+_SCALARS = {"count": ctypes.c_int64, "int": ctypes.c_int64, "threads": ctypes.c_int, "mode": ctypes.c_int,
+            "ptr": ctypes.c_void_p}
+_SPLIT = "start:int end:int threads:threads"  # what :func:`._native.run_split` appends to every call
+assert array("i").itemsize == 4 and array("Q").itemsize == ctypes.sizeof(ctypes.c_void_p)  # C's int32_t, void *
 
-    return cached(("native", source, symbol), make)
+
+C_KERNELS: dict = {}  # (source, symbol) -> its CKernel: every declared C function (tests check them against C)
+
+
+def _address(value) -> int:
+    """A tensor's data pointer, or an address (0: NULL)."""
+    return value if isinstance(value, int) else value.data_ptr()
+
+
+class CKernel:
+    """One C function of this package, declared once: its source, symbol, signature and probe. The ctypes
+    argtypes come from the signature, every call's Python values are converted by kind and checked before C runs
+    (a wrong length would make C read past an array's end), and a split kernel runs through
+    :func:`._native.run_split`.
+
+    The signature is ``name:kind`` words in the C prototype's order, its trailing ``start, end, threads`` left out
+    where ``split`` (run_split appends them). Kinds: ``count`` (int64, the number of tensors), ``int`` (int64),
+    ``threads`` (int), ``mode`` (a compensation name, as :data:`.compensation.C_MODES` numbers it), ``ptr`` (a
+    tensor's data pointer or an address), and arrays: ``ptrs`` (tensors' data pointers, None or 0 for NULL; the
+    whole argument None: a NULL array), ``i64s``, ``i32s``, ``f32s``, ``f64s``. An array holds one entry per tensor;
+    ``*k``: k per tensor; ``*``: a whole number per tensor; ``=k``: exactly k. Arrays are ``array`` module buffers:
+    filling a ctypes array from Python costs more, at every step."""
+
+    def __init__(self, source: str, symbol: str, signature: str, probe: Callable[[Callable], bool], restype=None,
+                 split: bool = True):
+        self.source, self.symbol, self.probe, self.restype, self.split = source, symbol, probe, restype, split
+        self.names, self._kinds = [], []  # _kinds: (kind, entries per tensor, exact entries), per argument
+        for word in (signature + " " + _SPLIT if split else signature).split():
+            name, _, kind = word.rpartition(":")
+            base, rule, n = kind.partition("=") if "=" in kind else kind.partition("*")
+            if base not in _ARRAYS and (base not in _SCALARS or rule):
+                raise ValueError(f"{symbol}: unknown argument kind {kind!r} of {name!r}; kinds: "
+                                 f"{sorted(_SCALARS) + sorted(_ARRAYS)} (arrays may end in *k, * or =k)")
+            if base in _ARRAYS and rule != "=" and "count" not in self.names:
+                raise ValueError(f"{symbol}: {name!r} has entries per tensor, so a count must come before it")
+            self.names.append(name or base)
+            self._kinds.append((base, None if rule == "=" or (rule and not n) else int(n or 1),
+                                int(n) if rule == "=" else None))
+        self.argtypes = [_SCALARS.get(base, ctypes.c_void_p) for base, _, _ in self._kinds]
+        self._given = len(self._kinds) - (3 if split else 0)  # the values a caller passes
+        C_KERNELS[(source, symbol)] = self
+
+    def fn(self):
+        """The bound C function, once ``probe(fn)`` showed it gives the eager kernel's results; else None (no
+        compiler, build failed, probe failed: logged once). Cached under ``("native", source, symbol)``."""
+        def make():
+            lib = _native.load(self.source)
+            if lib is None:
+                return None  # _native logged why
+            fn = _native.bind(lib, self.symbol, self.argtypes, self.restype)
+            if not self.probe(fn):
+                log_once(logging.WARNING, ("probe", self.source), "hf_efficient: the C kernel %s disagrees with the "
+                         "eager kernel on its probe; not using it", self.source)
+                return None
+            return fn
+
+        return cached(("native", self.source, self.symbol), make)
+
+    def args(self, *values) -> tuple[list, list]:
+        """``values`` (one per signature word a caller passes) as C arguments, and the buffers they point into
+        (keep them alive until C returned). Raises TypeError / ValueError naming the argument on a wrong value."""
+        if len(values) != self._given:
+            raise TypeError(f"{self.symbol} takes {self._given} values ({', '.join(self.names[:self._given])}), "
+                            f"got {len(values)}")
+        count, args, keep = 0, [], []
+        for name, (kind, per, exact), value in zip(self.names, self._kinds, values):
+            try:
+                if kind in _SCALARS:
+                    arg = C_MODES[value] if kind == "mode" else _address(value) if kind == "ptr" else index(value)
+                    if kind == "count":
+                        count = arg
+                elif value is None and kind == "ptrs":
+                    arg = None  # a NULL array
+                else:
+                    buf = array(_ARRAYS[kind], [0 if v is None else v.data_ptr() for v in value]
+                                if kind == "ptrs" else value)
+                    keep.append(buf)
+                    arg = buf.buffer_info()[0]
+            except (KeyError, TypeError, AttributeError, OverflowError) as e:
+                if kind == "mode":
+                    raise ValueError(f"{self.symbol}: {name}={value!r} is not a compensation mode; expected one of "
+                                     f"{sorted(C_MODES)}") from None
+                raise TypeError(f"{self.symbol}: argument {name!r} is not a {kind} value ({type(e).__name__}: "
+                                f"{e})") from None
+            if kind in _ARRAYS and arg is not None:
+                self._check_length(name, kind, len(buf), count, per, exact)
+            args.append(arg)
+        return args, keep
+
+    def _check_length(self, name: str, kind: str, length: int, count: int, per: int | None, exact: int | None):
+        """Raise unless an array of ``length`` entries fits its rule for ``count`` tensors (see the class)."""
+        if exact is not None:
+            fits, want = length == exact, exact
+        elif per is not None:
+            fits, want = length == count * per, f"{per} per tensor"
+        else:
+            fits, want = length % max(count, 1) == 0 and (length > 0) == (count > 0), "a whole number per tensor"
+        if not fits:
+            raise ValueError(f"{self.symbol}: argument {name!r} ({kind}) has {length} entries for {count} tensors; "
+                             f"expected {want}")
+
+    def run(self, fn, *values, n: int = 0, unit: int = 1, threads: int | None = None):
+        """``fn`` (:meth:`fn`'s result, or a probe's candidate) on ``values``: a split kernel over ``n`` items of
+        ``unit`` elements through :func:`._native.run_split` (its results, a list; ``threads`` as it takes it),
+        any other called once (its result)."""
+        args, keep = self.args(*values)  # noqa: F841 - keep: the buffers C reads, alive until it returned
+        if not self.split:
+            return fn(*args)
+        return _native.run_split(fn, tuple(args), n, unit=unit, threads=threads)
 
 
 _LIBRARY = torch.library.Library("hf_efficient", "FRAGMENT")
@@ -147,20 +263,11 @@ def call(kernel: Callable, fallback: Callable, family: str, *args):
         return fallback(*args)
 
 
-def c_array(ctype, values) -> ctypes.Array:
-    """``values`` as a C array of ``ctype``; tensors give their data pointers (``ctypes.c_void_p``)."""
-    values = list(values)
-    if ctype is ctypes.c_void_p:
-        values = [v.data_ptr() for v in values]
-    return (ctype * len(values))(*values)
-
-
 class Bf16WeightKernel:
     """A family's C kernel for bf16 weights with fp32 state on CPU, where the torch path steps fp32 copies and
     writes them back (:func:`.compensation.step_in_fp32`): ``adamw_cpu.c``'s ``adamw_step``, ``lion8bit_cpu.c``'s
-    ``lion_step``. Their C signature: ``(count, params, grads, states, comps, numel, grad_is_bf16, keys, coef, mode,
-    start, end, threads)``, ``states[k * count + t]`` the k-th fp32 state tensor of tensor t, ``coef`` the family's
-    scalars per tensor. Exposed as the op ``torch.ops.hf_efficient.{name}``.
+    ``lion_step``. Their C signature is declared once, in ``self.c``: ``states[k * count + t]`` the k-th fp32 state
+    tensor of tensor t, ``coef`` the family's scalars per tensor. Exposed as the op ``torch.ops.hf_efficient.{name}``.
 
     Used only once its probe passed: on fresh tensors (``probe_states``: each state's initial value; ``probe_coef``:
     the scalars of the step ``reference(params, grads, states, comps, keys, mode)``, the torch path, takes), every
@@ -170,8 +277,9 @@ class Bf16WeightKernel:
 
     def __init__(self, name: str, source: str, symbol: str, reference: Callable, probe_states: tuple[float, ...],
                  probe_coef: Callable[[], list[float]]):
-        self.source, self.symbol, self.reference = source, symbol, reference
-        self.probe_states, self.probe_coef = probe_states, probe_coef
+        self.reference, self.probe_states, self.probe_coef = reference, probe_states, probe_coef
+        self.c = CKernel(source, symbol, f"count params:ptrs grads:ptrs states:ptrs*{len(probe_states)} comps:ptrs "
+                         f"numel:i64s g_bf16:i32s keys:i32s coef:f32s*{len(probe_coef())} mode:mode", self._probe)
 
         def step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor],
                  comps: list[torch.Tensor], keys: list[int], coef: list[float], compensation: str,
@@ -181,9 +289,8 @@ class Bf16WeightKernel:
         self.op = custom_op(name, step, ("params", "states", "comps"))
 
     def fn(self):
-        """The C function, once its probe passed; else None (see :func:`native`)."""
-        return native(self.source, self.symbol, [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                      + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], self._probe)
+        """The C function, once its probe passed; else None (see :meth:`CKernel.fn`)."""
+        return self.c.fn()
 
     @staticmethod
     def eligible(p: torch.Tensor, g: torch.Tensor, states, comp, compensation: str) -> bool:
@@ -214,19 +321,11 @@ class Bf16WeightKernel:
     def _run(self, fn, params, grads, states, comps, keys, coef, mode: str, threads: int | None) -> None:
         """``fn`` over all the tensors in one call (``states`` flat, state-major), split over torch's threads
         (``threads`` < 0 or None) or ``threads``."""
-        from .compensation import C_MODES
-
-        count, ptrs = len(params), lambda ts: c_array(ctypes.c_void_p, ts)  # noqa: E731
-        args = (count, ptrs(params), ptrs(grads), ptrs(states), ptrs(comps) if comps else None,
-                c_array(ctypes.c_int64, [p.numel() for p in params]),
-                c_array(ctypes.c_int32, [g.dtype == torch.bfloat16 for g in grads]), c_array(ctypes.c_int32, keys),
-                c_array(ctypes.c_float, coef), C_MODES[mode])
-        _native.run_split(fn, args, sum(p.numel() for p in params),
-                          threads=None if threads is None or threads < 0 else threads)
+        self.c.run(fn, len(params), params, grads, states, comps or None, [p.numel() for p in params],
+                   [g.dtype == torch.bfloat16 for g in grads], keys, coef, mode,
+                   n=sum(p.numel() for p in params), threads=None if threads is None or threads < 0 else threads)
 
     def _probe(self, fn) -> bool:
-        from .compensation import COMPENSATIONS
-
         n = 2 * _native._MIN_PER_THREAD + 37
         gen = torch.Generator().manual_seed(0)
         grads = [torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 1e-3).bfloat16()]

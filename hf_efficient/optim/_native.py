@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_dir", "check_thread_limit", "c_compiler", "load", "bind", "plain", "pointers", "run_split"]
+__all__ = ["cache_dir", "check_thread_limit", "c_compiler", "load", "bind", "plain", "run_split"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,6 @@ def plain(*tensors: torch.Tensor) -> bool:
     """No tensor subclass among ``tensors``: a subclass (an FSDP2 DTensor shard, whose ``numel()`` is global) is
     not memory a kernel may address."""
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
-
-
-def pointers(tensors) -> ctypes.Array:
-    """The data pointers of ``tensors``, as a C array."""
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
 @lru_cache(maxsize=None)

@@ -35,9 +35,7 @@ parameter from memory where torch's fused fp32 AdamW moves 28 (step times: docs/
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
-from array import array
 
 import torch
 from torch import Tensor
@@ -359,13 +357,17 @@ def _state_fits(p: Tensor, state: dict, mode: str, beta1: bool) -> bool:
 
 # per tensor, as adafactor_cpu.c reads them: dtype, batch, rows, cols (0: a vector), mode, key, has exp_avg
 _META = 7
+_NCOEF = 9  # per tensor, :func:`_coefficients`' scalars (adafactor_cpu.c's NCOEF)
 # gradient bytes whose passes run together: their second and third reads come from the cache (L2 + a share of L3)
 _GROUP_BYTES = 6 << 20
 
 
 def _native_items(op, items, threads: int = -1) -> None:
-    """``items`` (as :func:`_eager_step` takes them) through ``op``, in one call."""
+    """``items`` (as :func:`_eager_step` takes them) through ``op``, in one call. Every list holds one tensor per
+    item: an empty tensor (its data pointer NULL) where the item has no such state (a vector's columns, no beta1,
+    no Kahan buffer); ``meta`` tells the kernel which it has."""
     params, grads, stats, cols, exp_avgs, comps, meta, coef = ([] for _ in range(8))
+    none = torch.empty(0)
     for p, grad, state, c, mode, key, beta1 in items:
         params.append(p)
         grads.append(grad)
@@ -375,11 +377,10 @@ def _native_items(op, items, threads: int = -1) -> None:
             meta += (_DTYPES[p.dtype], math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1], C_MODES[mode], key, beta1)
         else:
             stats.append(state["exp_avg_sq"])
+            cols.append(none)
             meta += (_DTYPES[p.dtype], 1, p.numel(), 0, C_MODES[mode], key, beta1)
-        if beta1:
-            exp_avgs.append(state["exp_avg"])
-        if mode == "kahan" and p.dtype == torch.bfloat16:
-            comps.append(state["kahan_comp"])
+        exp_avgs.append(state["exp_avg"] if beta1 else none)
+        comps.append(state["kahan_comp"] if mode == "kahan" and p.dtype == torch.bfloat16 else none)
         coef += c
     op(params, grads, stats, cols, exp_avgs, comps, meta, coef, threads)
 
@@ -387,27 +388,14 @@ def _native_items(op, items, threads: int = -1) -> None:
 def _run(fn, params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
          exp_avgs: list[Tensor], comps: list[Tensor], meta: list[int], coef: list[float], threads: int,
          group_bytes: int | None = None) -> None:
-    """The C kernel over the tensors; the optional lists (cols, exp_avgs, comps) given one slot per tensor. Arrays
-    from the ``array`` module: ctypes' own arrays are filled element by element from Python, a cost every step."""
-    at = range(0, len(meta), _META)
-    arrays = [_pointers(ts) for ts in (params, grads, stats)] + [
-        _pointers(cols, [meta[i + 3] > 0 for i in at]), _pointers(exp_avgs, [meta[i + 6] for i in at]),
-        _pointers(comps, [meta[i] == 1 and meta[i + 4] == C_MODES["kahan"] for i in at]),
-        array("q", meta), array("d", coef)]
+    """The C kernel over the tensors (lists as :func:`_native_items` makes them)."""
     if threads < 0:
         threads = max(1, min(torch.get_num_threads(), sum(p.numel() for p in params) // _native._MIN_PER_THREAD))
     group_bytes = _GROUP_BYTES if group_bytes is None else group_bytes
-    if fn(len(params), *(a.buffer_info()[0] for a in arrays), group_bytes, threads) != 0:
+    if _C_KERNEL.run(fn, len(params), params, grads, stats, cols, exp_avgs, comps, meta, coef, group_bytes,
+                     threads) != 0:
         raise MemoryError("Adafactor: the C kernel could not allocate its scratch memory (a few MB); nothing was "
                           "updated")
-
-
-def _pointers(tensors: list[Tensor], has: list | None = None) -> array:
-    """Data pointers, one slot per tensor of the step: the next of ``tensors`` where ``has`` (default: all), else 0."""
-    if has is None:
-        return array("Q", [t.data_ptr() for t in tensors])
-    it = iter(tensors)
-    return array("Q", [next(it).data_ptr() if h else 0 for h in has])
 
 
 def _step_op(params: list[Tensor], grads: list[Tensor], stats: list[Tensor], cols: list[Tensor],
@@ -420,9 +408,8 @@ _op = _dispatch.custom_op("adafactor_step", _step_op, ("params", "stats", "cols"
 
 
 def _native_fn():
-    """The C function of ``adafactor_cpu.c``, once its probe passed; else None (see :func:`._dispatch.native`)."""
-    return _dispatch.native(_SOURCE, _SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int],
-                            _probe, ctypes.c_int64)
+    """The C function of ``adafactor_cpu.c``, once its probe passed; else None (see :meth:`._dispatch.CKernel.fn`)."""
+    return _C_KERNEL.fn()
 
 
 # (shape, dtype, compensation, beta1) of the probe: matrices of several row slices that 3 threads share unevenly,
@@ -474,6 +461,12 @@ def _probe(fn) -> bool:
     OpenMP gives, every unit must be done), as :func:`_agree` states."""
     (pn, sn, lr), (pe, se, _) = _probe_run(fn), _probe_run(None)
     return all(_agree(a, b, sa, sb, lr) for a, b, sa, sb in zip(pn, pe, sn, se))
+
+
+# not split by run_split: the kernel plans its own work (groups of ``group_bytes``) over its ``threads``
+_C_KERNEL = _dispatch.CKernel(_SOURCE, _SYMBOL, f"count params:ptrs grads:ptrs stats:ptrs cols:ptrs exp_avgs:ptrs "
+                              f"comps:ptrs meta:i64s*{_META} coef:f64s*{_NCOEF} group_bytes:int threads:threads",
+                              _probe, ctypes.c_int64, split=False)
 
 
 def _agree(a: Tensor, b: Tensor, sa: dict, sb: dict, lr: float, exact_vectors: bool = True) -> bool:
@@ -548,18 +541,13 @@ def _triton_fits(p: Tensor, grad: Tensor, state: dict, group: dict) -> bool:
 
 def _triton_module(device: torch.device):
     """``adafactor_triton`` once its probe passed on ``device``; else None (why: logged once)."""
-    def make():
+    def load():
         if not _triton.available():
             raise ImportError("Triton is not installed (CUDA builds of torch ship it)")
         from . import adafactor_triton
-
-        if not _triton_probe(adafactor_triton, device):
-            _dispatch.log_once(logging.WARNING, ("probe", "adafactor_triton"), "hf_efficient: Adafactor's Triton "
-                               "kernels disagree with the eager step on %s; using the eager step", device)
-            return None
         return adafactor_triton
 
-    return _dispatch.cached(("triton", "adafactor", str(device)), make)
+    return _dispatch.probed("adafactor", device, load, _triton_probe, "the eager step")
 
 
 def _triton_probe(module, device) -> bool:

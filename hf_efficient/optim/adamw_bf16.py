@@ -47,7 +47,6 @@ where the probe fails, the foreach path runs, one warning logged.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import warnings
@@ -63,7 +62,7 @@ from ..families import ADAMW_BF16
 from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native, _sharded, _triton
 from .adamw import note_missing_triton, triton_may_apply
-from .compensation import (C_MODES, COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
+from .compensation import (COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
                            noise_key, round_stochastic, write, drop_unused_buffers, element_index)
 
 __all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
@@ -345,10 +344,13 @@ def _native_probe(fn) -> bool:
     return all(agrees(mode) for mode in COMPENSATIONS)
 
 
+_NATIVE = _dispatch.CKernel(_NATIVE_SOURCE, _NATIVE_SYMBOL, "count params:ptrs grads:ptrs exp_avgs:ptrs "
+                            "exp_avg_sqs:ptrs comps:ptrs numel:i64s keys:i32s*2 coef:f32s=8 mode:mode", _native_probe)
+
+
 def _native_fn():
-    """The C function of ``adamw_bf16_cpu.c``, once its probe passed; else None (see :func:`._dispatch.native`)."""
-    return _dispatch.native(_NATIVE_SOURCE, _NATIVE_SYMBOL, [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                            + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _native_probe)
+    """The C function of ``adamw_bf16_cpu.c``, once its probe passed; else None (see :meth:`._dispatch.CKernel.fn`)."""
+    return _NATIVE.fn()
 
 
 def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, coef, threads=None):
@@ -363,13 +365,11 @@ def _native_path(fn, mode, params, grads, exp_avgs, exp_avg_sqs, comps, keys, co
                        pick(comps), pick(keys), coef)
     if not ok:
         return
-    c = _dispatch.c_array
-    pointers = lambda ts: c(ctypes.c_void_p, (ts[i] for i in ok))  # noqa: E731
+    mine = [[ts[i] for i in ok] for ts in sets]
     numel = [params[i].numel() for i in ok]
     both = [k for i in ok for k in ((keys[i], keys[i] ^ _WEIGHT_STREAM) if keys else (0, 0))]
-    args = (len(ok), *map(pointers, sets[:4]), pointers(comps) if comps else None, c(ctypes.c_int64, numel),
-            c(ctypes.c_int32, both), c(ctypes.c_float, coef), C_MODES[mode])
-    _native.run_split(fn, args, sum(numel), threads=threads)
+    _NATIVE.run(fn, len(ok), *mine[:4], mine[4] if comps else None, numel, both, coef, mode, n=sum(numel),
+                threads=threads)
 
 
 def _step_op(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
