@@ -357,8 +357,13 @@ def _update_kernel(ptrs, sizes, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, l
         rows = tl.arange(0, BR)
         cols = tl.arange(0, BC)
         per_matrix = row_tiles * col_tiles
+        mean_of = -1  # the matrix of the batch whose row mean ``mean`` is: none yet
+        mean = tl.zeros((), tl.float32)
         for pid in range(first, tiles, tl.num_programs(1)):
             b = pid // per_matrix
+            if b != mean_of:  # a sum over the whole block (a barrier), so once per matrix, not per tile
+                mean = _row_mean(mean_ptr, b, P, n, PART)
+                mean_of = b
             r0 = (pid % per_matrix) // col_tiles * BR
             c0 = pid % col_tiles * BC
             start = (b.to(tl.int64) * n + r0) * m + c0  # the tile's first element: int64 once, int32 within
@@ -367,7 +372,7 @@ def _update_kernel(ptrs, sizes, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, l
             mask = rmask[:, None] & cmask[None, :]
             offs = rows[:, None] * m + cols[None, :]
             row = tl.load(row_ptr + b.to(tl.int64) * n + r0 + rows, mask=rmask, other=1.0)
-            r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * _row_mean(mean_ptr, b, P, n, PART)))
+            r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * mean))
             c = tl.load(cinv_ptr + b.to(tl.int64) * m + c0 + cols, mask=cmask, other=1.0)
             g = tl.load(g_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
             _write(p_ptr + start, ea_ptr + start, comp_ptr + start, offs, start.to(tl.int32) + offs, mask,
