@@ -266,7 +266,8 @@ def test_one_launch_per_pass_matches_the_eager_step(dtype, compensation, monkeyp
     grid has (its dimension 1 capped at 2, small tiles): the eager step's results, and the first step of a
     :func:`test_a_llama_step_is_four_launches` layer in four launches."""
     monkeypatch.setattr(af, "_native_fn", lambda: None)  # the reference: the eager step
-    for name, value in (("_WIDE", 16), ("_COLS", 16), ("_ROWS_TILE", 64), ("_TILE", 64), ("_MAX_GRID", 2)):
+    # stats tiles of 256 bytes of gradient (_ROWS_TILE): 4 rows of 16 fp32 columns, 8 rows of 16 bf16 ones
+    for name, value in (("_WIDE", 16), ("_COLS", 16), ("_ROWS_TILE", 64 * 4), ("_TILE", 64), ("_MAX_GRID", 2)):
         monkeypatch.setattr(T, name, value)
     (ps, groups), (ref, ref_groups) = _llama(1, dtype), _llama(1, dtype)
     opt, ref_opt = (Adafactor(g, lr=LR, beta1=0.9, compensation=compensation) for g in (groups, ref_groups))
@@ -296,11 +297,12 @@ def _variants():
     rate = {"rate_hi": "fp32", "rate_lo": "fp32"}
     for aligned, gdts in ((True, ("*fp32", "*bf16", "*fp16")), (False, ("*bf16",))):
         for gdt in gdts:
+            cols = T._STATS_COLS[2 if gdt != "*fp32" else 4]  # the stats tile a launch takes for this gradient
             out.append(["_stats_kernel", {**table, "part_ptr": "*fp32", "mean_ptr": "*fp64", "flag_ptr": "*fp32",
                                           "count": "i32", "eps": "fp32", **rate, "GDT": "constexpr",
                                           "ALIGNED": "constexpr", "BR": "constexpr", "BC": "constexpr"},
                         {"GDT": "tl." + {"*fp32": "float32", "*bf16": "bfloat16", "*fp16": "float16"}[gdt],
-                         "ALIGNED": aligned, "BR": 4, "BC": 512}])
+                         "ALIGNED": aligned, "BR": T._ROWS_TILE // (4 if gdt == "*fp32" else 2) // cols, "BC": cols}])
         out.append(["_cols_kernel", {**table, "part_ptr": "*fp32", "mean_ptr": "*fp64", "cinv_ptr": "*fp32",
                                      "over_ptr": "*fp64", "flag_ptr": "*fp32", "count": "i32", "eps": "fp32", **rate,
                                      "ALIGNED": "constexpr", "BC": "constexpr", "PART": "constexpr"},
@@ -356,3 +358,11 @@ def test_update_pass_instructions_do_not_regress():
     per_element = sum(info["sass"].values()) / (const["BR"] * const["BC"] / (32 * 8))
     assert per_element <= MAX_PER_ELEMENT, info["sass"]
     assert info["regs"] <= MAX_REGS
+
+
+def test_stats_pass_sums_columns_without_barriers_per_tile():
+    """The stats pass's tile on bf16 gradients puts its warps side by side along the rows (issue 24: a narrower tile
+    made each column sum cross warps through shared memory, 26 barriers in the kernel, not 8 as now)."""
+    name, sig, const = next(v for v in _variants() if v[0] == "_stats_kernel" and v[2]["GDT"] == "tl.bfloat16"
+                            and v[2]["ALIGNED"])
+    assert compile_for_hopper("hf_efficient.optim.adafactor_triton", name, sig, const, sass=True)["sass"]["BAR"] <= 8

@@ -54,9 +54,14 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _SQRT_FP32_MAX = tl.constexpr(18446742974197923840.0)  # 2**64 (1 - 2**-24): the largest fp32 whose square is finite
 _SCRATCH_BYTES = 32 << 20  # the column and D parts of one launch's matrices, whatever the model's size
 _PROGRAMS = 4  # stats-pass programs per SM aimed at, for all of a launch's matrices (fewer where scratch or rows end)
-_ROWS_TILE = 2048  # elements of a tile of the stats pass
+_ROWS_TILE = 8192  # bytes of gradient in a tile of the stats pass (64 a thread: 2048 fp32 or 4096 bf16 elements)
 _TILE = 4096  # elements of a tile of the update pass (16-byte vector loads for every dtype)
-_COLS = 512  # columns of a tile of the stats pass and of a program of the column pass
+_COLS = 512  # columns of a program of the column pass
+# columns of a tile of the stats pass: its 4 warps side by side along a row, each thread a 16-byte vector (512 fp32
+# or 1024 bf16 / fp16 columns), so the column sums over the tile's rows stay within each thread; with a narrower
+# tile the warps split rows, and each column sum crossed warps through shared memory, behind barriers, per tile.
+# Both 4 rows deep: the column and D parts are read and written once per tile's rows (L2 traffic per gradient byte)
+_STATS_COLS = {4: 512, 2: 1024}
 _WIDE = 1024  # columns of a tile of the update pass; narrower matrices get tiles of their width (a kind each)
 _PART = 256  # elements of the float64 parts summed at a time
 _MAX_GRID = 65535  # programs on a grid's dimension 1 (CUDA's limit): a matrix with more loops over them
@@ -543,8 +548,8 @@ def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _tr
     _, pdt, gdt, has_ea, mode, width = kind
     group, device = items[0][3], items[0][0].device
     dims = [(p.shape[-2], p.shape[-1], p.numel() // (p.shape[-2] * p.shape[-1])) for p, *_ in items]
-    bc1 = min(width, _COLS)
-    br1, br3 = _ROWS_TILE // bc1, _TILE // width
+    bc1 = min(width, _STATS_COLS[gdt.itemsize])
+    br1, br3 = _ROWS_TILE // gdt.itemsize // bc1, _TILE // width
     plan = _plan(dims, br1, _sm_count(device))
     offsets, lengths = _layout(dims, plan)
     lists = [[it[0] for it in items], [it[1] for it in items]] + [
