@@ -290,8 +290,9 @@ def test_one_launch_per_pass_matches_the_eager_step(dtype, compensation, monkeyp
 
 
 def _variants():
-    """Every variant the launches compile: the update and vector kernels per weight dtype, write and first moment;
-    the stats pass per gradient dtype; the column pass; each with the alignment promise, and a few without."""
+    """Every variant the launches compile (with their warps where not 4): the update and vector kernels per weight
+    dtype, write and first moment; the stats pass per gradient dtype; the column pass; each with the alignment
+    promise, and a few without."""
     out = []
     table = {"ptrs": "*i64", "sizes": "*i64"}
     rate = {"rate_hi": "fp32", "rate_lo": "fp32"}
@@ -320,7 +321,7 @@ def _variants():
                     "MODE": "constexpr", "ALIGNED": "constexpr", "BR": "constexpr", "BC": "constexpr",
                     "PART": "constexpr"},
                     {"PDT": dt, "GDT": "tl.bfloat16", "HAS_EA": ea, "MODE": mode, "ALIGNED": aligned, "BR": 4,
-                     "BC": 1024, "PART": 256}])
+                     "BC": 1024, "PART": 256}, 8])  # launched with 8 warps
                 out.append(["_vector_kernel", {**table, "flag_ptr": "*fp32", "count": "i32", **scalars,
                                                "eps": "fp32", **rate, "PDT": "constexpr", "GDT": "constexpr",
                                                "HAS_EA": "constexpr", "MODE": "constexpr", "ALIGNED": "constexpr",
@@ -331,8 +332,9 @@ def _variants():
 
 def test_every_variant_compiles_for_hopper():
     """triton_helpers' sm_90 compile (no GPU needed), all variants in one process (one per call costs seconds)."""
-    script = ("import json, sys\nfrom triton_helpers import _AOT\nfor name, sig, const in json.loads(sys.argv[1]):\n"
-              "    sys.argv = ['aot', json.dumps(['hf_efficient.optim.adafactor_triton', name, sig, const])]\n"
+    script = ("import json, sys\nfrom triton_helpers import _AOT\n"
+              "for name, sig, const, *warps in json.loads(sys.argv[1]):\n"
+              "    sys.argv = ['aot', json.dumps(['hf_efficient.optim.adafactor_triton', name, sig, const, *warps])]\n"
               "    exec(_AOT, {})\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])
@@ -351,8 +353,8 @@ MAX_PER_ELEMENT, MAX_REGS = 86, 104
 
 
 def test_update_pass_instructions_do_not_regress():
-    name, sig, const = next(v for v in _variants() if v[0] == "_update_kernel" and v[2]["PDT"] == "tl.bfloat16"
-                            and v[2]["MODE"] == 0 and not v[2]["HAS_EA"])
+    name, sig, const, _ = next(v for v in _variants() if v[0] == "_update_kernel"
+                               and v[2]["PDT"] == "tl.bfloat16" and v[2]["MODE"] == 0 and not v[2]["HAS_EA"])
     const = {**const, "ALIGNED": True}  # as a model's tensors are (16-byte vectors)
     info = compile_for_hopper("hf_efficient.optim.adafactor_triton", name, sig, const, sass=True, num_warps=8)
     per_element = sum(info["sass"].values()) / (const["BR"] * const["BC"] / (32 * 8))

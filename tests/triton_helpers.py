@@ -48,12 +48,15 @@ if len(sys.argv) > 2:  # nvdisasm's lines: scheduling fields, a tab, [@predicate
         if words:
             op = words[0].rstrip(";").split(".")[0]
             info["sass"][op] = info["sass"].get(op, 0) + 1
-    import os, re, subprocess, tempfile  # registers per thread (they bound the warps an SM holds): cuobjdump's
+    import re, subprocess, tempfile  # registers per thread (they bound the warps an SM holds): cuobjdump's
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"]); f.flush()
-        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True)
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                               text=True)
     found = re.search(r"REG:(\d+)", usage.stdout)
-    info["regs"] = int(found.group(1)) if found else None
+    assert found, usage.stdout + usage.stderr
+    info["regs"] = int(found.group(1))
 print(json.dumps(info))
 """
 
