@@ -74,3 +74,12 @@ def test_shared_functions_compile_for_hopper(mode):
         "pos": "i32", "step": "i32", "n": "i32", "MODE": "constexpr", "OUT": "constexpr", "BLOCK": "constexpr"},
         {"MODE": mode, "OUT": "tl.bfloat16", "BLOCK": 1024})
     assert info["cubin"] > 0
+
+
+def test_to_bf16_is_the_conversion_instruction_on_the_gpu():
+    """Compiled for sm_90 (no interpreter), ``to_bf16`` is the hardware's round-to-nearest-even conversion (F2FP),
+    not the integer rounding the interpreter needs (per value a shift, a NaN compare and a select)."""
+    sass = compile_for_hopper("_triton_test_kernels", "bf16_kernel", {
+        "x_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}, sass=True)["sass"]
+    assert sass.get("F2FP", 0) == 4  # 8 values a thread (1024 over 4 warps), converted in pairs
+    assert not {"FSETP", "SEL", "SGXT"} & set(sass), sass

@@ -32,11 +32,12 @@ import json, sys, importlib
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs = json.loads(sys.argv[1])
+module, name, signature, constexprs, *num_warps = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
 constexprs = {k: eval(v, {"tl": tl}) if isinstance(v, str) else v for k, v in constexprs.items()}
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"enable_fp_fusion": False, "num_warps": (num_warps or [4])[0]})
 info = {"shared": compiled.metadata.shared, "ptx": len(compiled.asm["ptx"]), "cubin": len(compiled.asm["cubin"]),
         "num_warps": compiled.metadata.num_warps}
 if len(sys.argv) > 2:  # nvdisasm's lines: scheduling fields, a tab, [@predicate] OPCODE.modifiers operands;
@@ -47,15 +48,26 @@ if len(sys.argv) > 2:  # nvdisasm's lines: scheduling fields, a tab, [@predicate
         if words:
             op = words[0].rstrip(";").split(".")[0]
             info["sass"][op] = info["sass"].get(op, 0) + 1
+    import re, subprocess, tempfile  # registers per thread (they bound the warps an SM holds): cuobjdump's
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                               text=True)
+    found = re.search(r"REG:(\d+)", usage.stdout)
+    assert found, usage.stdout + usage.stderr
+    info["regs"] = int(found.group(1))
 print(json.dumps(info))
 """
 
 
-def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: dict, sass: bool = False) -> dict:
+def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: dict, sass: bool = False,
+                       num_warps: int = 4) -> dict:
     """Compile ``module.kernel`` ahead of time for sm_90 (no GPU needed: Triton's wheel carries ptxas), in a
     subprocess without the interpreter; returns its sizes (shared memory bytes, PTX and cubin lengths, ``num_warps``)
     and, with ``sass``, the static count of each machine instruction's opcode (``{"FSEL": 36, ...}``: for judging a
-    compute-bound kernel without a GPU; loops count once). ``signature``: argument -> Triton type
+    compute-bound kernel without a GPU; loops count once) and ``regs``, the registers a thread uses (they bound how
+    many warps an SM holds to hide latency). ``num_warps``: the launch's. ``signature``: argument -> Triton type
     ("*bf16", "i32", "fp32", "constexpr"); ``constexprs``: values, dtypes written as strings ("tl.bfloat16").
 
     Raises:
@@ -67,7 +79,7 @@ def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: di
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, "-c", _AOT, json.dumps([module, kernel, signature, constexprs]),
+    run = subprocess.run([sys.executable, "-c", _AOT, json.dumps([module, kernel, signature, constexprs, num_warps]),
                           *(["sass"] if sass else [])],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]

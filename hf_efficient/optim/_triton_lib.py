@@ -3,7 +3,13 @@
 Each mirrors a torch function of :mod:`.compensation` operation for operation, in int32 / fp32 arithmetic, so
 that a Triton kernel rounds bit for bit as the torch code and the C kernels do (tests compare them under Triton's
 interpreter). Imported only where Triton is installed.
+
+On the GPU a conversion rounds to nearest even in one instruction; Triton's interpreter truncates instead, so
+:func:`to_bf16` rounds in integers there only (:data:`_INTERPRET`, read when this module is imported, as Triton reads
+``TRITON_INTERPRET`` when a kernel is defined): the tests run the integer path, and compile the GPU one for sm_90.
 """
+
+import os
 
 import triton
 import triton.language as tl
@@ -14,6 +20,7 @@ _KEY_GOLDEN = tl.constexpr(-1640531527)  # 0x9E3779B9
 _MIX1 = tl.constexpr(-2048144789)  # 0x85EBCA6B
 _MIX2 = tl.constexpr(-1028477387)  # 0xC2B2AE35
 _WEIGHT_STREAM = tl.constexpr(0x2545F491)  # compensation.WEIGHT_STREAM
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # kernels run in numpy, not compiled
 
 
 @triton.jit
@@ -57,13 +64,16 @@ def pow_int(base_hi, base_lo, n):
 
 @triton.jit
 def to_bf16(x):
-    """fp32 ``x`` rounded to nearest-even bf16 in integer arithmetic (NaN stays NaN), as torch rounds: Triton's
-    interpreter truncates in its own conversion, so every bf16 store of these kernels goes through here and the
-    interpreter (tests) and the GPU give the same bits."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536
-    rounded = tl.where(x != x, 0x7FC00000, rounded)
-    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    """fp32 ``x`` rounded to nearest-even bf16 (NaN stays NaN), as torch rounds: every bf16 store of these kernels
+    goes through here. On the GPU the conversion itself (one instruction; a NaN's payload is the hardware's); under
+    the interpreter, which truncates in its conversion, in integer arithmetic with the same result."""
+    if _INTERPRET:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536
+        rounded = tl.where(x != x, 0x7FC00000, rounded)
+        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 @triton.jit

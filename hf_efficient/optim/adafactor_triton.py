@@ -54,9 +54,14 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _SQRT_FP32_MAX = tl.constexpr(18446742974197923840.0)  # 2**64 (1 - 2**-24): the largest fp32 whose square is finite
 _SCRATCH_BYTES = 32 << 20  # the column and D parts of one launch's matrices, whatever the model's size
 _PROGRAMS = 4  # stats-pass programs per SM aimed at, for all of a launch's matrices (fewer where scratch or rows end)
-_ROWS_TILE = 2048  # elements of a tile of the stats pass
+_ROWS_TILE = 8192  # bytes of gradient in a tile of the stats pass (64 a thread: 2048 fp32 or 4096 bf16 elements)
 _TILE = 4096  # elements of a tile of the update pass (16-byte vector loads for every dtype)
-_COLS = 512  # columns of a tile of the stats pass and of a program of the column pass
+_COLS = 512  # columns of a program of the column pass
+# columns of a tile of the stats pass: its 4 warps side by side along a row, each thread a 16-byte vector (512 fp32
+# or 1024 bf16 / fp16 columns), so the column sums over the tile's rows stay within each thread; with a narrower
+# tile the warps split rows, and each column sum crossed warps through shared memory, behind barriers, per tile.
+# Both 4 rows deep: the column and D parts are read and written once per tile's rows (L2 traffic per gradient byte)
+_STATS_COLS = {4: 512, 2: 1024}
 _WIDE = 1024  # columns of a tile of the update pass; narrower matrices get tiles of their width (a kind each)
 _PART = 256  # elements of the float64 parts summed at a time
 _MAX_GRID = 65535  # programs on a grid's dimension 1 (CUDA's limit): a matrix with more loops over them
@@ -357,8 +362,13 @@ def _update_kernel(ptrs, sizes, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, l
         rows = tl.arange(0, BR)
         cols = tl.arange(0, BC)
         per_matrix = row_tiles * col_tiles
+        mean_of = -1  # the matrix of the batch whose row mean ``mean`` is: none yet
+        mean = tl.zeros((), tl.float32)
         for pid in range(first, tiles, tl.num_programs(1)):
             b = pid // per_matrix
+            if b != mean_of:  # a sum over the whole block (a barrier), so once per matrix, not per tile
+                mean = _row_mean(mean_ptr, b, P, n, PART)
+                mean_of = b
             r0 = (pid % per_matrix) // col_tiles * BR
             c0 = pid % col_tiles * BC
             start = (b.to(tl.int64) * n + r0) * m + c0  # the tile's first element: int64 once, int32 within
@@ -367,7 +377,7 @@ def _update_kernel(ptrs, sizes, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, l
             mask = rmask[:, None] & cmask[None, :]
             offs = rows[:, None] * m + cols[None, :]
             row = tl.load(row_ptr + b.to(tl.int64) * n + r0 + rows, mask=rmask, other=1.0)
-            r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * _row_mean(mean_ptr, b, P, n, PART)))
+            r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * mean))
             c = tl.load(cinv_ptr + b.to(tl.int64) * m + c0 + cols, mask=cmask, other=1.0)
             g = tl.load(g_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
             _write(p_ptr + start, ea_ptr + start, comp_ptr + start, offs, start.to(tl.int32) + offs, mask,
@@ -538,8 +548,8 @@ def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _tr
     _, pdt, gdt, has_ea, mode, width = kind
     group, device = items[0][3], items[0][0].device
     dims = [(p.shape[-2], p.shape[-1], p.numel() // (p.shape[-2] * p.shape[-1])) for p, *_ in items]
-    bc1 = min(width, _COLS)
-    br1, br3 = _ROWS_TILE // bc1, _TILE // width
+    bc1 = min(width, _STATS_COLS[gdt.itemsize])
+    br1, br3 = _ROWS_TILE // gdt.itemsize // bc1, _TILE // width
     plan = _plan(dims, br1, _sm_count(device))
     offsets, lengths = _layout(dims, plan)
     lists = [[it[0] for it in items], [it[1] for it in items]] + [

@@ -31,9 +31,11 @@ from .compensation import C_MODES, WEIGHT_STREAM
 
 L = _triton.jit_helpers()
 
-BLOCK = 2048  # elements per iteration: 16-byte vector loads (8 bf16 or 4 fp32 per thread and load), 4 warps
-NUM_WARPS = 4
-BLOCKS = 4  # blocks per program: its scalars (bias corrections: two float64 powers, a division) serve them all
+BLOCK = 2048  # elements per iteration: 16-byte vector loads (8 bf16 or 4 fp32 per thread and load)
+# 8 elements a thread, not 16: half the registers, so twice the warps an SM holds to hide the latency of the
+# per-element IEEE square root and divisions (serial, each behind a branch to its slow path); see issue 24's note
+NUM_WARPS = 8
+BLOCKS = 8  # blocks per program: its scalars (bias corrections: two float64 powers, a division) serve them all
 MAX_PROGRAMS = 65535  # a table launch's programs per tensor (the grid's second dimension); a larger tensor: alone
 _BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bf16's largest finite value (adamw_bf16._BF16_MAX)
 _STREAM = tl.constexpr(WEIGHT_STREAM)
@@ -85,7 +87,7 @@ def _write(pp, cp, offs, mask, old, new, wkey, MODE: tl.constexpr):
 
 
 @triton.jit
-def _fp32_block(pp, gp, mp, vp, cp, offs, mask, wkey, step_size, bc2_sqrt, b2, omb2, lerp_w, decay, eps,
+def _fp32_block(pp, gp, mp, vp, cp, offs, mask, wkey, step_size, bc2_sqrt, b2, omb2, from_m, lerp_c, decay, eps,
                 MODE: tl.constexpr):
     """One block of :func:`fp32_state_kernel` (``mask`` None: every element in range, so loads are whole vectors).
     ``div_rn`` / ``sqrt_rn``: torch's IEEE division and square root (Triton's defaults approximate), for its bits."""
@@ -93,10 +95,7 @@ def _fp32_block(pp, gp, mp, vp, cp, offs, mask, wkey, step_size, bc2_sqrt, b2, o
     m = tl.load(mp + offs, mask=mask)
     v = tl.load(vp + offs, mask=mask)
     old = tl.load(pp + offs, mask=mask).to(tl.float32)
-    if lerp_w < 0.5:  # torch's lerp: from the moment's side for a small weight, else from the gradient's
-        m = m + lerp_w * (g - m)
-    else:
-        m = g - (g - m) * (1.0 - lerp_w)
+    m = tl.where(from_m, m, g) + lerp_c * (g - m)  # torch's lerp, its side chosen per program (see the kernel)
     v = v * b2 + omb2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     new = old * decay + (-step_size) * tl.div_rn(m, denom)
@@ -123,14 +122,18 @@ def fp32_state_kernel(flag_ptr, p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, step_ptr, ptr
         step_size = ((tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)) / bc1).to(tl.float32)
         bc2_sqrt = tl.sqrt(1.0 - L.pow_int(b2_hi, b2_lo, step)).to(tl.float32)
         wkey = tkey if KEYED else L.weight_key(tkey, step)
+        # torch's lerp: m + w (g - m) for a small weight, else g - (g - m)(1 - w) = g + (g - m)(w - 1), the same bits
+        # (negation is exact): one form for both, a select per element instead of both computed
+        from_m = lerp_w < 0.5
+        lerp_c = tl.where(from_m, lerp_w, lerp_w - 1.0)
         for first in range(start, tl.minimum(start + BLOCK * BLOCKS, numel), BLOCK):
             offs = first + tl.arange(0, BLOCK)
             if first + BLOCK <= numel:
-                _fp32_block(pp, gp, mp, vp, cp, offs, None, wkey, step_size, bc2_sqrt, b2, omb2, lerp_w, decay, eps,
-                            MODE)
-            else:
-                _fp32_block(pp, gp, mp, vp, cp, offs, offs < numel, wkey, step_size, bc2_sqrt, b2, omb2, lerp_w,
+                _fp32_block(pp, gp, mp, vp, cp, offs, None, wkey, step_size, bc2_sqrt, b2, omb2, from_m, lerp_c,
                             decay, eps, MODE)
+            else:
+                _fp32_block(pp, gp, mp, vp, cp, offs, offs < numel, wkey, step_size, bc2_sqrt, b2, omb2, from_m,
+                            lerp_c, decay, eps, MODE)
 
 
 @triton.jit
