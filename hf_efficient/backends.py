@@ -9,6 +9,7 @@ tensor by tensor (:mod:`hf_efficient.memory`). 8-bit rules say which tensors a b
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from .families import ADAMW8BIT, LION8BIT, Family
 from .optim.compensation import LOW_PRECISION
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
@@ -187,29 +189,23 @@ def compiler_missing(device_type: str) -> str | None:
     return None
 
 
-def _adamw8bit_cls():
-    from .optim.adamw8bit import AdamW8bit
-    return AdamW8bit
+def _blockwise_builder(module: str, name: str, family: Family) -> Callable:
+    """The builder of one of this package's 8-bit families (``optim.{module}.{name}``): the options it reads and
+    ``fp32_state_params``; ``eps`` is passed where the family has one (``family.uses_eps``; Lion has none: accepted
+    for the common signature and unused)."""
+    def load() -> type:
+        return getattr(importlib.import_module(f"hf_efficient.optim.{module}"), name)
+
+    @_with_cls(load)
+    def build(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
+        return load()(groups, lr=lr, betas=betas, weight_decay=weight_decay, **({"eps": eps} if family.uses_eps else {}),
+                      min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
+                      compensation=options["compensation"])
+    return build
 
 
-@_with_cls(_adamw8bit_cls)
-def build_torch_adamw8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _adamw8bit_cls()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
-                            compensation=options["compensation"])
-
-
-def _lion8bit_cls():
-    from .optim.lion8bit import Lion8bit
-    return Lion8bit
-
-
-@_with_cls(_lion8bit_cls)
-def build_torch_lion8bit(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    """Lion has no eps (the family's ``uses_eps``): ``eps`` is accepted for the common signature and unused."""
-    return _lion8bit_cls()(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                           min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
-                           compensation=options["compensation"])
+build_torch_adamw8bit = _blockwise_builder("adamw8bit", "AdamW8bit", ADAMW8BIT)
+build_torch_lion8bit = _blockwise_builder("lion8bit", "Lion8bit", LION8BIT)
 
 
 def _adafactor_cls():
