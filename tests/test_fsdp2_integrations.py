@@ -342,3 +342,65 @@ def test_auto_chooses_from_the_per_rank_footprint():
         model, "adamw", world_size=4, sharding="fsdp2").state_bytes
     tiny = choose_auto(model, {"budget_gb": 1e-9}, world_size=4, sharding="fsdp2")
     assert {c.name.removeprefix("hf_eff_") for c in tiny.candidates} <= set(SHARDABLE)
+
+
+
+RESUME_STEPS, RESUME_AT = 4, 2
+
+
+def _trainer_resume_runs(names: list[str], tmp: str) -> dict:
+    """For each name, on this rank: a Trainer under FSDP2 trains RESUME_STEPS steps, saving a checkpoint at step
+    RESUME_AT; a new Trainer resumes from it. The largest |weight difference| of the two runs' final weights and the
+    resumed state's dtypes. One spawn for every name: a launch costs more than a run."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)  # rows of 256 inputs: the first matrix keeps 8-bit state (adam8bit, lion8bit)
+            self.net = torch.nn.Sequential(torch.nn.Linear(256, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+
+        def forward(self, x, labels=None):
+            out = self.net(x.to(self.net[0].weight.dtype))
+            return {"loss": torch.nn.functional.mse_loss(out.float(), labels), "logits": out}
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": torch.randn(256, generator=g), "labels": torch.randn(5, generator=g)} for _ in range(16)]
+
+    def run(name: str, out_dir: str, resume: str | None = None) -> tuple[list[torch.Tensor], list[str]]:
+        AcceleratorState._reset_state(reset_partial_state=True)  # each Trainer as in a fresh process launched
+        _as_fsdp_capable()  # with RANK / WORLD_SIZE set, so that both runs shard the data alike
+        args = TrainingArguments(out_dir, optim=f"hf_eff_{name}", fsdp="full_shard", fsdp_config={"version": 2},
+                                 per_device_train_batch_size=2, max_steps=RESUME_STEPS, learning_rate=1e-2,
+                                 weight_decay=0.01, lr_scheduler_type="linear", save_strategy="steps",
+                                 save_steps=RESUME_AT, report_to=[], use_cpu=True, max_grad_norm=1.0, seed=3,
+                                 disable_tqdm=True)
+        _ = args.device  # TrainingArguments sets up its process state first (and resets accelerate's): mark it after
+        _as_fsdp_capable()
+        model = Model().to(torch.bfloat16) if name == "adamw_bf16" else Model()
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        inner = unwrap(trainer.optimizer, until="state")
+        dtypes = sorted({str(v.dtype) for st in inner.state.values() for k, v in st.items() if k != "step"})
+        return [full(p).float() for p in trainer.model.parameters()], dtypes
+
+    out = {}
+    for name in names:
+        first = os.path.join(tmp, name, "first")
+        want, _ = run(name, first)
+        got, dtypes = run(name, os.path.join(tmp, name, "resumed"), os.path.join(first, f"checkpoint-{RESUME_AT}"))
+        out[name] = {"max_diff": max(float((a - b).abs().max()) for a, b in zip(got, want)), "dtypes": dtypes}
+    return out
+
+
+def test_trainer_fsdp2_checkpoints_resume_exactly(tmp_path):
+    """Every name that steps shards: a Trainer checkpoint saved under FSDP2 (accelerate's DCP path) resumes in a new
+    Trainer to the uninterrupted run's weights exactly (same mesh, same data order: nothing is re-quantized)."""
+    ranks = run_ranks(_trainer_resume_runs, 2, LOOPS, str(tmp_path))
+    for r in ranks:
+        assert set(r) == set(LOOPS)
+        for name, got in r.items():
+            assert got["max_diff"] == 0.0, (name, got)
+            if name in RUN_8BIT:  # 8-bit state was saved and resumed as 8-bit
+                assert "torch.uint8" in got["dtypes"], (name, got)
