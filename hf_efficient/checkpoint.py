@@ -40,6 +40,7 @@ from .optim.compensation import drop_unused_buffers
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
 from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
+from .families import rows_of_blocks
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
 __all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
@@ -121,7 +122,7 @@ def _allowed_shapes(family: Family, key: str, p: torch.Tensor) -> set[tuple]:
     """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p``."""
     shape, fmt = tuple(p.shape), family.state[key].format
     absmax = {(math.ceil(p.numel() / BLOCK),)}
-    if len(shape) >= 2 and shape[0] and p.numel() // shape[0] % BLOCK == 0:  # FSDP2's (rows, blocks per row)
+    if rows_of_blocks(shape):  # FSDP2's (rows, blocks per row)
         absmax.add((shape[0], p.numel() // shape[0] // BLOCK))
     return {"absmax": absmax, "row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt, {shape})
 

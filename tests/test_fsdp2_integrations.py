@@ -404,3 +404,56 @@ def test_trainer_fsdp2_checkpoints_resume_exactly(tmp_path):
             assert got["max_diff"] == 0.0, (name, got)
             if name in RUN_8BIT:  # 8-bit state was saved and resumed as 8-bit
                 assert "torch.uint8" in got["dtypes"], (name, got)
+
+
+class _BlocksAndEmbedding(_Blocks):
+    """:class:`_Blocks` and an embedding whose rows are whole blocks: kept 32-bit by policy (embedding_state=32bit)
+    where the shape alone would give it 8-bit state."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 256)
+
+    def loss(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1)
+        layers = [m for m in self.children() if m is not self.emb]
+        return (sum(m(torch.randn(2, m.weight.shape[-1], generator=g)).square().mean() for m in layers)
+                + self.emb(torch.arange(4)).square().mean())
+
+
+def _eligibility(names: list[str]) -> dict:
+    """Per name, for every parameter of :class:`_BlocksAndEmbedding` in order: (the estimator's 8-bit decision on
+    this rank's shape records, whether the optimizer's state is 8-bit after a step), one process (no process group)
+    or FSDP2 on every rank of the group."""
+    import torch.distributed as dist
+
+    from hf_efficient.backends import _torch_keeps_8bit_shape
+    from hf_efficient.memory import _state_view, describe_params
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sharding = "fsdp2" if dist.is_initialized() else None
+    out = {}
+    for name in names:
+        plain = _BlocksAndEmbedding()
+        options = estimate_memory(plain, name, world_size=world, sharding=sharding).options
+        records = _state_view([t for t in describe_params(plain).tensors if t.trainable], world, sharding)
+        model = shard(_BlocksAndEmbedding()) if sharding else _BlocksAndEmbedding()
+        opt = create_optimizer(model, name, lr=1e-2)
+        model.loss().backward()
+        opt.step()
+        inner = unwrap(opt, until="state")
+        stepped = [inner.state[p]["exp_avg"].dtype == torch.uint8 for p in model.parameters()]
+        out[name] = [(_torch_keeps_8bit_shape(t, options), s) for t, s in zip(records, stepped, strict=True)]
+    return out
+
+
+def test_estimator_and_optimizer_agree_on_which_tensors_keep_8bit_state():
+    """One rule (families.keeps_8bit_state) decides both: every tensor alike in one process and on 2 FSDP2 ranks,
+    and the cases differ between the two (the norm and the 40 x 300 matrix: 8-bit whole, fp32 sharded)."""
+    one = _eligibility(RUN_8BIT)
+    two = run_ranks(_eligibility, 2, RUN_8BIT)
+    for name in RUN_8BIT:
+        for decisions in (one[name], two[0][name], two[1][name]):
+            assert [e for e, _ in decisions] == [s for _, s in decisions], (name, decisions)
+        assert [s for _, s in one[name]] != [s for _, s in two[0][name]]
+        assert {s for _, s in two[0][name]} == {True, False}

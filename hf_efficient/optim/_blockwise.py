@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..families import keeps_8bit_state, rows_of_blocks
 from ..options import check_group, check_saved_tensor, check_step, start_step
 from . import _dispatch, _native, _sharded, _triton, quant8
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
@@ -363,17 +364,18 @@ class Blockwise8bit(Optimizer):
         super().add_param_group(param_group)
 
     def _has_8bit_state(self, p: Tensor, group: dict) -> bool:
-        """Whether ``p`` keeps 8-bit state (else fp32: small tensors, and those named at construction; under FSDP2
-        also tensors whose rows are not whole blocks, see the module docstring), decided from the whole tensor."""
-        if _sharded.global_numel(p) < group["min_8bit_size"] or id(p) in self._fp32_ids:
-            return False
-        if _sharded.is_sharded(p) and not _rows_of_blocks(p):
+        """Whether ``p`` keeps 8-bit state: :func:`..families.keeps_8bit_state` of its whole tensor (else fp32: small
+        tensors, those named at construction, and under FSDP2 tensors whose rows are not whole blocks)."""
+        sharded, shape, size = _sharded.is_sharded(p), _sharded.global_shape(p), group["min_8bit_size"]
+        keep_32bit = id(p) in self._fp32_ids
+        if keeps_8bit_state(shape, sharded=sharded, min_8bit_size=size, keep_32bit=keep_32bit):
+            return True
+        if sharded and keeps_8bit_state(shape, sharded=False, min_8bit_size=size, keep_32bit=keep_32bit):
             _dispatch.log_once(logging.INFO, ("sharded-fp32", self.FAMILY), "hf_efficient: %s keeps fp32 state for "
                                "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors; the "
                                "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh",
                                self.FAMILY, BLOCK, tuple(p.shape))
-            return False
-        return True
+        return False
 
     def _allocate_together(self, group: dict) -> None:
         """Fresh 8-bit state for the group's CPU tensors that start one at this step, each moment's codes and absmaxes
@@ -655,13 +657,6 @@ class Blockwise8bit(Optimizer):
         return st
 
 
-def _rows_of_blocks(p) -> bool:
-    """Whether each row of ``p`` (its elements ``p[i]``) is whole blocks: then a Shard(0) shard is whole blocks."""
-    if p.dim() < 2 or not p.shape[0]:
-        return False
-    return _sharded.global_numel(p) // p.shape[0] % BLOCK == 0
-
-
 def _absmax_shape(p) -> tuple[int, ...]:
     """In-memory absmax shape: ``(blocks,)``, or ``(rows, blocks per row)`` for an FSDP2 parameter (placed like its
     rows)."""
@@ -674,7 +669,7 @@ def _absmax_shapes(p) -> list[tuple[int, ...]]:
     """Saved absmax shapes ``p`` loads: its own, and for a plain parameter whose rows are whole blocks also the
     ``(rows, blocks per row)`` of a whole state taken from FSDP2 shards."""
     shapes = [_absmax_shape(p)]
-    if not _sharded.is_sharded(p) and p.dim() >= 2 and _rows_of_blocks(p):
+    if not _sharded.is_sharded(p) and rows_of_blocks(p.shape):
         shapes.append((p.shape[0], p.numel() // p.shape[0] // BLOCK))
     return shapes
 
