@@ -648,8 +648,7 @@ class Blockwise8bit(Optimizer):
                                  f"{' or '.join(map(str, shapes))}, one absmax per block of {BLOCK} elements; nothing "
                                  "was loaded")
             # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
-            st[key] = t.to(device=p.device, dtype=torch.float32).clone()
-            st[key] = st[key] if _sharded.is_sharded(p) else st[key].reshape(-1)
+            st[key] = _placed_absmax(t, p) if _sharded.is_sharded(p) else t.to(p.device, torch.float32).reshape(-1)
             first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
             check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
         for key, signed in self.MOMENTS:
@@ -666,12 +665,24 @@ def _absmax_shape(p) -> tuple[int, ...]:
 
 
 def _absmax_shapes(p) -> list[tuple[int, ...]]:
-    """Saved absmax shapes ``p`` loads: its own, and for a plain parameter whose rows are whole blocks also the
-    ``(rows, blocks per row)`` of a whole state taken from FSDP2 shards."""
+    """Saved absmax shapes ``p`` loads: its own, and for a parameter whose rows are whole blocks also the other of
+    ``(blocks,)`` (a single-file state: DCP's full-state loader shards it as a vector) and ``(rows, blocks per row)``
+    (a whole state taken from FSDP2 shards): the same absmaxes in the same order."""
     shapes = [_absmax_shape(p)]
-    if not _sharded.is_sharded(p) and rows_of_blocks(p.shape):
-        shapes.append((p.shape[0], p.numel() // p.shape[0] // BLOCK))
+    if rows_of_blocks(p.shape):
+        numel = _sharded.global_numel(p)
+        shapes += [s for s in ((quant8.blocks(numel),), (p.shape[0], numel // p.shape[0] // BLOCK)) if s != shapes[0]]
     return shapes
+
+
+def _placed_absmax(t, p):
+    """A loaded absmax of an FSDP2 parameter ``p`` in memory: a DTensor ``(rows, blocks per row)`` placed like ``p``.
+    One already so is copied; another (a plain whole one, or a ``(blocks,)`` vector that DCP sharded by blocks, not
+    rows) is gathered whole and re-sharded by rows (a collective, as the load is)."""
+    shape = _absmax_shape(p)
+    if _sharded.is_sharded(t) and tuple(t.shape) == shape and tuple(t.placements) == tuple(p.placements):
+        return t.to(dtype=torch.float32).clone()
+    return _sharded.shard_like(p, _sharded.whole(t).to(torch.float32).reshape(shape))
 
 
 def _to_canonical(codes, p):
