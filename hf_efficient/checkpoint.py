@@ -24,6 +24,11 @@ saying how to resume. An untagged state is recognised by its marks (8-bit codes 
 one family holds, ``Family.marks``); one without marks is torch's plain AdamW state for the AdamW-math families
 and the loader's own for the others.
 
+Precision. Where a tensor's saved state is 8-bit and this optimizer keeps it fp32, or the reverse (one process and
+FSDP2 choose differently: :func:`.families.keeps_8bit_state`; so do backends and thresholds), the state is
+dequantized (exact) or quantized (lossy, within the codec's rounding), whole, and placed like its parameter; one
+warning names the tensors.
+
 Parameters are matched by name where both the checkpoint and the optimizer name them (torch records
 ``param_names`` in each group), by position otherwise.
 """
@@ -433,7 +438,7 @@ def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list
         logger.warning("%s (backend %s): the checkpoint's 8-bit / fp32 choice differs from this optimizer's for some "
                        "tensors (one process and FSDP2 shards, or another backend or threshold, choose differently); "
                        "converted their state: %s", spec.trainer_name, backend, "; ".join(
-                           f"{action}: {len(names)} tensor(s) ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})"
+                           f"{action}: {len(names)} tensor(s) ({', '.join(names[:8])}{', ...' * (len(names) > 8)})"
                            for action, names in done.items()))
 
 

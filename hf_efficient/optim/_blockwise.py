@@ -648,7 +648,8 @@ class Blockwise8bit(Optimizer):
                                  f"{' or '.join(map(str, shapes))}, one absmax per block of {BLOCK} elements; nothing "
                                  "was loaded")
             # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
-            st[key] = _placed_absmax(t, p) if _sharded.is_sharded(p) else t.to(p.device, torch.float32).reshape(-1)
+            plain = lambda: t.to(p.device, torch.float32).reshape(-1).clone()  # noqa: E731 - a copy: never the caller's
+            st[key] = _placed_absmax(t, p) if _sharded.is_sharded(p) else plain()
             first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
             check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
         for key, signed in self.MOMENTS:
