@@ -432,14 +432,17 @@ def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list
                 continue
             to_8bit = not _is_codes(st[codes[0]])
             state[pid] = _requantized(spec.facts, st, codes, p, to_8bit)
-            done.setdefault("quantized to 8-bit (lossy: within the codec's rounding)" if to_8bit else
-                            "dequantized to fp32 (exact: the values the codes stand for)", []).append(pname)
+            done.setdefault(to_8bit, []).append(pname)
+    said = {False: "8-bit state for {n} tensor(s) that this backend keeps in full precision, dequantized to fp32 "
+                   "(exact: the values the codes stand for)",
+            True: "fp32 state for {n} tensor(s) that this backend keeps in 8 bits, quantized (lossy: within the "
+                  "codec's rounding)"}
     if done:
-        logger.warning("%s (backend %s): the checkpoint's 8-bit / fp32 choice differs from this optimizer's for some "
-                       "tensors (one process and FSDP2 shards, or another backend or threshold, choose differently); "
-                       "converted their state: %s", spec.trainer_name, backend, "; ".join(
-                           f"{action}: {len(names)} tensor(s) ({', '.join(names[:8])}{', ...' * (len(names) > 8)})"
-                           for action, names in done.items()))
+        logger.warning("%s (backend %s): the checkpoint's 8-bit / fp32 choice differs from this optimizer's (one "
+                       "process and FSDP2 shards, backends and thresholds choose differently); converted %s",
+                       spec.trainer_name, backend, "; ".join(
+                           f"{said[q].format(n=len(names))}: {', '.join(names[:8])}{', ...' * (len(names) > 8)}"
+                           for q, names in done.items()))
 
 
 def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to_8bit: bool) -> dict:
