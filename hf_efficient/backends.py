@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from .families import ADAMW8BIT, LION8BIT, Family
+from .families import ADAMW8BIT, LION8BIT, Family, keeps_8bit_state
 from .optim.compensation import LOW_PRECISION
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
@@ -421,16 +421,11 @@ def torchao_memory(moments: int) -> Callable:
 
 
 def _torch_keeps_8bit_shape(t, opts: Mapping) -> bool:
-    """``Blockwise8bit._has_8bit_state`` on paper: >= ``min_8bit_size`` elements, not a 32-bit embedding; an FSDP2
-    row shard (``t.shard_of``) is judged by its whole tensor, which must be a matrix whose rows are whole blocks
-    (optim/_blockwise.py's module docstring), so the answer does not change with the mesh."""
-    if _keeps_32bit(t, opts):
-        return False
-    if t.shard_of is None:
-        return t.numel >= opts["min_8bit_size"]
-    whole = t.shard_of
-    numel = math.prod(whole)
-    return numel >= opts["min_8bit_size"] and len(whole) >= 2 and whole[0] > 0 and numel // whole[0] % BLOCK == 0
+    """``Blockwise8bit._has_8bit_state`` on paper: :func:`.families.keeps_8bit_state` of the whole tensor (an FSDP2
+    row shard, ``t.shard_of``, is judged by the tensor it is a shard of), so that the estimate counts what the step
+    allocates."""
+    return keeps_8bit_state(t.shard_of or t.shape, sharded=t.shard_of is not None,
+                            min_8bit_size=opts["min_8bit_size"], keep_32bit=_keeps_32bit(t, opts))
 
 
 def torch_8bit_memory(moments: int) -> Callable:

@@ -24,6 +24,11 @@ saying how to resume. An untagged state is recognised by its marks (8-bit codes 
 one family holds, ``Family.marks``); one without marks is torch's plain AdamW state for the AdamW-math families
 and the loader's own for the others.
 
+Precision. Where a tensor's saved state is 8-bit and this optimizer keeps it fp32, or the reverse (one process and
+FSDP2 choose differently: :func:`.families.keeps_8bit_state`; so do backends and thresholds), the state is
+dequantized (exact) or quantized (lossy, within the codec's rounding), whole, and placed like its parameter; one
+warning names the tensors.
+
 Parameters are matched by name where both the checkpoint and the optimizer name them (torch records
 ``param_names`` in each group), by position otherwise.
 """
@@ -40,6 +45,7 @@ from .optim.compensation import drop_unused_buffers
 from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
 from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
+from .families import rows_of_blocks
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
 __all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
@@ -121,7 +127,7 @@ def _allowed_shapes(family: Family, key: str, p: torch.Tensor) -> set[tuple]:
     """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p``."""
     shape, fmt = tuple(p.shape), family.state[key].format
     absmax = {(math.ceil(p.numel() / BLOCK),)}
-    if len(shape) >= 2 and shape[0] and p.numel() // shape[0] % BLOCK == 0:  # FSDP2's (rows, blocks per row)
+    if rows_of_blocks(shape):  # FSDP2's (rows, blocks per row)
         absmax.add((shape[0], p.numel() // shape[0] // BLOCK))
     return {"absmax": absmax, "row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt, {shape})
 
@@ -191,7 +197,7 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
     for key, value in st.items():
         if key == "step":
             continue
-        _check_sharding(value, key, p, where)
+        _check_sharding(family, value, key, p, where)
         wanted = _dtype_error(family, st, key, value)
         if wanted is not None:
             raise ValueError(f"{where} has {key} of dtype {value.dtype}, but {family.name} state keeps it in {wanted}: "
@@ -206,11 +212,13 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
                              "another optimizer")
 
 
-def _check_sharding(value: torch.Tensor, key: str, p: torch.Tensor, where: str) -> None:
+def _check_sharding(family: Family, value: torch.Tensor, key: str, p: torch.Tensor, where: str) -> None:
     """A sharded parameter (FSDP2's DTensor) takes DTensor state, a plain one plain state: the other kind would be
     stepped as the wrong tensor (a whole state beside a shard, or a shard beside the whole weight)."""
     if _sharded.is_sharded(value) == _sharded.is_sharded(p):
         return
+    if _sharded.is_sharded(p) and family.state[key].format == "absmax":
+        return  # whole: DCP's full-state loader leaves plain what its template lacks; the load places it (by rows)
     if _sharded.is_sharded(p):
         raise ValueError(f"{where} has {key} as a plain tensor, but the parameter is sharded (FSDP2): load a whole "
                          "(single-file) optimizer state into a sharded model with torch.distributed.checkpoint's "
@@ -404,24 +412,52 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
     return done
 
 
-def _say_dequantized(state: dict, optimizer, spec, backend: str, saved_ids: list) -> None:
-    """One warning naming the tensors whose saved 8-bit state this backend keeps in full precision (torchao: tensors
-    not made of whole blocks), so that the layout's conversion hands it the values the codes stand for."""
+def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list) -> None:
+    """Saved state of the loader's own family whose 8-bit / fp32 choice differs from this optimizer's, converted in
+    place: 8-bit codes dequantized where the tensor keeps fp32, fp32 moments quantized (canonical blocks, as a kernel
+    stores them: the only lossy direction) where it keeps 8-bit. The choices differ between one process and FSDP2
+    (rows of whole blocks, :func:`.families.keeps_8bit_state`), between backends (torchao's whole-block rule) and
+    thresholds. An FSDP2 state is converted whole (gathered: every rank loads, in the same order) and re-sharded
+    like its parameter. One warning names the tensors."""
     impl = spec.backends[backend]
     if not spec.facts.quantized or impl.keeps_8bit is None:
         return
-    keeps, ids, names = impl.keeps_8bit(optimizer), iter(saved_ids), []
+    keeps, ids, done = impl.keeps_8bit(optimizer), iter(saved_ids), {}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, (p, pname) in enumerate(zip(group["params"], group_names(group, gi))):
-            st = state.get(next(ids))
-            if isinstance(st, dict) and any(_is_codes(v) for v in st.values()) and not keeps(gi, pi, p):
-                names.append(pname)
-    if names:
-        logger.warning("%s (backend %s): the checkpoint holds 8-bit state for %d tensor(s) that this backend keeps "
-                       "in full precision (%s); they resume with the fp32 moments their codes stand for, and take 4x "
-                       "the state memory: %s%s", spec.trainer_name, backend, len(names),
-                       f"torchao quantizes only tensors made of whole {BLOCK}-element blocks" if backend == "torchao"
-                       else "its 8-bit threshold", ", ".join(names[:8]), ", ..." if len(names) > 8 else "")
+            pid = next(ids)
+            st = state.get(pid)
+            codes = _codes(spec.facts, st) if isinstance(st, dict) else []
+            if not codes or _is_codes(st[codes[0]]) == keeps(gi, pi, p):
+                continue
+            to_8bit = not _is_codes(st[codes[0]])
+            state[pid] = _requantized(spec.facts, st, codes, p, to_8bit)
+            done.setdefault(to_8bit, []).append(pname)
+    said = {False: "8-bit state for {n} tensor(s) that this backend keeps in full precision, dequantized to fp32 "
+                   "(exact: the values the codes stand for)",
+            True: "fp32 state for {n} tensor(s) that this backend keeps in 8 bits, quantized (lossy: within the "
+                  "codec's rounding)"}
+    if done:
+        logger.warning("%s (backend %s): the checkpoint's 8-bit / fp32 choice differs from this optimizer's (one "
+                       "process and FSDP2 shards, backends and thresholds choose differently); converted %s",
+                       spec.trainer_name, backend, "; ".join(
+                           f"{said[q].format(n=len(names))}: {', '.join(names[:8])}{', ...' * (len(names) > 8)}"
+                           for q, names in done.items()))
+
+
+def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to_8bit: bool) -> dict:
+    """``st`` with its moments ``codes`` quantized (``to_8bit``) or dequantized, whole, placed like ``p``: codes of
+    ``p``'s shape with whole ``(blocks,)`` absmaxes (the optimizer's load places those), or fp32 moments."""
+    out = {k: v for k, v in st.items() if k not in codes and family.state[k].format != "absmax"}
+    for key in codes:
+        signed, value = family.state[key].signed, _sharded.whole(st[key])
+        if to_8bit:
+            out[key], out[f"{key}_absmax"] = quantize_blockwise(value.float(), signed)
+            out[key] = _sharded.shard_like(p, out[key])
+        else:
+            absmax = _sharded.whole(st[f"{key}_absmax"]).reshape(-1)
+            out[key] = _sharded.shard_like(p, dequantize_blockwise(value, absmax, signed).reshape(p.shape))
+    return out
 
 
 def _describe(tag, libraries: set, src: Family) -> str:
@@ -504,7 +540,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
                                                         if pid in state})
     if src is spec.facts:  # another family's state was converted above, and said so
-        _say_dequantized(state, optimizer, spec, backend, saved_ids)
+        _match_precision(state, optimizer, spec, backend, saved_ids)
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))

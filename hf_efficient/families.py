@@ -9,13 +9,16 @@ without an import cycle (the registry's builders import the classes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .optim.quant8 import BLOCK
+
 __all__ = ["PREFIX", "StateKey", "Family", "FAMILIES", "PLAIN", "ADAMW", "ADAMW8BIT", "ADAFACTOR", "ADAMW_BF16",
-           "LION8BIT", "AUTO"]
+           "LION8BIT", "AUTO", "rows_of_blocks", "keeps_8bit_state"]
 
 PREFIX = "hf_eff_"  # of every Trainer name
 
@@ -78,6 +81,24 @@ class Family:
         """Its 8-bit moments, in state order, as (key, signed): what its kernels step and its layouts relabel."""
         return tuple((k, s.signed) for k, s in self.state.items() if s.format == "codes")
 
+
+
+# --- 8-bit eligibility: the one rule the 8-bit optimizers step by and the memory estimator counts by -------------
+
+def rows_of_blocks(shape) -> bool:
+    """Whether each row (``shape[1:]``) of a tensor of global ``shape`` is whole blocks of ``BLOCK`` elements: then
+    every Shard(0) shard of it is whole blocks, on any mesh."""
+    return len(shape) >= 2 and shape[0] > 0 and math.prod(shape) // shape[0] % BLOCK == 0
+
+
+def keeps_8bit_state(shape, *, sharded: bool, min_8bit_size: int, keep_32bit: bool = False) -> bool:
+    """Whether a tensor of global ``shape`` keeps blockwise 8-bit state in this package's 8-bit families: at least
+    ``min_8bit_size`` elements and not kept 32-bit by policy (embeddings, ``fp32_state_params``); an FSDP2 (Shard(0))
+    tensor also needs rows of whole blocks, so that no block straddles two ranks. Read from the global shape only, so
+    the answer does not change with the mesh."""
+    if keep_32bit or math.prod(shape) < min_8bit_size:
+        return False
+    return not sharded or rows_of_blocks(shape)
 
 
 # --- families ------------------------------------------------------------------------------------------------

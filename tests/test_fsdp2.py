@@ -424,3 +424,104 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(ranks):
         assert refused["other_model"] is not None and "another model" in refused["other_model"], refused
         assert "full_state_dict=True" in refused["plain_into_shards"], refused
         assert refused["unchanged"]
+
+
+# ------------------------------------------------------------------- single-file state <-> FSDP2, 8-bit choice differs
+
+MIXED_OPTS = dict(lr=1e-2, weight_decay=0.01, min_8bit_size=1024)
+# what one process gives 8-bit state and FSDP2 keeps fp32 (rows not whole blocks), and what both keep 8-bit
+MIXED_DIFFER, MIXED_SAME = ("vec", "odd"), "even"
+
+
+def mixed_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.vec = nn.Parameter(torch.randn(1024))  # >= min_8bit_size: 8-bit in one process, a vector under FSDP2
+    model.odd = nn.Parameter(torch.randn(40, 30))  # 1200 elements, rows of 30: not whole blocks
+    # rows of whole blocks: 8-bit everywhere; 3 rows of 2 blocks: rows split 2 + 1, so the blocks 4 + 2, where DCP's
+    # full-state loader splits the 6 absmaxes of a single-file state 3 + 3 (the load re-shards them by rows)
+    model.even = nn.Parameter(torch.randn(3, 512))
+    return model
+
+
+def mixed_grads() -> list[dict]:
+    g = torch.Generator().manual_seed(4)
+    return [{n: torch.randn(p.shape, generator=g) for n, p in mixed_model().named_parameters()} for _ in range(STEPS)]
+
+
+def mixed_steps(model, optimizer, grads) -> None:
+    """Set each gradient whole (sharded like its parameter under FSDP2) and step."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for step in grads:
+        for n, p in model.named_parameters():
+            p.grad = (distribute_tensor(step[n], p.device_mesh, [Shard(0)]) if hasattr(p, "device_mesh")
+                      else step[n].clone())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def mixed_on_shards(single: dict) -> dict:
+    """Both directions on this rank. In: the single-file state a process saved after SAVE_AT steps (``single``:
+    model and optimizer state) through DCP's full-state loader, then the remaining steps. Out: an FSDP2 run of
+    SAVE_AT steps, its whole (single-file) state taken, then the remaining steps (what one process must continue)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    full_sd = StateDictOptions(full_state_dict=True)
+    model = shard(mixed_model())
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
+    set_model_state_dict(model, single["model"], options=full_sd)
+    set_optimizer_state_dict(model, optimizer, single["optim"], options=full_sd)
+    loaded = eight_bit(model, optimizer)
+    mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
+    into = {"params": params_of(model), "eight_bit": loaded}
+
+    model = shard(mixed_model())
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
+    mixed_steps(model, optimizer, mixed_grads()[:SAVE_AT])
+    saved = {"model": params_of(model), "optim": copy.deepcopy(get_optimizer_state_dict(model, optimizer,
+                                                                                         options=full_sd)),
+             "eight_bit": eight_bit(model, optimizer)}
+    mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
+    return {"into": into, "out": dict(saved, params=params_of(model))}
+
+
+# 8-bit moments re-quantized once vs kept in fp32 (or the reverse) for 2 steps of lr 1e-2: Adam's update
+# m / sqrt(v) moves with the codec's rounding of m and v (a few % of a block's absmax near zero), so weights differ
+# by a fraction of the step size; a moment lost or zeroed moves them by whole steps (~1e-2) and fails it
+MIXED_ATOL = 3e-3
+
+
+def test_single_file_state_and_fsdp2_convert_where_the_8bit_choice_differs(caplog):
+    import logging
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = mixed_model()
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
+    mixed_steps(model, optimizer, mixed_grads()[:SAVE_AT])
+    assert eight_bit(model, optimizer) == sorted((*MIXED_DIFFER, MIXED_SAME))
+    single = {"model": copy.deepcopy(model.state_dict()),
+              "optim": copy.deepcopy(get_optimizer_state_dict(model, optimizer))}  # what a user saves: by name
+    mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
+    stayed = params_of(model)  # the run that never left its layout
+    ranks = run_ranks(mixed_on_shards, 2, single)
+
+    for r in ranks:  # one process -> FSDP2: vec and odd dequantized to fp32, even stays 8-bit
+        assert r["into"]["eight_bit"] == [MIXED_SAME]
+        for n, w in stayed.items():
+            torch.testing.assert_close(r["into"]["params"][n], w, rtol=0, atol=MIXED_ATOL, msg=n)
+
+    out = ranks[0]["out"]  # FSDP2 -> one process through the ordinary load_state_dict: vec and odd quantized
+    assert out["eight_bit"] == [MIXED_SAME]
+    model = mixed_model()
+    model.load_state_dict(out["model"])
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
+    with caplog.at_level(logging.WARNING):
+        optimizer.load_state_dict(out["optim"])
+    assert "keeps in 8 bits, quantized (lossy" in caplog.text and all(n in caplog.text for n in MIXED_DIFFER), caplog.text
+    assert eight_bit(model, optimizer) == sorted((*MIXED_DIFFER, MIXED_SAME))
+    mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
+    for n, w in out["params"].items():
+        torch.testing.assert_close(params_of(model)[n], w, rtol=0, atol=MIXED_ATOL, msg=n)

@@ -342,3 +342,118 @@ def test_auto_chooses_from_the_per_rank_footprint():
         model, "adamw", world_size=4, sharding="fsdp2").state_bytes
     tiny = choose_auto(model, {"budget_gb": 1e-9}, world_size=4, sharding="fsdp2")
     assert {c.name.removeprefix("hf_eff_") for c in tiny.candidates} <= set(SHARDABLE)
+
+
+
+RESUME_STEPS, RESUME_AT = 4, 2
+
+
+def _trainer_resume_runs(names: list[str], tmp: str) -> dict:
+    """For each name, on this rank: a Trainer under FSDP2 trains RESUME_STEPS steps, saving a checkpoint at step
+    RESUME_AT; a new Trainer resumes from it. The largest |weight difference| of the two runs' final weights and the
+    resumed state's dtypes. One spawn for every name: a launch costs more than a run."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)  # rows of 256 inputs: the first matrix keeps 8-bit state (adam8bit, lion8bit)
+            self.net = torch.nn.Sequential(torch.nn.Linear(256, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+
+        def forward(self, x, labels=None):
+            out = self.net(x.to(self.net[0].weight.dtype))
+            return {"loss": torch.nn.functional.mse_loss(out.float(), labels), "logits": out}
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": torch.randn(256, generator=g), "labels": torch.randn(5, generator=g)} for _ in range(16)]
+
+    def run(name: str, out_dir: str, resume: str | None = None) -> tuple[list[torch.Tensor], list[str]]:
+        AcceleratorState._reset_state(reset_partial_state=True)  # each Trainer as in a fresh process launched
+        _as_fsdp_capable()  # with RANK / WORLD_SIZE set, so that both runs shard the data alike
+        args = TrainingArguments(out_dir, optim=f"hf_eff_{name}", fsdp="full_shard", fsdp_config={"version": 2},
+                                 per_device_train_batch_size=2, max_steps=RESUME_STEPS, learning_rate=1e-2,
+                                 weight_decay=0.01, lr_scheduler_type="linear", save_strategy="steps",
+                                 save_steps=RESUME_AT, report_to=[], use_cpu=True, max_grad_norm=1.0, seed=3,
+                                 disable_tqdm=True)
+        _ = args.device  # TrainingArguments sets up its process state first (and resets accelerate's): mark it after
+        _as_fsdp_capable()
+        model = Model().to(torch.bfloat16) if name == "adamw_bf16" else Model()
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        inner = unwrap(trainer.optimizer, until="state")
+        dtypes = sorted({str(v.dtype) for st in inner.state.values() for k, v in st.items() if k != "step"})
+        return [full(p).float() for p in trainer.model.parameters()], dtypes
+
+    out = {}
+    for name in names:
+        first = os.path.join(tmp, name, "first")
+        want, _ = run(name, first)
+        got, dtypes = run(name, os.path.join(tmp, name, "resumed"), os.path.join(first, f"checkpoint-{RESUME_AT}"))
+        out[name] = {"max_diff": max(float((a - b).abs().max()) for a, b in zip(got, want)), "dtypes": dtypes}
+    return out
+
+
+def test_trainer_fsdp2_checkpoints_resume_exactly(tmp_path):
+    """Every name that steps shards: a Trainer checkpoint saved under FSDP2 (accelerate's DCP path) resumes in a new
+    Trainer to the uninterrupted run's weights exactly (same mesh, same data order: nothing is re-quantized)."""
+    ranks = run_ranks(_trainer_resume_runs, 2, LOOPS, str(tmp_path))
+    for r in ranks:
+        assert set(r) == set(LOOPS)
+        for name, got in r.items():
+            assert got["max_diff"] == 0.0, (name, got)
+            if name in RUN_8BIT:  # 8-bit state was saved and resumed as 8-bit
+                assert "torch.uint8" in got["dtypes"], (name, got)
+
+
+class _BlocksAndEmbedding(_Blocks):
+    """:class:`_Blocks` and an embedding whose rows are whole blocks: kept 32-bit by policy (embedding_state=32bit)
+    where the shape alone would give it 8-bit state."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 256)
+
+    def loss(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1)
+        layers = [m for m in self.children() if m is not self.emb]
+        return (sum(m(torch.randn(2, m.weight.shape[-1], generator=g)).square().mean() for m in layers)
+                + self.emb(torch.arange(4)).square().mean())
+
+
+def _eligibility(names: list[str]) -> dict:
+    """Per name, for every parameter of :class:`_BlocksAndEmbedding` in order: (the estimator's 8-bit decision on
+    this rank's shape records, whether the optimizer's state is 8-bit after a step), one process (no process group)
+    or FSDP2 on every rank of the group."""
+    import torch.distributed as dist
+
+    from hf_efficient.backends import _torch_keeps_8bit_shape
+    from hf_efficient.memory import _state_view, describe_params
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sharding = "fsdp2" if dist.is_initialized() else None
+    out = {}
+    for name in names:
+        plain = _BlocksAndEmbedding()
+        options = estimate_memory(plain, name, world_size=world, sharding=sharding).options
+        records = _state_view([t for t in describe_params(plain).tensors if t.trainable], world, sharding)
+        model = shard(_BlocksAndEmbedding()) if sharding else _BlocksAndEmbedding()
+        opt = create_optimizer(model, name, lr=1e-2)
+        model.loss().backward()
+        opt.step()
+        inner = unwrap(opt, until="state")
+        stepped = [inner.state[p]["exp_avg"].dtype == torch.uint8 for p in model.parameters()]
+        out[name] = [(_torch_keeps_8bit_shape(t, options), s) for t, s in zip(records, stepped, strict=True)]
+    return out
+
+
+def test_estimator_and_optimizer_agree_on_which_tensors_keep_8bit_state():
+    """One rule (families.keeps_8bit_state) decides both: every tensor alike in one process and on 2 FSDP2 ranks,
+    and the cases differ between the two (the norm and the 40 x 300 matrix: 8-bit whole, fp32 sharded)."""
+    one = _eligibility(RUN_8BIT)
+    two = run_ranks(_eligibility, 2, RUN_8BIT)
+    for name in RUN_8BIT:
+        for decisions in (one[name], two[0][name], two[1][name]):
+            assert [e for e, _ in decisions] == [s for _, s in decisions], (name, decisions)
+        assert [s for _, s in one[name]] != [s for _, s in two[0][name]]
+        assert {s for _, s in two[0][name]} == {True, False}

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..families import keeps_8bit_state, rows_of_blocks
 from ..options import check_group, check_saved_tensor, check_step, start_step
 from . import _dispatch, _native, _sharded, _triton, quant8
 from ._dispatch import on_device
@@ -348,17 +349,18 @@ class Blockwise8bit(Optimizer):
         super().add_param_group(param_group)
 
     def _has_8bit_state(self, p: Tensor, group: dict) -> bool:
-        """Whether ``p`` keeps 8-bit state (else fp32: small tensors, and those named at construction; under FSDP2
-        also tensors whose rows are not whole blocks, see the module docstring), decided from the whole tensor."""
-        if _sharded.global_numel(p) < group["min_8bit_size"] or id(p) in self._fp32_ids:
-            return False
-        if _sharded.is_sharded(p) and not _rows_of_blocks(p):
+        """Whether ``p`` keeps 8-bit state: :func:`..families.keeps_8bit_state` of its whole tensor (else fp32: small
+        tensors, those named at construction, and under FSDP2 tensors whose rows are not whole blocks)."""
+        sharded, shape, size = _sharded.is_sharded(p), _sharded.global_shape(p), group["min_8bit_size"]
+        keep_32bit = id(p) in self._fp32_ids
+        if keeps_8bit_state(shape, sharded=sharded, min_8bit_size=size, keep_32bit=keep_32bit):
+            return True
+        if sharded and keeps_8bit_state(shape, sharded=False, min_8bit_size=size, keep_32bit=keep_32bit):
             _dispatch.log_once(logging.INFO, ("sharded-fp32", self.FAMILY), "hf_efficient: %s keeps fp32 state for "
                                "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors; the "
                                "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh",
                                self.FAMILY, BLOCK, tuple(p.shape))
-            return False
-        return True
+        return False
 
     def _allocate_together(self, group: dict) -> None:
         """Fresh 8-bit state for the group's CPU tensors that start one at this step, each moment's codes and absmaxes
@@ -631,20 +633,13 @@ class Blockwise8bit(Optimizer):
                                  f"{' or '.join(map(str, shapes))}, one absmax per block of {BLOCK} elements; nothing "
                                  "was loaded")
             # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
-            st[key] = t.to(device=p.device, dtype=torch.float32).clone()
-            st[key] = st[key] if _sharded.is_sharded(p) else st[key].reshape(-1)
+            plain = lambda: t.to(p.device, torch.float32).reshape(-1).clone()  # noqa: E731 - a copy: never the caller's
+            st[key] = _placed_absmax(t, p) if _sharded.is_sharded(p) else plain()
             first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
             check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
         for key, signed in self.MOMENTS:
             st[key] = _from_canonical(saved[key], p, signed)
         return st
-
-
-def _rows_of_blocks(p) -> bool:
-    """Whether each row of ``p`` (its elements ``p[i]``) is whole blocks: then a Shard(0) shard is whole blocks."""
-    if p.dim() < 2 or not p.shape[0]:
-        return False
-    return _sharded.global_numel(p) // p.shape[0] % BLOCK == 0
 
 
 def _absmax_shape(p) -> tuple[int, ...]:
@@ -656,12 +651,24 @@ def _absmax_shape(p) -> tuple[int, ...]:
 
 
 def _absmax_shapes(p) -> list[tuple[int, ...]]:
-    """Saved absmax shapes ``p`` loads: its own, and for a plain parameter whose rows are whole blocks also the
-    ``(rows, blocks per row)`` of a whole state taken from FSDP2 shards."""
+    """Saved absmax shapes ``p`` loads: its own, and for a parameter whose rows are whole blocks also the other of
+    ``(blocks,)`` (a single-file state: DCP's full-state loader shards it as a vector) and ``(rows, blocks per row)``
+    (a whole state taken from FSDP2 shards): the same absmaxes in the same order."""
     shapes = [_absmax_shape(p)]
-    if not _sharded.is_sharded(p) and p.dim() >= 2 and _rows_of_blocks(p):
-        shapes.append((p.shape[0], p.numel() // p.shape[0] // BLOCK))
+    if rows_of_blocks(p.shape):
+        numel = _sharded.global_numel(p)
+        shapes += [s for s in ((quant8.blocks(numel),), (p.shape[0], numel // p.shape[0] // BLOCK)) if s != shapes[0]]
     return shapes
+
+
+def _placed_absmax(t, p):
+    """A loaded absmax of an FSDP2 parameter ``p`` in memory: a DTensor ``(rows, blocks per row)`` placed like ``p``.
+    One already so is copied; another (a plain whole one, or a ``(blocks,)`` vector that DCP sharded by blocks, not
+    rows) is gathered whole and re-sharded by rows (a collective, as the load is)."""
+    shape = _absmax_shape(p)
+    if _sharded.is_sharded(t) and tuple(t.shape) == shape and tuple(t.placements) == tuple(p.placements):
+        return t.to(dtype=torch.float32).clone()
+    return _sharded.shard_like(p, _sharded.whole(t).to(torch.float32).reshape(shape))
 
 
 def _to_canonical(codes, p):

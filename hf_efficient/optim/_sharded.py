@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUPPORTED", "is_sharded", "check", "local", "global_shape", "global_numel", "global_offset", "zeros",
-           "like", "to_local_state", "sum_across"]
+           "like", "whole", "shard_like", "to_local_state", "sum_across"]
 
 SUPPORTED = "Shard(0) on a 1-D device mesh (torch's fully_shard)"
 
@@ -109,6 +109,26 @@ def like(t, local_tensor: Tensor):
 
     return DTensor.from_local(local_tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                               stride=t.stride())
+
+
+def whole(t):
+    """The whole tensor of a DTensor (a collective: every rank of its mesh calls it, in the same order), or ``t``
+    itself if it is plain."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def shard_like(p, t: Tensor):
+    """``t``, a whole tensor whose dim 0 is ``p``'s rows, as a DTensor placed like ``p`` (this rank's rows of it, a
+    copy); ``t`` itself where ``p`` is plain. What a state converted whole (re-quantized) is put back as."""
+    if not is_sharded(p):
+        return t
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, p.device_mesh, p.placements)
+    rows = t[offset[0]:offset[0] + local_shape[0]].to(local(p).device).contiguous().clone()
+    return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=t.shape,
+                              stride=_contiguous_strides(t.shape))
 
 
 def to_local_state(state: dict) -> dict:

@@ -271,7 +271,9 @@ class AdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for i, p in zip(saved_ids, (p for g in self.param_groups for p in g["params"])):
-            saved, state = state_dict["state"].get(i, {}), self.state[p]
+            # .get: indexing would give a parameter without state an empty entry, which outlives the parameter
+            # (accelerate's FSDP2 prepare swaps it for a DTensor) and breaks torch's state_dict() with a KeyError
+            saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
             for key, value in saved.items():
                 if key != "step" and key in state and torch.is_tensor(value):
                     state[key] = value.to(device=p.device,

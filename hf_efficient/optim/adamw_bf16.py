@@ -641,7 +641,9 @@ class AdamWBF16(Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         placed = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, placed):  # torch cast them to the parameter's dtype
-            saved, state = state_dict["state"].get(i, {}), self.state[p]
+            # .get: indexing would give a parameter without state an empty entry, which outlives the parameter
+            # (accelerate's FSDP2 prepare swaps it for a DTensor) and breaks torch's state_dict() with a KeyError
+            saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq", "kahan_comp") if isinstance(saved, dict) else ():
                 if key in saved and key in state and state[key].dtype != _state_dtype(p):
                     state[key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
