@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--device", help="device the backends are chosen for (default: cuda if available, else cpu)")
     p_est.add_argument("--world-size", type=int, default=1, help="processes training together: bytes are per rank "
                        "(default: 1)")
-    p_est.add_argument("--sharding", choices=("fsdp2", "zero1", "zero2", "zero3", "none"), default="fsdp2",
-                       help="how --world-size ranks split the model: fsdp2 (each tensor by rows; the default), "
+    p_est.add_argument("--sharding", choices=("fsdp2", "zero1", "zero2", "zero3", "none"),
+                       help="how --world-size ranks split the model: fsdp2 (each tensor by rows; the default with "
+                       "--world-size above 1), "
                        "zero1/2/3 (DeepSpeed: one flat partition of the state; zero2 also gradients, zero3 "
                        "parameters), none (DDP: every rank holds everything)")
     p_est.add_argument("--budget-gb", type=float, help="memory in GiB for hf_eff_auto's choice (default: free memory)")
@@ -203,7 +204,8 @@ def _estimate(args, parser) -> int:
     if args.measure and args.world_size > 1:
         parser.error("--measure runs one process: measure per-rank bytes in the sharded run itself (the Trainer's "
                      "memory log, or hf_efficient.optimizer_state_bytes on each rank)")
-    sharded = {"world_size": args.world_size, "sharding": None if args.sharding == "none" else args.sharding}
+    sharding = args.sharding or ("fsdp2" if args.world_size > 1 else "none")  # one rank: unsharded unless asked
+    sharded = {"world_size": args.world_size, "sharding": None if sharding == "none" else sharding}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     device = torch.device(args.device or _devices()[0])
     if args.params is not None:

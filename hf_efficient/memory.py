@@ -268,7 +268,8 @@ def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backe
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
         opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")
-    _check_runs_sharded(res, sharding if world_size > 1 else None)
+    sharding = sharding if world_size > 1 or sharding == "fsdp2" else None  # ZeRO on one rank: nothing split
+    _check_runs_sharded(res, sharding)
     rule = res.implementation.memory  # the backend's rule, in the registry
     train = [t for t in tensors if t.trainable]
     dtypes = {_dtype_name(t.dtype) for t in train}
@@ -281,7 +282,7 @@ def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backe
                           world_size, sharding in ("zero2", "zero3")),
         state_bytes=rule(stepped, opts), fp32_adamw_state_bytes=adamw_memory([_as_fp32(t) for t in stepped], {}),
         options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason,
-        world_size=world_size, sharding=sharding if world_size > 1 else None)
+        world_size=world_size, sharding=sharding)
 
 
 def _check_world(world_size, sharding) -> int:
@@ -314,13 +315,13 @@ def _shard_rows(t: ParamShape, world_size: int) -> ParamShape:
 def _per_rank(tensors: list[ParamShape], world_size: int, sharding: str | None) -> list[ParamShape]:
     """The tensors one rank holds: FSDP2's largest shard of each; otherwise the tensors (ZeRO's flat partitions
     are counted by :func:`_bytes`)."""
-    return [_shard_rows(t, world_size) for t in tensors] if sharding == "fsdp2" and world_size > 1 else tensors
+    return [_shard_rows(t, world_size) for t in tensors] if sharding == "fsdp2" else tensors
 
 
 def _state_view(train: list[ParamShape], world_size: int, sharding: str | None) -> list[ParamShape]:
     """What the optimizer steps on one rank: FSDP2's row shards, ZeRO's one flat fp32 partition, else the
     parameters."""
-    if world_size == 1 or sharding is None:
+    if sharding is None or (world_size == 1 and sharding != "fsdp2"):  # FSDP2 on one rank still steps shards
         return train
     if sharding == "fsdp2":
         return _per_rank(train, world_size, sharding)
@@ -360,13 +361,14 @@ def describe_params(model, param_dtype: torch.dtype | str | None = None,
     tensors, assumption, model_device, resident, mesh = _read_params(model, param_dtype)
     dev = torch.device(device) if device is not None else model_device
     return Described(tensors, assumption, dev, resident and dev == model_device and param_dtype is None,
-                     mesh, "fsdp2" if mesh > 1 else None)
+                     mesh or 1, "fsdp2" if mesh else None)
 
 
 def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torch.device, bool, int]:
     """``model``'s parameters (global shapes), the shape assumption made (if any), its device, whether the
     parameters really occupy that device (False for a count, a config, a meta model), and the size of the mesh its
-    DTensor parameters are sharded over (1: none)."""
+    DTensor parameters are sharded over (0: none; 1: a mesh of one rank, whose optimizer still steps shards and
+    decides 8-bit state as under any mesh)."""
     dtype = _as_dtype(param_dtype)
     default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
@@ -386,7 +388,7 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
                    for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
         assumption = (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
                       f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
-        return tensors, assumption, default_dev, False, 1
+        return tensors, assumption, default_dev, False, 0
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
         model = model_from_config(model)
     if isinstance(model, nn.Module):
@@ -405,7 +407,7 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
     if not tensors:
         raise ValueError(f"{type(model).__name__} has no parameters to estimate")
     mesh = max((p.device_mesh.size() for p in (params.values() if isinstance(params, dict) else params)
-                if hasattr(p, "device_mesh")), default=1)
+                if hasattr(p, "device_mesh")), default=0)
     if len(devices) != 1 or (dev := devices.pop()).type == "meta":
         return tensors, None, default_dev, False, mesh
     return tensors, None, dev, True, mesh

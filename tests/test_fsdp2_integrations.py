@@ -424,20 +424,18 @@ class _BlocksAndEmbedding(_Blocks):
 def _eligibility(names: list[str]) -> dict:
     """Per name, for every parameter of :class:`_BlocksAndEmbedding` in order: (the estimator's 8-bit decision on
     this rank's shape records, whether the optimizer's state is 8-bit after a step), one process (no process group)
-    or FSDP2 on every rank of the group."""
+    or FSDP2 on every rank of the group. The estimator reads the model as the user hands it (sharded: its mesh)."""
     import torch.distributed as dist
 
     from hf_efficient.backends import _torch_keeps_8bit_shape
     from hf_efficient.memory import _state_view, describe_params
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    sharding = "fsdp2" if dist.is_initialized() else None
     out = {}
     for name in names:
-        plain = _BlocksAndEmbedding()
-        options = estimate_memory(plain, name, world_size=world, sharding=sharding).options
-        records = _state_view([t for t in describe_params(plain).tensors if t.trainable], world, sharding)
-        model = shard(_BlocksAndEmbedding()) if sharding else _BlocksAndEmbedding()
+        model = shard(_BlocksAndEmbedding()) if dist.is_initialized() else _BlocksAndEmbedding()
+        described = describe_params(model)
+        options = estimate_memory(model, name).options
+        records = _state_view([t for t in described.tensors if t.trainable], described.world_size, described.sharding)
         opt = create_optimizer(model, name, lr=1e-2)
         model.loss().backward()
         opt.step()
@@ -448,12 +446,15 @@ def _eligibility(names: list[str]) -> dict:
 
 
 def test_estimator_and_optimizer_agree_on_which_tensors_keep_8bit_state():
-    """One rule (families.keeps_8bit_state) decides both: every tensor alike in one process and on 2 FSDP2 ranks,
-    and the cases differ between the two (the norm and the 40 x 300 matrix: 8-bit whole, fp32 sharded)."""
+    """One rule (families.keeps_8bit_state) decides both: every tensor alike in one process, on a 1-rank FSDP2 mesh
+    and on 2 FSDP2 ranks, and the cases differ between plain and sharded (the norm and the 40 x 300 matrix: 8-bit
+    whole, fp32 sharded, whatever the mesh size)."""
     one = _eligibility(RUN_8BIT)
+    mesh1 = run_ranks(_eligibility, 1, RUN_8BIT)
     two = run_ranks(_eligibility, 2, RUN_8BIT)
     for name in RUN_8BIT:
-        for decisions in (one[name], two[0][name], two[1][name]):
+        for decisions in (one[name], mesh1[0][name], two[0][name], two[1][name]):
             assert [e for e, _ in decisions] == [s for _, s in decisions], (name, decisions)
         assert [s for _, s in one[name]] != [s for _, s in two[0][name]]
+        assert [s for _, s in mesh1[0][name]] == [s for _, s in two[0][name]]
         assert {s for _, s in two[0][name]} == {True, False}
