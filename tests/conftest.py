@@ -8,7 +8,14 @@ import subprocess
 import sys
 
 import pytest
-import torch
+
+# Under pytest-xdist (the README's `-n 2`), each worker gets one OpenMP/torch thread unless the environment says
+# otherwise: two workers of two threads each on a 2-core machine spin against each other (slower than one worker).
+# Set before torch is imported; subprocesses that tests start inherit it, so runs compared across processes agree.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
