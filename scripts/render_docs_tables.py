@@ -119,7 +119,9 @@ def distributed_table() -> str:
             elif backend.flaw:
                 fsdp2 = "yes, only when forced (never chosen automatically: see Reliability)"
             else:
-                fsdp2 = "yes: steps Shard(0) shards on a 1-D mesh, state as DTensors"
+                fsdp2 = ("yes: steps Shard(0) shards on a 1-D mesh, state as DTensors (shown by "
+                         "tests/test_fsdp2_integrations.py, which trains every name marked yes here in the Trainer and "
+                         "in an accelerate loop, and tests/test_fsdp2.py)")
             rows.append(f"| `{spec.trainer_name}` ({name}) | yes | {_cell(fsdp2)} | {fsdp1} | {_cell(zero)} |")
     return "\n".join(rows)
 
