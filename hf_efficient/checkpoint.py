@@ -396,9 +396,9 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
                 if key not in values:
                     out[key] = torch.zeros_like(p, dtype=dtype)
                     actions.append(f"{fmt.label or key} started at zero")
-                elif quantize and fmt.format == "codes":
-                    out[key], out[f"{key}_absmax"] = quantize_blockwise(values[key], fmt.signed)
-                    out[key] = out[key].reshape(p.shape)
+                elif quantize and fmt.format == "codes":  # an FSDP2 shard's whole, then its rows (as _requantized)
+                    codes, out[f"{key}_absmax"] = quantize_blockwise(_sharded.whole(values[key]), fmt.signed)
+                    out[key] = _sharded.shard_like(p, codes.reshape(p.shape))
                 else:  # adamw: torch casts fp32 moments to the parameter's dtype itself
                     out[key] = values[key].to(dtype)
             if quantize:
@@ -410,6 +410,17 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
                 done.setdefault(action, []).append(pname)
             state[pid] = out
     return done
+
+
+def _without_template_absmax(st: dict) -> dict:
+    """``st`` (a sharded parameter's) less absmaxes beside floating-point moments. DCP's full-state loader
+    (``set_optimizer_state_dict``) fills the keys a saved state lacks from the optimizer's own state, so fp32 moments
+    saved for a tensor these shards keep 8-bit arrive beside the shards' current absmaxes: not the checkpoint's, and
+    meaningless beside full-precision values (:func:`_match_precision` then quantizes the moments). A single-file
+    load gets exactly what its file holds, so there an absmax beside fp32 moments is still refused as corrupt."""
+    stale = [f"{k}_absmax" for k, v in st.items() if torch.is_tensor(v) and v.is_floating_point()
+             and f"{k}_absmax" in st]
+    return {k: v for k, v in st.items() if k not in stale} if stale else st
 
 
 def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list) -> None:
@@ -504,10 +515,12 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     saved = _check_structure(sd, live, spec.name)
     saved_ids = [pid for g in saved for pid in g["params"]]
     state, libraries = {}, set()
-    for pid, pname in zip(saved_ids, param_names):
+    for pid, pname, p in zip(saved_ids, param_names, params):
         st = sd["state"].get(pid)
         if isinstance(st, dict) and not st:
             continue  # no state yet: as if absent
+        if isinstance(st, dict) and _sharded.is_sharded(p):
+            st = _without_template_absmax(st)
         if tag is None and isinstance(st, dict):
             try:
                 st, library = _any_to_canonical(st, spec.facts)

@@ -525,3 +525,34 @@ def test_single_file_state_and_fsdp2_convert_where_the_8bit_choice_differs(caplo
     mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
     for n, w in out["params"].items():
         torch.testing.assert_close(params_of(model)[n], w, rtol=0, atol=MIXED_ATOL, msg=n)
+
+
+def fp32_into_8bit_shards(single: dict) -> list[str]:
+    """A single-file state whose moments are fp32 for a matrix (saved with a higher min_8bit_size) loaded through
+    DCP's full-state loader into shards that keep it 8-bit (rows of whole blocks), then stepped: the tensors whose
+    state is 8-bit after the load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    full_sd = StateDictOptions(full_state_dict=True)
+    model = shard(mixed_model())
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
+    set_model_state_dict(model, single["model"], options=full_sd)
+    set_optimizer_state_dict(model, optimizer, single["optim"], options=full_sd)
+    loaded = eight_bit(model, optimizer)
+    mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
+    return loaded
+
+
+def test_fp32_single_file_state_loads_into_shards_that_keep_it_8bit():
+    """DCP's full-state loader fills what a saved state lacks from the optimizer's own state, so fp32 moments arrive
+    beside the shards' current absmaxes: they are not the checkpoint's, and the moments are quantized (not refused
+    as a corrupt checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = mixed_model()
+    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **dict(MIXED_OPTS, min_8bit_size=10**6))
+    mixed_steps(model, optimizer, mixed_grads()[:SAVE_AT])
+    assert eight_bit(model, optimizer) == []
+    single = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(get_optimizer_state_dict(model, optimizer))}
+    for loaded in run_ranks(fp32_into_8bit_shards, 2, single):
+        assert loaded == [MIXED_SAME]
