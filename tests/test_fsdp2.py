@@ -461,12 +461,11 @@ def mixed_steps(model, optimizer, grads) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def mixed_on_shards(single: dict) -> dict:
-    """Both directions on this rank. In: the single-file state a process saved after SAVE_AT steps (``single``:
-    model and optimizer state) through DCP's full-state loader, then the remaining steps. Out: an FSDP2 run of
-    SAVE_AT steps, its whole (single-file) state taken, then the remaining steps (what one process must continue)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+def single_file_into_shards(single: dict) -> dict:
+    """The single-file state a process saved after SAVE_AT steps (``single``: model and optimizer state) loaded on
+    this rank through DCP's full-state loader, then the remaining steps: which tensors had 8-bit state after the
+    load, and the final weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     full_sd = StateDictOptions(full_state_dict=True)
     model = shard(mixed_model())
@@ -475,7 +474,16 @@ def mixed_on_shards(single: dict) -> dict:
     set_optimizer_state_dict(model, optimizer, single["optim"], options=full_sd)
     loaded = eight_bit(model, optimizer)
     mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
-    into = {"params": params_of(model), "eight_bit": loaded}
+    return {"params": params_of(model), "eight_bit": loaded}
+
+
+def mixed_on_shards(single: dict) -> dict:
+    """Both directions on this rank. In: :func:`single_file_into_shards`. Out: an FSDP2 run of
+    SAVE_AT steps, its whole (single-file) state taken, then the remaining steps (what one process must continue)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full_sd = StateDictOptions(full_state_dict=True)
+    into = single_file_into_shards(single)
 
     model = shard(mixed_model())
     optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
@@ -527,22 +535,6 @@ def test_single_file_state_and_fsdp2_convert_where_the_8bit_choice_differs(caplo
         torch.testing.assert_close(params_of(model)[n], w, rtol=0, atol=MIXED_ATOL, msg=n)
 
 
-def fp32_into_8bit_shards(single: dict) -> list[str]:
-    """A single-file state whose moments are fp32 for a matrix (saved with a higher min_8bit_size) loaded through
-    DCP's full-state loader into shards that keep it 8-bit (rows of whole blocks), then stepped: the tensors whose
-    state is 8-bit after the load."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    full_sd = StateDictOptions(full_state_dict=True)
-    model = shard(mixed_model())
-    optimizer = hf_efficient.create_optimizer(model, "adam8bit", **MIXED_OPTS)
-    set_model_state_dict(model, single["model"], options=full_sd)
-    set_optimizer_state_dict(model, optimizer, single["optim"], options=full_sd)
-    loaded = eight_bit(model, optimizer)
-    mixed_steps(model, optimizer, mixed_grads()[SAVE_AT:])
-    return loaded
-
-
 def test_fp32_single_file_state_loads_into_shards_that_keep_it_8bit():
     """DCP's full-state loader fills what a saved state lacks from the optimizer's own state, so fp32 moments arrive
     beside the shards' current absmaxes: they are not the checkpoint's, and the moments are quantized (not refused
@@ -554,5 +546,5 @@ def test_fp32_single_file_state_loads_into_shards_that_keep_it_8bit():
     mixed_steps(model, optimizer, mixed_grads()[:SAVE_AT])
     assert eight_bit(model, optimizer) == []
     single = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(get_optimizer_state_dict(model, optimizer))}
-    for loaded in run_ranks(fp32_into_8bit_shards, 2, single):
-        assert loaded == [MIXED_SAME]
+    for r in run_ranks(single_file_into_shards, 2, single):  # the matrix saved fp32 (min_8bit_size 10**6) is quantized
+        assert r["eight_bit"] == [MIXED_SAME]
