@@ -75,7 +75,8 @@ def _model(bad: bool = False):
 
 
 def _opt(model, name, policy, bucket_bytes=None):
-    opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.1, nonfinite=policy, min_8bit_size=1000)
+    sizes = {"min_8bit_size": 1000} if "8bit" in name else {}
+    opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.1, nonfinite=policy, **sizes)
     if bucket_bytes is not None:
         release.attach(opt, bucket_bytes=bucket_bytes)
     return opt
@@ -195,9 +196,11 @@ def test_raise_is_read_by_state_dict_too(device_path, monkeypatch):
         opt.state_dict()
 
 
-def test_each_bucket_keeps_its_own_scan_tables(device_path, monkeypatch):
-    """A pointer table per bucket (the same tensors each step): no table is rebuilt because another bucket used it
-    (one table per dtype for the whole backward would be rebuilt at every bucket, an upload each)."""
+@pytest.mark.parametrize("name", ["adam8bit", "adafactor"])
+def test_each_bucket_keeps_its_own_scan_tables(device_path, monkeypatch, name):
+    """A pointer table per bucket (the same tensors each step), the scan's and the step's: no table is rebuilt because
+    another bucket used it (one table per dtype or kind for the whole backward would be rebuilt at every bucket, an
+    upload each)."""
     seen: dict = {}  # table (held: no id reused) -> the shapes it was given
     real = _triton.PointerTable.get
 
@@ -207,12 +210,13 @@ def test_each_bucket_keeps_its_own_scan_tables(device_path, monkeypatch):
 
     monkeypatch.setattr(_triton.PointerTable, "get", get)
     model = _model()
-    opt = _opt(model, "adam8bit", "skip", 0)
+    opt = _opt(model, name, "skip", 0)
     for x in _batches(2):
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
     rel = release._ATTACHED[opt]
+    assert len(seen) > len(rel.tables)  # the step's tables were seen too
     assert len(rel.tables) == 6  # one per bucket (one tensor each)
     assert all(len(shapes) == 1 for shapes in seen.values())
 

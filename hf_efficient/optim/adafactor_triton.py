@@ -481,7 +481,8 @@ def _mode(p: torch.Tensor, group: dict) -> int:
 def step(items: list, found_inf: torch.Tensor, tables: dict) -> None:
     """Step ``items`` (``(p, grad, state, group, position)``: contiguous weights and gradients, the state Adafactor
     keeps for them, its ``step`` on the weight's device already counting this step), all on one device.
-    ``found_inf``: the step's void flag. ``tables``: the caller's cache of pointer tables (one per kind).
+    ``found_inf``: the step's void flag. ``tables``: the caller's cache of pointer tables (one per kind and set of
+    tensors).
 
     A kind (param group, weight and gradient dtypes, first moment, compensation, and for matrices the update tile's
     width: :data:`_WIDE` for every matrix that wide) takes three launches for its matrices, one for its vectors."""
@@ -498,7 +499,10 @@ def step(items: list, found_inf: torch.Tensor, tables: dict) -> None:
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         for kind, kind_items in kinds.items():
             launch = _step_matrices if kind[-1] else _step_vectors
-            launch(kind_items, kind, found_inf, tables.setdefault(kind, _triton.PointerTable()))
+            # keyed by the tensors too (as blockwise_triton.launch): gradient release steps the same buckets every
+            # step, each with its own table, instead of rebuilding one table per kind at every bucket
+            key = (*kind, *(position for *_, position in kind_items))
+            launch(kind_items, kind, found_inf, tables.setdefault(key, _triton.PointerTable()))
 
 
 def _plan(dims: list, rows_tile: int, sms: int) -> list:
