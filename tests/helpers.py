@@ -5,6 +5,7 @@ counts, for gradient accumulation under Accelerate."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -158,3 +159,17 @@ def max_rel_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     floor = 1e-4 * torch.stack([v.norm() for v in b.values()]).norm()
     return max(((a[k] - b[k]).norm() / torch.maximum(b[k].norm(), floor)).item() for k in a)
+
+
+@contextlib.contextmanager
+def no_host_read(monkeypatch):
+    """Every way of reading a tensor's value on the host (each a sync on CUDA) raises inside the block. Not
+    ``numpy()``: on CUDA it refuses device tensors, and it is how a flag's pinned host copy is read."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+
+    with monkeypatch.context() as m:
+        for attr in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu"):
+            m.setattr(torch.Tensor, attr, refuse)
+        m.setattr(torch.cuda, "synchronize", refuse)
+        yield

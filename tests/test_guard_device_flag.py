@@ -5,13 +5,13 @@ path, and torch's fused CPU AdamW honours ``found_inf`` as its CUDA kernel does,
 test runs twice: the flag from torch's check, and from the Triton scan (``optim/nonfinite_triton.py``, what CUDA
 runs) executing under Triton's interpreter."""
 
-import contextlib
 import os
 
 import pytest
 import torch
 from torch import nn
 
+from helpers import no_host_read
 import hf_efficient as hfe
 from hf_efficient import guard, nonfinite
 from hf_efficient.optim import _triton
@@ -37,20 +37,6 @@ def device_flag(request, monkeypatch):
         yield
     finally:
         _triton.interpret_on_cpu(False)
-
-
-@contextlib.contextmanager
-def no_host_read(monkeypatch):
-    """Every way of reading a device tensor's value on the host (each a sync on CUDA) raises inside the block. Not
-    ``numpy()``: on CUDA it refuses device tensors, and it is how the guard reads a flag's pinned host copy."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tensor was read on the host during step()")
-
-    with monkeypatch.context() as m:
-        for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu"):
-            m.setattr(torch.Tensor, name, refuse)
-        m.setattr(torch.cuda, "synchronize", refuse)
-        yield
 
 
 def _setup(nonfinite, name="adamw", **options):

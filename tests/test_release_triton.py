@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from triton_helpers import needs_interpreter, on_cpu, triton  # noqa: F401
+from helpers import no_host_read
 import hf_efficient as hfe
 from hf_efficient import nonfinite, release
 from hf_efficient.optim import _triton
@@ -48,20 +49,6 @@ def device_path(on_cpu, monkeypatch):
     for k in KERNELS.values():
         monkeypatch.setattr(B, k, spies[k])
     return spies
-
-
-@contextlib.contextmanager
-def no_host_read(monkeypatch):
-    """Every way of reading a tensor's value on the host (each a sync on CUDA) fails inside the block (not
-    ``numpy()``: CUDA tensors refuse it; it is how a pinned host copy is read)."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tensor was read on the host")
-
-    with monkeypatch.context() as m:
-        for attr in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu"):
-            m.setattr(torch.Tensor, attr, refuse)
-        m.setattr(torch.cuda, "synchronize", refuse)
-        yield
 
 
 def _model(bad: bool = False):
