@@ -119,6 +119,30 @@ def test_release_on_the_device_path_equals_the_ordinary_step_and_reads_nothing(d
         assert release.release_info(opt).skipped_tensors == 0 and opt.hf_efficient.steps == 2
 
 
+@pytest.mark.parametrize("name", ["adamw", "adamw_bf16"])
+def test_release_checks_bf16_weights_on_the_device_once_their_state_exists(device_path, monkeypatch, name):
+    """bf16 weights under AdamW (fp32 moments) and AdamWBF16: from the second step on (the first makes the state
+    the Triton kernel's takes_found_inf() looks at) each bucket is scanned on the device and nothing is read on the
+    host in backward or step(); bit for bit the ordinary step."""
+    assert nonfinite._triton_scan([torch.zeros(1)]) is not None  # probed here: a probe reads its results
+    runs = []
+    for bucket_bytes in (None, 0):
+        model = _model().to(torch.bfloat16)
+        opt = _opt(model, name, "skip", bucket_bytes)
+        scans = None
+        for i, x in enumerate(_batches(3)):
+            if i == 1:
+                scans = device_path["scan"].launches
+            with no_host_read(monkeypatch) if i else contextlib.nullcontext():
+                loss = model(x.to(torch.bfloat16)).sum()
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+        assert device_path["scan"].launches - scans == 2 * (1 if bucket_bytes is None else 6)
+        runs.append(_snapshot(model, opt))
+    assert not _changed(*runs)
+
+
 @pytest.mark.parametrize("bucket_bytes, voided", [(0, {"1.weight"}), (release.BUCKET_BYTES, "all")])
 def test_skip_voids_the_bucket_holding_the_bad_gradient(device_path, monkeypatch, caplog, bucket_bytes, voided):
     """One tensor per bucket: exactly the bad tensor is not stepped (as the per-tensor check on CPU); one bucket:

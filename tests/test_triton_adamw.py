@@ -357,6 +357,47 @@ def test_no_host_sync_in_step(on_cpu, monkeypatch, cls, kw):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("name", ["adamw", "adamw_bf16"])
+def test_the_guard_checks_on_the_device_for_bf16_weights(name, on_cpu, monkeypatch):
+    """takes_found_inf(): True where every tensor with a gradient goes to the Triton kernel (bf16 weights, state made);
+    the guard then leaves its check on the device, and an inf gradient under nonfinite=skip voids the step through
+    the flag with nothing read on the host in step() (the guard read its check there before: a sync per step)."""
+    import hf_efficient as hfe
+    from hf_efficient import guard, nonfinite
+    from helpers import no_host_read
+
+    monkeypatch.setattr(nonfinite, "_DEVICE_FLAG_ON_CPU", True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    opt = hfe.create_optimizer(model, name, lr=0.1, weight_decay=0.01, nonfinite="skip")
+
+    def grads(bad=None):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape).to(p.dtype)
+        if bad is not None:
+            model[1].weight.grad[2, 3] = bad
+
+    grads()
+    assert not opt.takes_found_inf()  # no state yet: the first step is checked on the host
+    opt.step()
+    assert opt.takes_found_inf() and nonfinite.checks_on_device(opt, guard.backend_class(opt), scaled=False)
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in model.parameters()]
+    grads(bad=float("inf"))
+    with no_host_read(monkeypatch):
+        opt.step()
+    for p, (w, st) in zip(model.parameters(), before):
+        assert torch.equal(w, p) and all(torch.equal(v, opt.state[p][k]) for k, v in st.items())
+    grads()
+    with no_host_read(monkeypatch):
+        opt.step()
+    assert not torch.equal(before[0][0], model[0].weight)
+    assert hfe.optimizer_info(opt).skipped_steps == 1
+    model[0].to(torch.float32)  # an fp32 tensor takes a host path (AdamWBF16: torch's AdamW; AdamW: the same kernel)
+    grads()
+    assert opt.takes_found_inf() == (name == "adamw")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("cls,kw", FAMILIES, ids=["adamw", "adamw_bf16"])
 @pytest.mark.parametrize("mode", ["kahan", "stochastic"])
 def test_resume_is_exact_on_the_triton_path(on_cpu, cls, kw, mode):

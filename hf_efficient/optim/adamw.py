@@ -282,6 +282,28 @@ class AdamW(torch.optim.AdamW):
                 state["step"] = state["step"].to(torch.float32)
         drop_unused_buffers(self, "AdamW")
 
+    def takes_found_inf(self) -> bool:
+        """Whether the coming step sends every tensor with a gradient to the Triton kernel, which reads the guard's
+        device-side flag (the guard's protocol, as ``Blockwise8bit.takes_found_inf``): then the guard leaves its check
+        on the device and reads nothing. False before a tensor's first step (its state is made in step())."""
+        any_grad = False
+        for group in self.param_groups:
+            items = [(p, self.state.get(p)) for p in group["params"] if p.grad is not None]
+            if not items:
+                continue
+            if group["amsgrad"] or group["maximize"] or torch.is_tensor(group["lr"]) or any(
+                    not st or _sharded.is_sharded(p) for p, st in items):
+                return False
+            states = [st for _, st in items]
+            _, rest = _triton_split([p for p, _ in items], [p.grad for p, _ in items],
+                                    [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                                    [st.get("kahan_comp") for st in states], [st["step"] for st in states],
+                                    group["compensation"])
+            if rest:
+                return False
+            any_grad = True
+        return any_grad
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, "AdamW")  # closure, then sparse gradients refused: nothing half-done

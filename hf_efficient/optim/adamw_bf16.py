@@ -648,6 +648,29 @@ class AdamWBF16(Optimizer):
                 if key in saved and key in state and state[key].dtype != _state_dtype(p):
                     state[key] = saved[key].to(device=p.device, dtype=_state_dtype(p))
 
+    def takes_found_inf(self) -> bool:
+        """Whether the coming step sends every tensor with a gradient to the Triton kernel, which reads the guard's
+        device-side flag (the guard's protocol, as ``Blockwise8bit.takes_found_inf``): then the guard leaves its check
+        on the device and reads nothing. False before a tensor's first step (its state is made in step()), and where
+        a tensor takes a host path (fp32 weights, shards, ``foreach`` / ``compile`` set)."""
+        any_grad = False
+        for group in self.param_groups:
+            items = [(p, self.state.get(p)) for p in group["params"] if p.grad is not None]
+            if not items:
+                continue
+            if group["foreach"] is not None or group["compile"] is not None or any(
+                    not st or _sharded.is_sharded(p) or p.dtype not in _LOW_PRECISION for p, st in items):
+                return False
+            states = [st for _, st in items]
+            _, rest = _triton_split(list(range(len(items))), [p for p, _ in items], [p.grad for p, _ in items],
+                                    [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                                    [st.get("kahan_comp") for st in states], [st["step"] for st in states],
+                                    group["compensation"])
+            if rest:
+                return False
+            any_grad = True
+        return any_grad
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, "AdamWBF16")  # closure, then sparse gradients refused: nothing half-done
