@@ -168,12 +168,13 @@ def time_steps(opt, model, reps: int, cuda: bool) -> tuple[list[float], list[flo
     return steps, backs
 
 
-def launches_and_syncs(opt, model, cuda: bool) -> tuple[int | None, int | None]:
-    """CUDA kernels launched by one step, and host synchronisations it made (None, None on CPU)."""
+def launches_and_syncs(opt, model, cuda: bool) -> tuple[int | None, int | None, list[str]]:
+    """CUDA kernels launched by one step, the host synchronisations it made (None, None on CPU), and where each was
+    made (``file:line`` of the Python frame torch's warning names: what to fix)."""
     from torch.profiler import ProfilerActivity, profile
 
     if not cuda:
-        return None, None
+        return None, None, []
     set_grads(model)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -191,7 +192,8 @@ def launches_and_syncs(opt, model, cuda: bool) -> tuple[int | None, int | None]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return kernels, sum(1 for w in caught if "synchroniz" in str(w.message))
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return kernels, len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
 
 
 def measure_step(label, dtype, build, models, args) -> dict:
@@ -215,7 +217,7 @@ def measure_step(label, dtype, build, models, args) -> dict:
             row["temporaries_mb"] = max(0, torch.cuda.max_memory_allocated() - before) / 2**20
         steps, backs = time_steps(opt, model, args.reps, cuda)
         row.update(step_ms=median(steps), backward_ms=median(backs), steps_ms=steps)
-        row["kernels"], row["syncs"] = launches_and_syncs(opt, model, cuda)
+        row["kernels"], row["syncs"], row["sync_sites"] = launches_and_syncs(opt, model, cuda)
         n = sum(p.numel() for p in model.parameters())
         row["state_bytes_per_param"] = state_bytes(opt) / n
         pb = dtype.itemsize

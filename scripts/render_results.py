@@ -242,6 +242,9 @@ def bench_cuda_md(result: dict) -> str:
            "bandwidth limit: the bytes a step must move (parameters read and written, gradients read, state read and "
            "written) over fused fp32 AdamW's 28 per parameter. backward +ms: the time of the backward pass that sets "
            "the gradients, over the baseline's (what a check in backward hooks costs).", ""]
+    sites = [f"- {r['label']}: {', '.join(r['sync_sites'])}" for r in steps if r.get("sync_sites")]
+    if sites:
+        out += ["Where the host syncs were made (the Python line torch's sync warning names):", "", *sites, ""]
     if result.get("e2e"):
         ref = next((r.get("tokens_per_s") for r in result["e2e"] if r["label"].startswith("bf16 weights + torch")),
                    None)
