@@ -7,10 +7,10 @@ summing a column's codes into its word and a block's absmax need no exchange bet
 word is loaded and stored once (its byte ``k`` is row ``k``'s code), and state, ``state_dict`` and checkpoints are
 the C and torch kernels'. Decoding looks values up in ``quant8.c_tables()`` (on the device: its first 512 floats are
 :func:`.quant8.decode` of every code, the rest the encoder's thresholds), so decoded values are the eager kernel's
-exactly; encoding gives :func:`.quant8.encode`'s codes exactly: its decade, ``n`` and ``inv_scale`` from a table
-indexed by the value's sign and exponent bits (as ``quant8.h``'s vector encoder; :func:`tables` appends it to the
-maps), then its arithmetic. Gathers from a small table (it stays in L1) cost fewer instructions than eager's chain
-of comparisons and selects: the kernels are compute-bound on a GPU (``scripts/triton_sass.py`` counts them). A
+exactly; encoding gives :func:`.quant8.encode`'s codes exactly: its decade from a word per binade (the count of
+thresholds below it and the one inside it) and ``n`` and ``inv_scale`` from a pair per decade count, then its
+arithmetic. The tables are laid out so that a warp's lookups touch one or two 128-byte lines each (a lookup costs the
+L1 a pass per distinct line: a table spread over many lines would cost several per warp). A
 block's scale is :func:`.quant8.block_scale`'s. Imported only where Triton is installed.
 """
 
@@ -19,76 +19,79 @@ import triton
 import triton.language as tl
 
 _TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126, fp32's smallest normal (quant8.block_scale)
-# tables(): quant8.c_tables()' 528 floats, then each map's binade table (ENTRY int64 a binade, 512 binades: x's sign
-# and exponent bits); where each starts, in int64 units
-ENTRY = 4
-_ENC_SIGNED = tl.constexpr(264)
-_ENC_UNSIGNED = tl.constexpr(264 + 512 * ENTRY)
+# tables(): quant8.c_tables()' 528 floats, padding, then each map's binade words (512 int32: x's sign and exponent
+# bits) and its (n, inv_scale) pairs (9 int64: by decade count). Where each starts, in units of its own type; every
+# one starts on a 128-byte line, so that the binades a normalized value can fall in (2**-31 .. 1: exponents 96..127,
+# 32 words) are one line of each sign, and the pairs one line: a warp's lookups touch one or two lines, not several.
+_WORDS = {True: 544, False: 1056}
+_PAIRS = {True: 1568 // 2, False: 1600 // 2}
+_SIZE = 1618
+_W_SIGNED, _W_UNSIGNED = tl.constexpr(_WORDS[True]), tl.constexpr(_WORDS[False])
+_P_SIGNED, _P_UNSIGNED = tl.constexpr(_PAIRS[True]), tl.constexpr(_PAIRS[False])
+_NONE = 1 << 23  # a threshold mantissa no value reaches: no threshold in this binade
 _TABLES: dict = {}
 
 
-def _binades(cuts: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each binade (exponent bits 0..255) of |x|: the count of thresholds ``cuts`` at or below its bottom, and
-    the one threshold inside it (+inf where none). Exponent 255 (NaN, for which eager's comparisons all fail): 0."""
-    cuts = torch.tensor([*cuts, float("inf")], dtype=torch.float32)[None, :]  # (+inf: in no binade, none empty)
-    low = torch.arange(256, dtype=torch.int64).mul(2**23).to(torch.int32).view(torch.float32)[:, None]
-    below = (cuts <= low).sum(1)
-    inside = (cuts > low) & (cuts < 2 * low)
-    assert int(inside.sum(1).max()) <= 1, "two thresholds in one binade: the encoder's one comparison cannot tell"
-    inner = torch.where(inside, cuts, float("inf")).amin(1)
-    below[255], inner[255] = 0, float("inf")
-    return below, inner
-
-
-def _encoder_table(signed: bool) -> torch.Tensor:
-    """:func:`encode`'s binade table of one map: ``ENTRY`` int64 per binade (x's sign and exponent bits), as fp32
-    pairs: ``(inner, n_below)``, ``(inv_scale_below, n_above)``, ``(inv_scale_above, 0)``, ``(0, 0)``.
-
-    The thresholds (the 7 decade midpoints; for positive values the top one too, as the next float above it:
-    ``a >= next(top)`` is ``x > top``) are about 10x apart: at most one (``inner``) falls inside a binade, so eager's
-    decade (the count of thresholds at or below ``a = |x|``) is the count below the binade, plus one where
-    ``a >= inner``; ``n`` and ``inv_scale`` are :func:`.quant8.encode`'s for either count. So the sign is in the
-    table, not in a clamp: a negative value above the top keeps decade 6 (the signed map has no -1.0). The unsigned
-    map's negative values count 0 (eager's), and its floor is in the table too: a positive value of decade 0 has
-    ``n`` 2 (``j`` 2, code ``j - 1`` = 1, as eager's floor), zero ``n`` 1 (binade 0's inner: the smallest
-    subnormal), so the kernel's code is ``j - 1`` with no floor."""
+def _cuts(signed: bool, negative: bool) -> list[int]:
+    """The bits (of positive floats) of the thresholds :func:`encode` counts for values of this map and sign: eager's
+    7 decade midpoints, and for positive values the top one as the next float above it (``a >= next(top)`` is
+    ``x > top``; the signed map has no -1.0, so a negative value counts 7 at most). The unsigned map's negative
+    values count none (eager's code 0); its first midpoint is replaced by the smallest positive float: eager gives a
+    positive value below that midpoint code 1 (its floor), and decade 0's arithmetic gives it code 1 too."""
     from . import quant8
 
     mids, top = quant8.THRESHOLDS[signed]
-    positive = _binades([*mids, float(torch.nextafter(torch.tensor(top), torch.tensor(float("inf"))))])
-    negative = _binades(mids if signed else [])
-    below, inner = (torch.cat(halves) for halves in zip(positive, negative))
-    above = (below + 1).clamp_max(8)  # (unused where inner is inf)
+    if not signed:
+        if negative:
+            return []
+        mids = [1e-45, *mids[1:]]
+    cuts = list(mids) if negative else [*mids, float(torch.nextafter(torch.tensor(top), torch.tensor(float("inf"))))]
+    return torch.tensor(cuts, dtype=torch.float32).view(torch.int32).tolist()
+
+
+def _binade_words(signed: bool) -> torch.Tensor:
+    """:func:`encode`'s word of each binade (x's sign and exponent bits, 512): the count of thresholds below the
+    binade in bits 24..31, the mantissa of the one threshold inside it in bits 0..23 (:data:`_NONE` where none). The
+    thresholds are ~10x apart, so a binade holds one at most, and ``x >= it`` is ``mantissa(x) >= its mantissa``.
+    Exponent 255 (NaN; a normalized value is never inf) counts none: NaN takes the zero's code."""
+    words = []
+    for cell in range(512):
+        e = cell & 255
+        cuts = _cuts(signed, negative=cell >= 256)
+        below = sum(c < (e << 23) for c in cuts)
+        inside = [c & 0x7FFFFF for c in cuts if e << 23 <= c < (e + 1) << 23]
+        assert len(inside) <= 1, "two thresholds in one binade: one comparison cannot tell"
+        if e == 255:
+            below, inside = 0, []
+        words.append(below << 24 | (inside[0] if inside else _NONE))
+    return torch.tensor(words, dtype=torch.int64).to(torch.int32)
+
+
+def _pairs(signed: bool) -> torch.Tensor:
+    """:func:`.quant8.encode`'s ``(n, inv_scale)`` for each count ``c`` of thresholds at or below a value (0..8), as
+    fp32 pairs in int64: decade ``c - 1`` (``n = first * 2**(c-1)``, ``inv_scale = 10**(8-c)``, exact in fp32);
+    none below the first (``n`` 0 signed, 1 unsigned; scale 0), and the top (1.0's code: ``n = first * 128``)."""
     first = 1.0 if signed else 2.0
     n = torch.tensor([0.0 if signed else 1.0, *(first * 2**d for d in range(8))])
-    inv_scale = torch.tensor([0.0, *(10.0 ** (7 - d) for d in range(7)), 0.0])  # exact in fp32
-    n_below, n_above = n[below], n[above]
-    inv_below, inv_above = inv_scale[below], inv_scale[above]
-    if not signed:  # the floor (positive values below the first midpoint: binades 1..254 of the positive half)
-        n_below[1:255] = torch.where(below[1:255] == 0, 2.0, n_below[1:255])
-        inner[0], n_above[0], inv_above[0] = 1e-45, 2.0, 0.0  # binade 0: zero, then the positive subnormals
-    zero = torch.zeros_like(inner)
-    return torch.stack([_pair(inner, n_below), _pair(inv_below, n_above), _pair(inv_above, zero),
-                        _pair(zero, zero)], 1).reshape(-1)
-
-
-def _pair(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """int64 of fp32 ``low``'s bits in the low half and fp32 ``high``'s in the high half (little-endian: the two
-    floats in order)."""
-    return (low.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (
-        high.float().view(torch.int32).to(torch.int64) << 32)
+    inv_scale = torch.tensor([0.0, *(10.0 ** (7 - d) for d in range(7)), 0.0])
+    return (n.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (inv_scale.view(torch.int32).to(torch.int64) << 32)
 
 
 def tables(device: torch.device) -> torch.Tensor:
     """The codec's tables on ``device`` (fp32; copied there once per process, never inside a step after the first):
-    ``quant8.c_tables()`` (the decoder reads its first 512 floats), then :func:`_encoder_table` of the signed and
-    the unsigned map (int64 entries from float 528: 32-byte aligned, an entry in one sector)."""
+    ``quant8.c_tables()`` (the decoder reads its first 512 floats), then :func:`_binade_words` and :func:`_pairs` of
+    each map at the offsets above."""
     key = torch.device(device)
     if key not in _TABLES:
         from . import quant8
 
-        enc = torch.cat([_encoder_table(True), _encoder_table(False)])
-        _TABLES[key] = torch.cat([quant8.c_tables(), enc.view(torch.float32)]).to(key)
+        out = torch.zeros(_SIZE, dtype=torch.float32)
+        c = quant8.c_tables()
+        out[:c.numel()] = c
+        for signed in (True, False):
+            out[_WORDS[signed]:_WORDS[signed] + 512] = _binade_words(signed).view(torch.float32)
+            out[2 * _PAIRS[signed]:2 * _PAIRS[signed] + 18] = _pairs(signed).view(torch.float32)
+        _TABLES[key] = out.to(key)
     return _TABLES[key]
 
 
@@ -112,25 +115,23 @@ def load(words_ptr, absmax_ptr, blk, bmask, table_ptr, SIGNED: tl.constexpr):
 
 @triton.jit
 def encode(x, table_ptr, SIGNED: tl.constexpr):
-    """:func:`.quant8.encode` of normalized values ``x`` (fp32): codes as int32. Eager's decade (the count of
-    midpoints at or below ``a``, or 8 above the top threshold), its ``n`` and ``inv_scale``, from one entry of the
-    binade table (:func:`_encoder_table`: by ``x``'s sign and exponent bits) and one comparison, instead of 8
-    comparisons and 16 selects; then eager's arithmetic in its order."""
+    """:func:`.quant8.encode` of normalized values ``x`` (fp32): codes as int32. Eager's decade (the count of its
+    thresholds at or below ``|x|``) from the word of ``x``'s binade (:func:`_binade_words`: the count below it, and
+    one integer comparison of mantissas with the threshold inside it), its ``n`` and ``inv_scale`` from the pair of
+    that count (:func:`_pairs`), instead of 8 comparisons and 16 selects; then eager's arithmetic in its order."""
     bits = x.to(tl.uint32, bitcast=True)
-    a = tl.abs(x) if SIGNED else x  # unsigned: a negative x (never stored: second moments are >= 0) counts 0
-    entry = table_ptr.to(tl.pointer_type(tl.int64)) + (_ENC_SIGNED if SIGNED else _ENC_UNSIGNED) + (bits >> 23) * 4
-    q0 = tl.load(entry)  # an entry is one 32-byte sector: three 8-byte loads at immediate offsets of one address
-    q1 = tl.load(entry + 1)
-    q2 = tl.load(entry + 2)
-    up = a >= q0.to(tl.int32).to(tl.float32, bitcast=True)
-    n = tl.where(up, (q1 >> 32).to(tl.int32), (q0 >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-    inv_scale = tl.where(up, q2.to(tl.int32), q1.to(tl.int32)).to(tl.float32, bitcast=True)
+    word = tl.load(table_ptr.to(tl.pointer_type(tl.int32)) + (_W_SIGNED if SIGNED else _W_UNSIGNED) + (bits >> 23))
+    count = (word >> 24) + ((bits & 0x7FFFFF).to(tl.int32) >= (word & 0xFFFFFF)).to(tl.int32)
+    pair = tl.load(table_ptr.to(tl.pointer_type(tl.int64)) + (_P_SIGNED if SIGNED else _P_UNSIGNED) + count)
+    n = pair.to(tl.int32).to(tl.float32, bitcast=True)
+    inv_scale = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    a = tl.abs(x) if SIGNED else x  # unsigned: a negative x (never stored: second moments are >= 0) counts 0: code 0
     k = tl.floor((a * inv_scale - 1.0) * (n * 0.1111111111111111))
     j = n + tl.maximum(tl.minimum(k, n - 1.0), 0.0)
     if SIGNED:  # 127 + j, or 127 - j below zero: j (>= 0) takes x's sign bit
         code = 127.0 + (j.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     else:
-        code = j - 1.0  # the floor is in the table
+        code = j - 1.0  # a positive value counts 1 at least (the smallest positive float is a threshold): code 1
     return code.to(tl.int32)
 
 
