@@ -4,6 +4,7 @@ instead, in one run; ratios to torch's fused fp32 AdamW measured in the same pro
     python scripts/bench_step.py --device cuda          # the same as: python scripts/bench_cuda.py
     python scripts/bench_cuda.py --layers 4 --e2e-layers 2   # smaller, for a quick look
     python scripts/bench_cuda.py --render-only           # markdown again from the JSON
+    python scripts/bench_cuda.py --sweep --e2e-layers 0   # the 8-bit kernels' program shapes compared too
 
 Writes ``bench_cuda.json`` (measurements) and ``bench_cuda.md`` (tables, machine, command; rendered from the JSON
 by ``render_results.bench_cuda_md``) into ``--out`` (default ``docs/results``).
@@ -31,6 +32,7 @@ import json
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,6 +117,33 @@ def candidates() -> list[tuple[str, torch.dtype, object]]:
         ("bf16: hf_eff_adafactor", b16, _ours("adafactor")),
         ("bf16: bitsandbytes AdamW8bit", b16, _bnb("AdamW8bit")),
     ]
+
+
+def sweep_rows() -> list[tuple[str, torch.dtype, object, dict]]:
+    """(label, weight dtype, builder, settings): the 8-bit steps again under each program shape (``--sweep``): blocks
+    of 256 per program and warps per program, ``blockwise_triton``'s ``NB`` and ``NUM_WARPS``, chosen without a GPU;
+    the rows say which is fastest on this one."""
+    f32, b16 = torch.float32, torch.bfloat16
+    return [(f"{label} NB={nb} warps={warps}", dtype, _ours(name), {"NB": nb, "NUM_WARPS": warps})
+            for label, dtype, name in (("hf_eff_adam8bit", f32, "adam8bit"),
+                                       ("bf16: hf_eff_adam8bit (default)", b16, "adam8bit"),
+                                       ("hf_eff_lion8bit", f32, "lion8bit"))
+            for nb in (4, 8, 16) for warps in (4, 8)]
+
+
+@contextmanager
+def program_shape(settings: dict):
+    """``blockwise_triton``'s module settings for one row, put back afterwards."""
+    from hf_efficient.optim import blockwise_triton as B
+
+    saved = {k: getattr(B, k) for k in settings}
+    for k, v in settings.items():
+        setattr(B, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(B, k, v)
 
 
 def state_bytes(opt) -> int:
@@ -304,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--e2e-steps", type=int, default=8)
     p.add_argument("--e2e-warmup", type=int, default=3)
     p.add_argument("--only", default="", help="comma-separated substrings: run only the step rows matching one")
+    p.add_argument("--sweep", action="store_true", help="the 8-bit steps under each program shape too (~2 min)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script only")
@@ -338,6 +368,12 @@ def main(argv: list[str] | None = None) -> dict:
             if wanted and not any(w in label for w in wanted):
                 continue
             steps.append(measure_step(label, dtype, build, models, args))
+            print({k: v for k, v in steps[-1].items() if k != "steps_ms"}, flush=True)
+        for label, dtype, build, settings in sweep_rows() if args.sweep else ():
+            if wanted and not any(w in label for w in wanted):
+                continue
+            with program_shape(settings):
+                steps.append({**measure_step(label, dtype, build, models, args), "settings": settings})
             print({k: v for k, v in steps[-1].items() if k != "steps_ms"}, flush=True)
         last = measure_step(BASELINE, torch.float32, fused, models, args)
         result.update(steps=steps, baseline_first_ms=first.get("step_ms"), baseline_last_ms=last.get("step_ms"))

@@ -170,6 +170,34 @@ def test_bench_cuda_cpu_smoke_then_render_only(tmp_path):
     assert md.read_text() == first and "| step | ms |" in first
 
 
+def test_bench_cuda_sweep_runs_the_8bit_kernels_under_each_program_shape(tmp_path, monkeypatch):
+    """--sweep: the 8-bit rows again with blockwise_triton's NB and NUM_WARPS set for the row (here the Triton kernels
+    on CPU, under the interpreter: the launches are counted with the shape they were given), put back afterwards."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU under TRITON_INTERPRET=1")
+    from hf_efficient.optim import _triton
+    from hf_efficient.optim import blockwise_triton as B
+
+    _triton.interpret_on_cpu(True)
+    monkeypatch.setattr(_triton, "_ON_CPU", True)  # put back (off) after the test
+    cuda = _load("bench_cuda")
+    seen = []
+    real = B.launch
+    monkeypatch.setattr(B, "launch", lambda *a, **k: ("NB" in k and seen.append((a[6], a[7], k["NB"]))) or real(
+        *a, **k))  # the 8-bit launches (Lion's fp32-state tensors share the launcher, with its own shape)
+    before = (B.NB, B.NUM_WARPS)
+    doc = cuda.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--ffn", "128", "--reps", "1", "--warmup",
+                     "0", "--e2e-layers", "0", "--sweep", "--only", "hf_eff_lion8bit NB=4 warps=8", "--out",
+                     str(tmp_path)])
+    rows = [r for r in doc["steps"] if "settings" in r]
+    assert [r["label"] for r in rows] == ["hf_eff_lion8bit NB=4 warps=8"] and "step_ms" in rows[0], rows
+    assert seen and set(seen) == {(4 * 256, 8, 4)}
+    assert (B.NB, B.NUM_WARPS) == before
+
+
 NO_PAGE = {"triton_sass"}  # a developer tool's JSON (scripts/triton_sass.py: static instruction counts), never a page
 
 

@@ -32,6 +32,7 @@ __all__ = ["adamw8bit", "lion8bit", "launch", "NB", "MAX_PROGRAMS"]
 
 L = _triton.jit_helpers()
 NB = 8  # blocks per program: 2048 elements, 16 a thread at 4 warps (its 4 rows of 4 columns)
+NUM_WARPS = 4  # of an 8-bit program (NB and NUM_WARPS: read at each launch, so bench_cuda.py --sweep can vary them)
 MAX_PROGRAMS = 65535  # CUDA's limit on a grid's axes 1 and 2: a tensor of more programs spans both, alone
 _F32_MAX = tl.constexpr(3.4028234663852886e38)
 _split = lru_cache(maxsize=64)(_triton.split64)  # per group and step otherwise: a few torch ops each on the host
@@ -182,7 +183,8 @@ def lion8bit_kernel(table, info, flag_ptr, count, maps, b1, omb1, b2, omb2, deca
                   ALIGNED, False)
 
 
-def launch(kernel, items, tables: dict, flag, scalars: tuple, mode: str, per_program: int, **constexprs) -> None:
+def launch(kernel, items, tables: dict, flag, scalars: tuple, mode: str, per_program: int, num_warps: int = 4,
+           **constexprs) -> None:
     """``kernel`` over ``items`` (``(position, [weight, gradient, *more tensors])``, all on one device): one launch
     per (weight dtype, gradient dtype), the tensors on grid axis 0, their programs of ``per_program`` elements on
     axes 1 and 2; a tensor of more than :data:`MAX_PROGRAMS` programs in a launch of its own. Arguments: the pointer
@@ -204,7 +206,8 @@ def launch(kernel, items, tables: dict, flag, scalars: tuple, mode: str, per_pro
         programs = triton.cdiv(max(sizes), per_program)
         grid = (len(batch), min(programs, MAX_PROGRAMS), triton.cdiv(programs, MAX_PROGRAMS))
         kernel[grid](addresses, info, flag, len(batch), *scalars, MODE=_triton.C_MODES[mode], OUT=_OUT[kind[0]],
-                     GRAD=_OUT[kind[1]], ALIGNED=table.aligned, num_warps=4, enable_fp_fusion=False, **constexprs)
+                     GRAD=_OUT[kind[1]], ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False,
+                     **constexprs)
 
 
 def _launch_8bit(kernel, moments, items, flag, tables, scalars, mode) -> None:
@@ -214,7 +217,7 @@ def _launch_8bit(kernel, moments, items, flag, tables, scalars, mode) -> None:
     rows = [(position, [p, g, *(state[k] for k in moments), *(state[f"{k}_absmax"] for k in moments),
                         state.get("kahan_comp", p) if mode == "kahan" else p, state["step"]])
             for p, g, state, position in items]
-    launch(kernel, rows, tables, flag, (Q.tables(items[0][0].device), *scalars), mode, NB * 256, NB=NB)
+    launch(kernel, rows, tables, flag, (Q.tables(items[0][0].device), *scalars), mode, NB * 256, NUM_WARPS, NB=NB)
 
 
 def adamw8bit(items, flag, group: dict, mode: str, tables: dict) -> None:
