@@ -367,6 +367,9 @@ def test_the_guard_checks_on_the_device_for_bf16_weights(name, on_cpu, monkeypat
     from helpers import no_host_read
 
     monkeypatch.setattr(nonfinite, "_DEVICE_FLAG_ON_CPU", True)
+    # the scan probed here, not first inside no_host_read (its probe reads results: it would fail, and stay off for
+    # every later test of this process)
+    assert nonfinite._triton_scan([torch.zeros(1)]) is not None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
     opt = hfe.create_optimizer(model, name, lr=0.1, weight_decay=0.01, nonfinite="skip")
