@@ -10,9 +10,10 @@ the parameter's position), and bitsandbytes' per-index configs (32-bit embedding
 step sees. The update is elementwise, so it equals the ordinary step bit for bit (tests/test_release.py checks each
 backend). A tied weight has one ``AccumulateGrad`` node: its hook fires once per backward, after all uses.
 
-Buckets: completed gradients wait until ``bucket_bytes`` (4 MiB) of them are pending, or the backward ends, and are
-stepped in one call; so at most ``bucket_bytes`` plus one tensor of gradients are alive (``bucket_bytes=0``: one
-tensor at a time): a bucket pays a call's fixed cost (Python, dispatch) once for many small tensors. This package's C
+Buckets: completed gradients wait until ``bucket_bytes`` (4 MiB; on CUDA 1/32 of the gradients where more:
+:func:`default_bucket_bytes`) of them are pending, or the backward ends, and are stepped in one call; so at most
+``bucket_bytes`` plus one tensor of gradients are alive (``bucket_bytes=0``: one tensor at a time): a bucket pays a
+call's fixed cost (Python, dispatch, launches) once for many tensors. This package's C
 kernels run on torch's own OpenMP threads (the libgomp torch loaded), so a call between backward's ops wakes no second
 thread pool; MiniLM's step times with either setting: docs/results/memory_release.md.
 
@@ -96,7 +97,7 @@ from .info import unwrap
 from .param_groups import named_params
 
 __all__ = ["attach", "detach", "is_attached", "release_info", "ReleaseInfo", "check_trainer_args",
-           "check_accelerate", "BUCKET_BYTES"]
+           "check_accelerate", "BUCKET_BYTES", "default_bucket_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +142,22 @@ def _raw_step(cls: type):
 
 
 BUCKET_BYTES = 4 << 20
+MAX_BUCKETS = 32  # on CUDA: a backward's buckets at most, by default (each bucket is a step call)
 
 
-def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
+def default_bucket_bytes(params) -> int:
+    """The bucket size when the caller names none: :data:`BUCKET_BYTES` on CPU; on CUDA the larger of that and
+    1/:data:`MAX_BUCKETS` of the gradients' bytes. Each bucket is a step call whose host cost (Python, launches)
+    grows with the optimizer's parameters, not the bucket's; a 1B model of 8 MiB matrices would otherwise step one
+    tensor per call (~150 calls per backward), and the host, not the GPU, would set the pace. At most 1/32 of the
+    gradients is then alive at once (~3% of what release frees)."""
+    params = [p for p in params if p.requires_grad]
+    if not any(p.device.type == "cuda" for p in params):
+        return BUCKET_BYTES
+    return max(BUCKET_BYTES, sum(p.numel() * p.element_size() for p in params) // MAX_BUCKETS)
+
+
+def attach(optimizer, *, bucket_bytes: int | None = None) -> None:
     """Step every parameter of ``optimizer`` inside backward and free its gradient (see the module docstring).
 
     Calling it again on an attached optimizer adds hooks for parameters that require a gradient since (unfrozen).
@@ -152,7 +166,9 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         optimizer: made by :func:`hf_efficient.create_optimizer` (or Accelerate's wrapper of one).
         bucket_bytes: completed gradients wait until this many bytes are pending (or the backward ends), then are
             stepped in one call: a few large kernel calls instead of one per tensor (see the module docstring).
-            0: each tensor alone, one gradient alive at a time.
+            0: each tensor alone, one gradient alive at a time. None: :func:`default_bucket_bytes` (4 MiB on CPU;
+            on CUDA 1/32 of the gradients' bytes where that is more), decided at each backward's start (where the
+            parameters are then: Accelerate's ``prepare`` moves them after the optimizer is made).
 
     Raises:
         TypeError: another optimizer. RuntimeError: a parameter already holds a gradient, more than one process,
@@ -170,9 +186,10 @@ def attach(optimizer, *, bucket_bytes: int = BUCKET_BYTES) -> None:
         raise RuntimeError(f"gradient release: parameters {holding[:3]} already hold gradients; released, they would "
                            "be stepped at the next backward together with its gradients. Call "
                            "optimizer.zero_grad(set_to_none=True) before attach")
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
+                                     or bucket_bytes < 0):
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: expected an int >= 0 (bytes of gradients stepped together; "
-                         "0 steps each tensor alone)")
+                         "0 steps each tensor alone; None: the default)")
     rel = _ATTACHED.get(opt)
     if rel is None:
         rel = _ATTACHED[opt] = _Release(opt, bucket_bytes)
@@ -241,9 +258,10 @@ def _attached_class(cls: type) -> type:
 class _Release:
     """The hooks of one optimizer, and the per-backward bookkeeping (a window per autograd graph task)."""
 
-    def __init__(self, opt, bucket_bytes: int):
+    def __init__(self, opt, bucket_bytes: int | None):
         self.ref = weakref.ref(opt)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = bucket_bytes  # None: default_bucket_bytes, decided per backward (self.limit)
+        self.limit = BUCKET_BYTES
         self.pending: list[torch.Tensor] = []  # completed gradients waiting for the bucket to fill
         self.pending_bytes = 0
         self.backend = guard.backend_class(opt)
@@ -300,6 +318,8 @@ class _Release:
             self._drop(p)
             raise
         self._fold(opt, wait=False)
+        self.limit = self.bucket_bytes if self.bucket_bytes is not None else default_bucket_bytes(
+            p for g in opt.param_groups for p in g["params"])
         nested, roots = _backward_context()
         if nested:
             self._drop(p)
@@ -382,7 +402,7 @@ class _Release:
     def _add(self, opt, p: torch.Tensor) -> None:
         self.pending.append(p)
         self.pending_bytes += p.grad.numel() * p.grad.element_size()
-        if self.pending_bytes >= self.bucket_bytes:
+        if self.pending_bytes >= self.limit:
             self._flush(opt)
 
     # -- per step() and zero_grad() ----------------------------------------------------------------------------

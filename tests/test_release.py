@@ -121,6 +121,32 @@ def test_buckets_bound_the_gradients_alive():
         release.attach(opt, bucket_bytes=-1)
 
 
+def test_the_default_bucket_is_4_mib_on_cpu_and_a_32nd_of_the_gradients_on_cuda(monkeypatch):
+    """default_bucket_bytes: 4 MiB on CPU; on CUDA 1/32 of the gradients' bytes where that is more (a 1B bf16 model:
+    ~78 MiB, ~32 step calls per backward instead of one per 8 MiB matrix), frozen parameters not counted. Decided at
+    each backward's start, from where the parameters are then (Accelerate moves them after the optimizer is made)."""
+    def params(device, *numels, frozen=()):
+        return [types.SimpleNamespace(device=torch.device(device), requires_grad=i not in frozen, numel=lambda n=n: n,
+                                      element_size=lambda: 2) for i, n in enumerate(numels)]
+
+    assert release.default_bucket_bytes(params("cpu", 10**9)) == release.BUCKET_BYTES
+    assert release.default_bucket_bytes(params("cuda", 1000)) == release.BUCKET_BYTES
+    assert release.default_bucket_bytes(params("cuda", 10**9, 10**9, frozen={1})) == 2 * 10**9 // 32
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-3)
+    release.attach(opt)  # the default: decided per backward
+    calls = []
+    monkeypatch.setattr(release, "default_bucket_bytes", lambda ps: calls.append(len(list(ps))) or 0)
+    steps = []
+    real = release._Release._flush
+    monkeypatch.setattr(release._Release, "_flush", lambda self, opt: (
+        self.pending and steps.append((len(self.pending), self.limit))) or real(self, opt))
+    for _ in range(2):
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    assert calls == [4, 4] and steps == [(1, 0)] * 8  # a bucket of 0 bytes: each tensor stepped alone
+
+
 def test_detach_restores_the_ordinary_step():
     model = tiny_gpt2()
     opt = hfe.create_optimizer(model, "adamw", lr=1e-2)
