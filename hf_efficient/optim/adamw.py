@@ -286,23 +286,14 @@ class AdamW(torch.optim.AdamW):
         """Whether the coming step sends every tensor with a gradient to the Triton kernel, which reads the guard's
         device-side flag (the guard's protocol, as ``Blockwise8bit.takes_found_inf``): then the guard leaves its check
         on the device and reads nothing. False before a tensor's first step (its state is made in step())."""
-        any_grad = False
-        for group in self.param_groups:
-            items = [(p, self.state.get(p)) for p in group["params"] if p.grad is not None]
-            if not items:
-                continue
-            if group["amsgrad"] or group["maximize"] or torch.is_tensor(group["lr"]) or any(
-                    not st or _sharded.is_sharded(p) for p, st in items):
+        def takes(group, params, states):
+            if group["amsgrad"] or group["maximize"] or torch.is_tensor(group["lr"]):
                 return False
-            states = [st for _, st in items]
-            _, rest = _triton_split([p for p, _ in items], [p.grad for p, _ in items],
-                                    [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                                    [st.get("kahan_comp") for st in states], [st["step"] for st in states],
-                                    group["compensation"])
-            if rest:
-                return False
-            any_grad = True
-        return any_grad
+            return not _triton_split(params, [p.grad for p in params], [st["exp_avg"] for st in states],
+                                     [st["exp_avg_sq"] for st in states], [st.get("kahan_comp") for st in states],
+                                     [st["step"] for st in states], group["compensation"])[1]
+
+        return _triton.takes_flag_for_all(self, takes)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -653,23 +653,16 @@ class AdamWBF16(Optimizer):
         device-side flag (the guard's protocol, as ``Blockwise8bit.takes_found_inf``): then the guard leaves its check
         on the device and reads nothing. False before a tensor's first step (its state is made in step()), and where
         a tensor takes a host path (fp32 weights, shards, ``foreach`` / ``compile`` set)."""
-        any_grad = False
-        for group in self.param_groups:
-            items = [(p, self.state.get(p)) for p in group["params"] if p.grad is not None]
-            if not items:
-                continue
+        def takes(group, params, states):
             if group["foreach"] is not None or group["compile"] is not None or any(
-                    not st or _sharded.is_sharded(p) or p.dtype not in _LOW_PRECISION for p, st in items):
+                    p.dtype not in _LOW_PRECISION for p in params):
                 return False
-            states = [st for _, st in items]
-            _, rest = _triton_split(list(range(len(items))), [p for p, _ in items], [p.grad for p, _ in items],
-                                    [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                                    [st.get("kahan_comp") for st in states], [st["step"] for st in states],
-                                    group["compensation"])
-            if rest:
-                return False
-            any_grad = True
-        return any_grad
+            return not _triton_split(list(range(len(params))), params, [p.grad for p in params],
+                                     [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                                     [st.get("kahan_comp") for st in states], [st["step"] for st in states],
+                                     group["compensation"])[1]
+
+        return _triton.takes_flag_for_all(self, takes)
 
     @torch.no_grad()
     def step(self, closure=None):
