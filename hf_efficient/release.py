@@ -319,7 +319,7 @@ class _Release:
             raise
         self._fold(opt, wait=False)
         self.limit = self.bucket_bytes if self.bucket_bytes is not None else default_bucket_bytes(
-            p for g in opt.param_groups for p in g["params"])
+            q for g in opt.param_groups for q in g["params"])
         nested, roots = _backward_context()
         if nested:
             self._drop(p)
