@@ -93,8 +93,9 @@ def signature_8bit(kernel: str) -> dict:
     if kernel == "lion_kernel":
         scalars = "b1 omb1 b2 omb2 decay lr"
     elif kernel == "adamw8bit_kernel":
+        head["coef"] = "*fp32"
         head["maps"] = "*fp32"
-        scalars = "omb1 omb2 eps decay lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo"
+        scalars = "omb1 omb2 eps decay beta1 beta2"
     else:
         head["maps"] = "*fp32"
         scalars = "b1 omb1 b2 omb2 decay lr"
