@@ -457,7 +457,7 @@ def test_the_encoders_lookups_stay_within_one_line_each():
 # Instructions per element (scripts/triton_sass.py's measure) of two variants, ~5% over what they compile to
 # now: AdamW's both encoders and fp32 weights, Lion's bf16 weights under the default compensation. Raise a bound only
 # with a reason (a kernel that computes more); lower it when a change cuts instructions.
-SASS_BOUNDS = {("adamw8bit_kernel", "float32", "none"): 140, ("lion8bit_kernel", "bfloat16", "stochastic"): 85}
+SASS_BOUNDS = {("adamw8bit_kernel", "float32", "none"): 140, ("lion8bit_kernel", "bfloat16", "stochastic"): 82}
 
 
 def test_the_8bit_kernels_instructions_per_element_stay_within_bounds():
