@@ -13,9 +13,9 @@ family's eager ``_kernel``, and writes the codes, absmaxes and weight (bf16/fp16
 :func:`._triton_lib.compensated`). The codec is :mod:`.quant8_triton`'s, so the codes are the eager kernel's exactly.
 Conventions (the void flag, device step counts the kernels compute bias corrections and noise keys from) are
 :mod:`._triton`'s; AdamW's bias corrections are computed once per tensor and step by :func:`adam_scalars_kernel`
-(a launch of one program per tensor before the step's), not in every program. Bytes per parameter: the weight read and written, the gradient read, each moment's code read and
-written, ~4 / 256 of absmax each way (and the Kahan buffer's 2 + 2): fp32 weights 16 (AdamW) / 14 (Lion), bf16
-weights 10 / 8 plus 4 under Kahan.
+(a launch of one program per tensor before the step's), not in every program. Bytes per parameter: the weight read
+and written, the gradient read, each moment's code read and written, ~4 / 256 of absmax each way (and the Kahan
+buffer's 2 + 2): fp32 weights 16 (AdamW) / 14 (Lion), bf16 weights 10 / 8 plus 4 under Kahan.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ _TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126, fp32's smallest normal 
 # 32 words) are one line of each sign, and the pairs one line: a warp's lookups touch one or two lines, not several.
 _WORDS = {True: 544, False: 1056}
 _PAIRS = {True: 1568 // 2, False: 1600 // 2}
-_SIZE = 1618
+_SIZE = 2 * _PAIRS[False] + 18  # floats, through the last pair table (9 int64)
 _W_SIGNED, _W_UNSIGNED = tl.constexpr(_WORDS[True]), tl.constexpr(_WORDS[False])
 _P_SIGNED, _P_UNSIGNED = tl.constexpr(_PAIRS[True]), tl.constexpr(_PAIRS[False])
 _NONE = 1 << 23  # a threshold mantissa no value reaches: no threshold in this binade
