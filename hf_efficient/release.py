@@ -77,7 +77,9 @@ Decided, and refused or checked where it cannot hold (never silent):
 - A backward refused at its first hook drops the gradients it produced, so neither ``step()`` nor the next backward
   applies them.
 - A parameter that did not require a gradient when ``attach`` ran has no hook: if it gets one later, the next backward
-  refuses to start (call ``attach`` again after unfreezing it). Gradients present at ``attach`` are refused.
+  refuses to start and drops what it produced (call ``attach`` again after unfreezing it; it works at once). Gradients
+  present at ``attach`` are refused; a gradient present at a backward's start (set by hand, left by a backward that
+  raised) refuses that backward, which drops its own gradients and leaves that one for ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -318,8 +320,9 @@ class _Release:
             self._drop(p)
             raise
         self._fold(opt, wait=False)
+        named = named_params(opt.param_groups)
         self.limit = self.bucket_bytes if self.bucket_bytes is not None else default_bucket_bytes(
-            q for g in opt.param_groups for q in g["params"])
+            q for _, q in named)
         nested, roots = _backward_context()
         if nested:
             self._drop(p)
@@ -347,25 +350,30 @@ class _Release:
                     "overflowing steps; nothing was stepped. Train in bf16 (torch.autocast(dtype=torch.bfloat16), "
                     "no scaler) or fp32, " + _OFF)
             self.check_scaler = False  # scanned once (it reads every object gc tracks); a loop starts with its scaler
-        for name, q in named_params(opt.param_groups):
-            if q is not p and q.grad is not None:
-                raise RuntimeError(
-                    f"gradient release: parameter {name!r} holds a gradient from before this backward (set by hand, or "
-                    "left by an earlier backward that raised); the per-tensor steps would apply it with this "
-                    "backward's. Call optimizer.zero_grad(set_to_none=True) before backward")
-            if q.requires_grad and id(q) not in self.handles:
-                raise RuntimeError(f"gradient release: parameter {name!r} requires a gradient but has no release hook "
-                                   "(it was frozen when attach ran). Call hf_efficient.release.attach(optimizer) "
-                                   "again after unfreezing parameters")
+        unhooked = [(name, q) for name, q in named if q.requires_grad and id(q) not in self.handles]
+        if unhooked:  # their gradients, if any, come from this backward (no hook to step them): dropped with p's
+            self._drop(p, *(q for _, q in unhooked))
+            raise RuntimeError(f"gradient release: parameter {unhooked[0][0]!r} requires a gradient but has no "
+                               "release hook (it was frozen when attach ran); nothing of this backward was stepped or "
+                               "kept. Call hf_efficient.release.attach(optimizer) again after unfreezing parameters, "
+                               "then run the backward again")
+        stale = [name for name, q in named if q is not p and q.grad is not None]
+        if stale:
+            self._drop(p)
+            raise RuntimeError(
+                f"gradient release: parameter {stale[0]!r} holds a gradient from before this backward (set by hand, or "
+                "left by an earlier backward that raised); the per-tensor steps would apply it with this backward's, "
+                "so nothing of this backward was stepped or kept. Call optimizer.zero_grad(set_to_none=True) before "
+                "backward")
         self.task, self.stepped, self.skipped = torch._C._current_graph_task_id(), 0, []
         self.pending, self.pending_bytes = [], 0  # left by a backward that raised: zero_grad() cleared them
         task = self.task
         Variable._execution_engine.queue_callback(lambda: self._close(task))
 
-    def _drop(self, p) -> None:
-        """A refused backward leaves nothing: its gradients so far (``p``'s, the window's pending ones) are dropped,
-        so that neither step() nor the next backward applies them."""
-        for q in [p, *self.pending]:
+    def _drop(self, *params) -> None:
+        """A refused backward leaves nothing: its gradients so far (``params``', the window's pending ones) are
+        dropped, so that neither step() nor the next backward applies them."""
+        for q in [*params, *self.pending]:
             q.grad = None
         self.pending, self.pending_bytes = [], 0
 
