@@ -68,7 +68,12 @@ Decided, and refused or checked where it cannot hold (never silent):
   gradients: refused by the checks, and in a hand-written loop at the first hook of a backward whose loss is a product
   while an enabled GradScaler is alive (before anything is stepped). bf16 autocast and bf16 weights need no scaler.
 - Distributed (DDP, FSDP, DeepSpeed): the hooks would see local gradients before their reduction: refused by the
-  checks, and by :func:`attach` when a process group of more than one process is up or a parameter is a DTensor.
+  checks, by :func:`attach` and at each backward's first hook when a process group of more than one process is up or a
+  parameter is a DTensor. DistributedDataParallel in any number of processes (one too: ``torchrun --nproc-per-node
+  1``): its reducer writes the reduced gradients back when backward ends, after the hooks stepped and freed them, so
+  ``step()`` would step them again: refused at the first backward after :func:`attach` that finds a process group up
+  (before anything is stepped); a gradient written back later anyway (a DDP made after that) is refused at ``step()``,
+  which then drops it and steps nothing.
 - Reentrant activation checkpointing (``use_reentrant=True``) runs one nested backward per segment, each adding to a
   weight's gradient once per segment that uses it: no hook can tell when a gradient is complete. Refused by the
   Trainer check, on each transformers version's default (4.x: reentrant; 5.x: not), and in any loop at the first hook
@@ -198,6 +203,7 @@ def attach(optimizer, *, bucket_bytes: int | None = None) -> None:
         opt.__class__ = _attached_class(type(opt))
         nonfinite.defer_scans(opt, True)  # each tensor is checked here, in the release's hook
     rel.bucket_bytes = bucket_bytes
+    rel.check_ddp = True
     rel.hook(named)
 
 
@@ -226,6 +232,28 @@ def _refuse_distributed(named) -> None:
                            f"{dist.get_world_size()}, where each hook would step a local gradient before DDP / "
                            "DeepSpeed reduce it, and the replicas would diverge. Launch one process, "
                            + _OFF)
+
+
+def _group_up() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _refuse_ddp(named) -> None:
+    """Refuse a live DistributedDataParallel over these parameters, whatever its number of processes: its reducer
+    writes the reduced gradients back when backward ends, after the hooks stepped and freed them (step() would step
+    them again), and with more than one process the hooks would step local gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for _, p in named}
+    for ddp in _live(DistributedDataParallel):
+        if any(id(q) in ids for q in ddp.module.parameters()):
+            raise RuntimeError(
+                "gradient release cannot run under DistributedDataParallel (here over a process group of "
+                f"{ddp.process_group.size()}): DDP reduces the gradients in its own hooks and writes them back when "
+                "backward ends, after release stepped and freed them, so step() would step every tensor again; "
+                "nothing of this backward was stepped. Train the unwrapped model (one process needs no DDP), " + _OFF)
 
 
 class _Attached:
@@ -281,6 +309,8 @@ class _Release:
         self.backward_done = False  # a backward completed since the last step(): a second one is refused
         self.warned_zero = False
         self.check_scaler = True  # until a backward whose loss is a product found no GradScaler (see _open)
+        self.check_ddp = True  # until a backward with a process group up found no DistributedDataParallel (_open)
+        self.released: set[int] = set()  # ids stepped inside backward since the last step() (see _on_step)
         # The buckets' checks on the device (see "inf/NaN on CUDA" in the module docstring): per bucket checked there
         # (kernel flag, per-gradient flags, names, tensors), the sticky flag under "raise", the scan's pointer tables
         # per bucket (kept between steps: a bucket is the same tensors each step), and the counts left for a read.
@@ -321,6 +351,14 @@ class _Release:
             raise
         self._fold(opt, wait=False)
         named = named_params(opt.param_groups)
+        try:
+            _refuse_distributed(named)  # a process group started since attach
+            if self.check_ddp and _group_up():
+                self.check_ddp = False  # one pass over gc's objects; a DDP made later is caught at step()
+                _refuse_ddp(named)
+        except RuntimeError:
+            self._drop(p)
+            raise
         self.limit = self.bucket_bytes if self.bucket_bytes is not None else default_bucket_bytes(
             q for _, q in named)
         nested, roots = _backward_context()
@@ -432,11 +470,24 @@ class _Release:
         weight decay, step count move): step those with zeros, a bucket at a time, so release equals it."""
         self.backward_done = False
         self.pending, self.pending_bytes = [], 0  # left by a backward that raised; their gradients stay in .grad
-        for _, q in named_params(opt.param_groups):
+        named = named_params(opt.param_groups)
+        again = [(name, q) for name, q in named if id(q) in self.released and q.grad is not None]
+        self.released = set()
+        if again:  # written after the hooks stepped them: the step would apply them a second time
+            for _, q in again:
+                q.grad = None
+            raise RuntimeError(
+                f"gradient release: parameter(s) {[n for n, _ in again[:3]]} hold a gradient again after release "
+                "stepped them inside backward, written after its hooks (DistributedDataParallel writes its reduced "
+                "gradients back when backward ends, in any number of processes); step() would apply them a second "
+                "time, so they were dropped and nothing was stepped. Train without DDP: one process needs none, "
+                + _OFF)
+        for _, q in named:
             if id(q) in self.zeros and q.grad is None:
                 q.grad = torch.zeros_like(q)
                 self._add(opt, q)
         self._flush(opt)
+        self.released = set()  # stepped by this step(), as the ordinary step steps them
         self._leave_record(opt)
 
     def _flush(self, opt) -> None:
@@ -494,6 +545,7 @@ class _Release:
                     del opt.found_inf
         for q in self.pending:
             q.grad = None
+            self.released.add(id(q))
         self.stepped += len(self.pending)
         self.info.stepped_tensors += len(self.pending)
         self.pending, self.pending_bytes = [], 0
@@ -593,15 +645,20 @@ def _mul_root(roots) -> bool:
 
 
 def _enabled_scaler() -> bool:
-    """An enabled GradScaler (or subclass) whose scale() ran is alive. gc finds instances by the class they refer
-    to: one pass over the objects gc tracks, so :meth:`_Release._open` runs it once."""
-    classes, todo = set(), [torch.amp.GradScaler]
+    """An enabled GradScaler (or subclass) whose scale() ran is alive (:func:`_live`: :meth:`_Release._open` runs it
+    once)."""
+    return any(r.is_enabled() and getattr(r, "_scale", None) is not None for r in _live(torch.amp.GradScaler))
+
+
+def _live(base: type) -> list:
+    """The live instances of ``base`` and its subclasses. gc finds them by the class they refer to: one pass over the
+    objects gc tracks."""
+    classes, todo = set(), [base]
     while todo:
         cls = todo.pop()
         classes.add(cls)
         todo.extend(cls.__subclasses__())
-    return any(isinstance(r, torch.amp.GradScaler) and r.is_enabled() and getattr(r, "_scale", None) is not None
-               for r in gc.get_referrers(*classes))
+    return [r for r in gc.get_referrers(*classes) if isinstance(r, base)]
 
 
 def _remove_handles(handles: dict) -> None:
@@ -638,10 +695,16 @@ def check_trainer_args(args) -> None:
                         "the release already stepped scaled gradients. Use bf16=True (no scaler) " + _OFF)
     dist = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
     world = getattr(args, "world_size", 1)
+    mode = getattr(getattr(args, "parallel_mode", None), "value", "")
     if dist or world > 1:
         what = f"{' and '.join(dist)} set" if dist else f"world_size={world}"
         problems.append(f"{what}: each hook would step a local gradient before it is reduced across processes. "
                         "Train in one process " + _OFF)
+    elif mode == "distributed":  # torchrun with one process: the Trainer still wraps the model in DDP
+        problems.append("a distributed launch (parallel_mode=distributed, here of 1 process): the Trainer wraps the "
+                        "model in DistributedDataParallel, which writes the reduced gradients back after release "
+                        "stepped them, so each would be stepped twice. Launch with python, not torchrun / accelerate "
+                        "launch, " + _OFF)
     if _trainer_reentrant(args):
         problems.append("activation (gradient) checkpointing with use_reentrant=True (transformers < 5 and torch "
                         "default to it when gradient_checkpointing_kwargs does not say): each checkpointed segment "

@@ -359,6 +359,8 @@ def _args(tmp_path, **kw):
 
 
 def test_check_trainer_args_names_each_setting(tmp_path):
+    from transformers.training_args import ParallelMode
+
     with pytest.raises(ValueError) as e:
         release.check_trainer_args(_args(tmp_path, gradient_accumulation_steps=4))  # and max_grad_norm=1.0
     msg = str(e.value)
@@ -367,6 +369,7 @@ def test_check_trainer_args_names_each_setting(tmp_path):
     release.check_trainer_args(_args(tmp_path, max_grad_norm=0.0))  # what works
     for kw, words in [({"fp16": True}, "GradScaler"), ({"deepspeed": "ds.json"}, "deepspeed set"),
                       ({"fsdp": "full_shard"}, "fsdp set"), ({"world_size": 2}, "world_size=2"),
+                      ({"parallel_mode": ParallelMode.DISTRIBUTED}, r"parallel_mode=distributed, here of 1.*twice"),
                       ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
                        "use_reentrant")]:
         args = types.SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=0.0, **kw)
