@@ -488,7 +488,7 @@ class _Release:
                 self._add(opt, q)
         self._flush(opt)
         self.released = set()  # stepped by this step(), as the ordinary step steps them
-        self._leave_record(opt)
+        self._leave_record(opt, counted=True)
 
     def _flush(self, opt) -> None:
         """Step the pending parameters (the only ones holding gradients) in one call of the backend's step, after
@@ -550,10 +550,12 @@ class _Release:
         self.info.stepped_tensors += len(self.pending)
         self.pending, self.pending_bytes = [], 0
 
-    def _leave_record(self, opt) -> None:
+    def _leave_record(self, opt, counted: bool = False) -> None:
         """What this backward's device checks found, for the host to read later (queued copies, nothing read now):
         under "raise" the guard's record (:func:`.guard.void_later`: the next backward's first hook, ``step()``,
-        ``state_dict()`` or ``raise_if_voided`` raises); under "skip" the counts :meth:`_fold` reads."""
+        ``state_dict()`` or ``raise_if_voided`` raises), and where ``counted`` (left by the ``step()`` the guard is
+        about to count) that step is taken back when the flag is read, as the guard's own device check takes back
+        the step it voids; under "skip" the counts :meth:`_fold` reads."""
         checks, void, self.checks, self.void = self.checks, self.void, [], None
         if not checks:
             return
@@ -564,6 +566,8 @@ class _Release:
             guard.void_later(opt, void, flags, names, "under gradient release, the buckets stepped before the one "
                              "holding it were applied; that bucket and every later one of that backward were not "
                              "(nothing updated by them, step counts included)")
+            if counted:
+                info.count_voids(void)
             return
         found = torch.cat([torch.stack([c[0].reshape(()).float() for c in checks]), flags])
         cuda = found.device.type == "cuda"
