@@ -40,11 +40,14 @@ def _with_cls(load: Callable[[], type]):
 
 
 def fused_adamw_supported(device: torch.device, params: Iterable[torch.Tensor]) -> bool:
-    """torch ships a fused AdamW kernel for this device type and these dtypes."""
+    """torch ships a fused AdamW kernel for this device type and these dtypes, and it steps these weights right (a
+    slice of a larger tensor it would not: :func:`.optim.adamw.fused_takes`)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+    from .optim.adamw import fused_takes
+
     return device.type in _get_fused_kernels_supported_devices() and all(
-        p.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) for p in params)
+        p.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) and fused_takes(p) for p in params)
 
 
 def _compensated_adamw_cls():

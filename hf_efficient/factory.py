@@ -38,7 +38,8 @@ def create_optimizer(model: nn.Module | Iterable, name: str, *, lr: float = 1e-3
             param groups (used as given).
         name: short (``"adam8bit"``) or Trainer (``"hf_eff_adam8bit"``) name.
         lr, weight_decay, betas, eps: the usual AdamW hyperparameters (Adafactor ignores betas and eps).
-        backend: force ``"bnb"``, ``"torchao"`` or ``"torch"`` instead of the registry's choice.
+        backend: force ``"bnb"``, ``"torchao"`` or ``"torch"`` instead of the registry's choice (``"auto"`` or
+            None: the registry's choice).
         **options: the same keys ``optim_args`` accepts (``decay_embeddings``, ``embedding_state``, ...).
 
     Example:

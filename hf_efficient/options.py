@@ -31,12 +31,14 @@ class Option:
     optional: bool = False  # None is a valid value
     check: Callable[[Any], bool] | None = None
     check_text: str = ""
+    none_words: tuple[str, ...] = ("none",)  # text that means None, where None is valid
+    help_none: str = "unset"  # what None means, in messages
 
     def coerce(self, value: Any, source: str) -> Any:
         """Convert ``value`` (text from optim_args, or a Python value) to this option's type, or raise."""
         where = f"{source}: option {self.name!r}"
         # "none" is None only where None is allowed; elsewhere it may be a choice (compensation=none)
-        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() == "none"):
+        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() in self.none_words):
             if self.optional:
                 return None
             raise ValueError(f"{where} cannot be None")
@@ -61,7 +63,8 @@ class Option:
         else:
             out = str(value).strip()
         if self.choices and out not in self.choices:
-            raise ValueError(f"{where} must be one of {list(self.choices)}, got {value!r}")
+            nothing = f" (or {' / '.join(map(repr, self.none_words))}: {self.help_none})" if self.optional else ""
+            raise ValueError(f"{where} must be one of {list(self.choices)}{nothing}, got {value!r}")
         if self.check is not None and not self.check(out):
             raise ValueError(f"{where} {self.check_text}, got {value!r}")
         return out
@@ -74,7 +77,9 @@ def _positive(x) -> bool:
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in [
-        Option("backend", str, None, "force a backend instead of the registry's choice", ("bnb", "torchao", "torch"), optional=True),
+        # "auto" as the accelerate plugin always took it, so that every entry point gives one verdict
+        Option("backend", str, None, "force a backend instead of the registry's choice", ("bnb", "torchao", "torch"),
+               optional=True, none_words=("none", "auto"), help_none="the registry's choice"),
         Option("decay_embeddings", bool, True, "apply weight decay to embedding matrices (transformers does)"),
         Option("nonfinite", str, "raise", "what a step does with an inf/NaN gradient", ("raise", "skip", "ignore")),
         Option("embedding_state", str, "32bit", "state precision of embedding matrices under 8-bit", ("32bit", "8bit")),

@@ -198,6 +198,27 @@ def test_raise_voids_from_the_bad_bucket_on_and_raises_at_the_next_read(device_p
     assert _changed(after, _snapshot(model, opt)) == {n for n, _ in model.named_parameters()}
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 0, release.BUCKET_BYTES])
+def test_raise_takes_the_voided_step_back_as_without_release(device_path, bucket_bytes):
+    """A step voided under "raise" is not counted once the flag is read, with release (None: without), as on CPU where
+    the backward raises and step() is refused (issue 30: under release it stayed counted); the next one is."""
+    model = _model(bad=True)
+    opt = _opt(model, "adam8bit", "raise", bucket_bytes)
+    x, y = _batches(2)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(FloatingPointError, match=r"'1\.weight' at step 1"):  # at backward (release) or step()
+        model(y).sum().backward()
+        opt.step()
+    assert opt.hf_efficient.steps == 0
+    opt.zero_grad()
+    model[1].weight._backward_hooks.clear()
+    model(y).sum().backward()
+    opt.step()
+    assert opt.hf_efficient.steps == 1
+
+
 def test_raise_is_read_by_state_dict_too(device_path, monkeypatch):
     model = _model(bad=True)
     opt = _opt(model, "adam8bit", "raise", 0)

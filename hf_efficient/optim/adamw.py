@@ -35,7 +35,7 @@ from . import _dispatch, _sharded, _triton
 from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
                            weight_key)
 
-__all__ = ["AdamW", "adamw_fp32_state"]
+__all__ = ["AdamW", "adamw_fp32_state", "fused_takes"]
 
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
@@ -104,14 +104,48 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     """:func:`adamw_fp32_state` with torch's kernels: fp32 weights in place, the others through fp32 copies."""
     def step(idx, ps):
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        gs = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
+        # torch's fused kernel walks each tensor's memory flat (aten's FusedAdamKernel.cpp checks nothing on CPU;
+        # CUDA's refuses differing strides): the weight's fp32 copy is row-major, so everything it meets must be too,
+        # else a transposed or channels_last weight's elements meet other elements' gradients and moments
+        gs = [grads[i].float().contiguous() for i in idx]
+        ms, vs, maxs = pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs) if amsgrad else []
+        ps = list(ps)
+        back = _row_major(ps, ms, vs, maxs)
         # torch's fused kernel: on CPU, and on CUDA where the steps live on the device (CUDA's wants them there)
         fused = all(p.device.type == "cpu" or steps[i].device == p.device for i, p in zip(idx, ps))
-        _torch_adamw(ps, gs, pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs) if amsgrad else [],
-                     pick(steps), foreach=None if fused else False, fused=fused, amsgrad=amsgrad, beta1=beta1,
-                     beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
+        _torch_adamw(ps, gs, ms, vs, maxs, pick(steps), foreach=None if fused else False, fused=fused,
+                     amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                     maximize=maximize)
+        for t, copy in back:
+            t.copy_(copy)
 
     step_in_fp32(params, step, compensation, comps, keys, offsets)
+
+
+def fused_takes(p: Tensor, *others: Tensor) -> bool:
+    """Whether torch's fused AdamW kernel steps ``p`` right beside ``others`` (its gradient, moments): it walks each
+    tensor's memory flat (aten's FusedAdamKernel.cpp checks nothing on CPU), so ``p`` must fill its memory (not a
+    slice of a larger tensor) and the others share its strides, as torch.optim.AdamW's moments and autograd's
+    gradients do for such a weight."""
+    expected = 1
+    for stride, size in sorted((stride, size) for stride, size in zip(p.stride(), p.shape) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return all(t.stride() == p.stride() for t in others)
+
+
+def _row_major(*lists) -> list[tuple[Tensor, Tensor]]:
+    """Each tensor of ``lists`` that is not row-major replaced in its list by a row-major copy (an fp32 weight that
+    is a view, state loaded or made in the weight's strides: 8-bit AdamW's fp32 state); the (tensor, copy) pairs to
+    write back once stepped."""
+    back = []
+    for ts in lists:
+        for k, t in enumerate(ts):
+            if not t.is_contiguous():
+                ts[k] = t.contiguous()
+                back.append((t, ts[k]))
+    return back
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,17 +290,17 @@ class AdamW(torch.optim.AdamW):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=_step_device(p))
             keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-            for key in keys:
-                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            for key in keys:  # row-major whatever the weight's strides, as every kernel here steps them
+                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != _step_device(p):
             state["step"] = state["step"].to(_step_device(p))  # loaded, or saved by the other path: moved once
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
-            state["kahan_comp"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+            state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, but moments stay fp32 (torch casts them to the parameter's dtype) and Kahan buffers bf16;
-        a buffer no tensor uses any more is dropped (:func:`.compensation.drop_unused_buffers`)."""
+        """As torch's, but moments stay fp32 (torch casts them to the parameter's dtype) and Kahan buffers bf16, both
+        row-major; a buffer no tensor uses any more is dropped (:func:`.compensation.drop_unused_buffers`)."""
         check_saved(self, state_dict, "AdamW")
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -276,8 +310,8 @@ class AdamW(torch.optim.AdamW):
             saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
             for key, value in saved.items():
                 if key != "step" and key in state and torch.is_tensor(value):
-                    state[key] = value.to(device=p.device,
-                                          dtype=torch.bfloat16 if key == "kahan_comp" else torch.float32)
+                    state[key] = value.to(device=p.device, dtype=torch.bfloat16 if key == "kahan_comp"
+                                          else torch.float32).contiguous()  # row-major, as _init_state makes it
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].to(torch.float32)
         drop_unused_buffers(self, "AdamW")

@@ -61,7 +61,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from ..families import ADAMW_BF16
 from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native, _sharded, _triton
-from .adamw import note_missing_triton, triton_may_apply
+from .adamw import fused_takes, note_missing_triton, triton_may_apply
 from .compensation import (COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
                            noise_key, round_stochastic, write, drop_unused_buffers, element_index)
 
@@ -448,7 +448,8 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
                                weight_decay=weight_decay, compensation=compensation)
     if high:  # torch's own AdamW, mapped path for path: compiled -> fused on CPU, foreach, single tensor
         on_cpu = params[high[0]].device.type == "cpu"
-        fused = foreach is None and compile is not False and on_cpu
+        fused = foreach is None and compile is not False and on_cpu and all(
+            fused_takes(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in high)
         pick = lambda xs: [xs[i] for i in high]  # noqa: E731
         _torch_adamw(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), [], pick(state_steps),
                      foreach=None if fused else foreach is not False, fused=fused, amsgrad=False,
