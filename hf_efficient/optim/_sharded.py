@@ -25,8 +25,9 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "is_sharded", "check", "local", "global_shape", "global_numel", "global_offset", "zeros",
-           "like", "whole", "shard_like", "to_local_state", "sum_across"]
+__all__ = ["SUPPORTED", "is_sharded", "check", "sharded_by_rows", "local", "global_shape",
+           "global_numel", "global_offset", "zeros", "like", "whole", "shard_like", "to_local_state",
+           "sum_across"]
 
 SUPPORTED = "Shard(0) on a 1-D device mesh (torch's fully_shard)"
 
@@ -57,6 +58,15 @@ def check(p, owner: str, name: str = "a parameter") -> None:
         raise ValueError(f"{owner}: the gradient of {name} is {where}, its parameter {list(placements)}: FSDP2 "
                          "gives a gradient placed like its parameter; one set otherwise cannot be stepped shard by "
                          "shard")
+
+
+def sharded_by_rows(t) -> bool:
+    """Whether ``t`` is a DTensor sharded along dim 0 (each rank a range of its rows)."""
+    if not is_sharded(t):
+        return False
+    from torch.distributed.tensor import Shard
+
+    return all(pl == Shard(0) for pl in t.placements)
 
 
 def local(t):
