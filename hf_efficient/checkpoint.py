@@ -231,17 +231,11 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
 
 
 def _check_sharding(family: Family, value: torch.Tensor, key: str, p: torch.Tensor, where: str) -> None:
-    """A sharded parameter (FSDP2's DTensor) takes DTensor state, a plain one plain state: the other kind would be
-    stepped as the wrong tensor (a whole state beside a shard, or a shard beside the whole weight)."""
-    if _sharded.is_sharded(value) == _sharded.is_sharded(p):
-        return
-    if _sharded.is_sharded(p) and family.state[key].format == "absmax":
-        return  # whole: DCP's full-state loader leaves plain what its template lacks; the load places it (by rows)
-    if _sharded.is_sharded(p):
-        raise ValueError(f"{where} has {key} as a plain tensor, but the parameter is sharded (FSDP2): load a whole "
-                         "(single-file) optimizer state into a sharded model with torch.distributed.checkpoint's "
-                         "set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions("
-                         "full_state_dict=True)), which shards it. Nothing was loaded")
+    """A plain parameter takes plain state: a DTensor (FSDP2 shards) would be stepped beside the whole weight. A
+    sharded one takes DTensor state, or whole plain tensors (a single-file state), which :func:`_place_whole`
+    shards."""
+    if _sharded.is_sharded(value) == _sharded.is_sharded(p) or _sharded.is_sharded(p):
+        return  # plain beside a sharded parameter: a whole state (its shape was checked), placed by the load
     raise ValueError(f"{where} has {key} as a DTensor (FSDP2 shards), but the parameter is a plain tensor: take a "
                      "whole optimizer state from the sharded run with torch.distributed.checkpoint's "
                      "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)). "
@@ -489,6 +483,22 @@ def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to
     return out
 
 
+def _place_whole(state: dict, family: Family, saved_ids: list, params: list) -> None:
+    """Whole (plain) state tensors of FSDP2 parameters, a single-file state loaded into shards, placed in place as the
+    family makes its own: sharded like the parameter's rows, except a matrix's column statistics (Adafactor's: sums
+    over every rank's rows), whole on every rank. Absmaxes are placed by the family's load, step counts stay plain."""
+    for pid, p in zip(saved_ids, params):
+        st = state.get(pid)
+        if not _sharded.is_sharded(p) or not isinstance(st, dict):
+            continue
+        for key, value in st.items():
+            fmt = family.state[key].format
+            if fmt in ("step", "absmax") or not torch.is_tensor(value) or _sharded.is_sharded(value):
+                continue
+            st[key] = (_sharded.replicate_like(p, value) if fmt == "col" and p.dim() == 2
+                       else _sharded.shard_like(p, value))
+
+
 def _describe(tag, libraries: set, src: Family) -> str:
     if tag is not None:
         return f"hf_eff_{tag.get('name')} ({src.name} state, backend {tag.get('backend')})"
@@ -631,6 +641,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
                                                         if pid in state})
     if src is spec.facts:  # another family's state was converted above, and said so
         _match_precision(state, optimizer, spec, backend, saved_ids)
+    _place_whole(state, spec.facts, saved_ids, params)
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))

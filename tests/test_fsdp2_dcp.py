@@ -1,12 +1,13 @@
-"""Sharded checkpoints (torch.distributed.checkpoint, DCP) under FSDP2 give the verdicts of single-file loads in one
-process (issue 30, items 10, 11, 14 and 15), on 2 gloo ranks.
+"""Sharded checkpoints (torch.distributed.checkpoint, DCP) and whole states loaded into FSDP2 shards give the verdicts
+of single-file loads in one process (issue 30, items 10, 11, 14 and 15), on 2 gloo ranks.
 
 DCP's ``dcp.load`` reads a checkpoint into the loading optimizer's own state dict (its keys and dtypes). Loaded that
 way, a state saved under other 8-bit settings is refused instead of its codes being cast into fp32 moments, a state
 of another family is refused by the tag the param groups carry, and the step counts survive. Loaded with
-``hf_efficient.checkpoint.LoadPlanner``, which reads what the checkpoint holds, the state converts to exactly what
-one process loads from the same state (the same tensors, bit for bit, and the same warning), or is refused with the
-same message.
+``hf_efficient.checkpoint.LoadPlanner``, which reads what the checkpoint holds, and a whole state loaded by the
+optimizer's own ``load_state_dict`` (which shards it; torch's full-state loader fails on group keys only the saved
+state has), the state converts to exactly what one process loads from the same state (the same tensors, bit for
+bit, and the same warning), or is refused with the same message.
 
 One launch of 2 ranks runs every case; the single-process loads it is compared with run in the test process.
 """
@@ -31,14 +32,14 @@ FP32 = dict(OPTS, min_8bit_size=10**6)  # every tensor fp32
 SAVES = {"adam8bit": ("adam8bit", EIGHT), "adam8bit_fp32": ("adam8bit", FP32), "adamw": ("adamw", OPTS),
          "lion8bit": ("lion8bit", EIGHT), "adafactor": ("adafactor", OPTS), "adamw_bf16": ("adamw_bf16", OPTS)}
 LOADS = {  # case: (loader, options, what it loads, the ways it is loaded: see load_one)
-    "8bit_into_fp32": ("adam8bit", FP32, "adam8bit", ("dcp", "planner",)),  # item 10: dequantized
-    "fp32_into_8bit": ("adam8bit", EIGHT, "adam8bit_fp32", ("planner",)),  # item 15: quantized
-    # item 15: another family of AdamW's math
-    "adamw_into_8bit": ("adam8bit", EIGHT, "adamw", ("planner",)),
-    "adam8bit_into_lion": ("lion8bit", EIGHT, "adam8bit", ("dcp", "planner",)),  # item 11: refused
-    "lion_into_adam8bit": ("adam8bit", EIGHT, "lion8bit", ("planner",)),  # refused
-    "adafactor_into_adamw": ("adamw", OPTS, "adafactor", ("planner",)),  # refused
-    "adafactor": ("adafactor", OPTS, "adafactor", ("planner",)),
+    "8bit_into_fp32": ("adam8bit", FP32, "adam8bit", ("dcp", "planner", "whole", "full")),  # item 10: dequantized
+    "fp32_into_8bit": ("adam8bit", EIGHT, "adam8bit_fp32", ("planner", "whole", "full")),  # item 15: quantized
+    # item 15: another family of AdamW's math (torch's full-state loader fails on AdamW's amsgrad: a torch KeyError)
+    "adamw_into_8bit": ("adam8bit", EIGHT, "adamw", ("planner", "whole")),
+    "adam8bit_into_lion": ("lion8bit", EIGHT, "adam8bit", ("dcp", "planner", "whole")),  # item 11: refused
+    "lion_into_adam8bit": ("adam8bit", EIGHT, "lion8bit", ("planner", "whole")),  # refused
+    "adafactor_into_adamw": ("adamw", OPTS, "adafactor", ("planner", "whole")),  # refused
+    "adafactor": ("adafactor", OPTS, "adafactor", ("planner", "whole", "full")),  # column statistics replicated
 }
 CONVERTED = ("8bit_into_fp32", "fp32_into_8bit", "adamw_into_8bit", "adafactor")
 REFUSED = ("adam8bit_into_lion", "lion_into_adam8bit", "adafactor_into_adamw")
@@ -131,36 +132,44 @@ def save_all(base: str) -> dict:
     return out
 
 
-def load_one(base: str, case: str, how: str) -> dict:
+def load_one(base: str, case: str, how: str, whole: dict) -> dict:
     """LOADS[case], ``how``: through dcp.load with DCP's own planner ("dcp") or the package's ("planner"), then
-    set_optimizer_state_dict. The error, or the warnings, the whole state loaded, and the counts after a step.
-    (Whether a refused DCP load left the state alone is not asked: dcp.load writes into the tensors of
+    set_optimizer_state_dict; the whole (single-file) state through the optimizer's own load_state_dict ("whole") or
+    torch's full-state loader ("full"). The error, or the warnings, the whole state loaded, and the weights and counts
+    after a step. (Whether a refused DCP load left the state alone is not asked: dcp.load writes into the tensors of
     the state dict it fills, which torch's optimizer state shares.)"""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
     name, options, source, _ = LOADS[case]
+    whole_sd = StateDictOptions(full_state_dict=True)
     model, optimizer = build(name, options, sharded=True)
     steps(model, optimizer, 5, 1)
     with Logged() as logged:
         try:
-            sd = {"optim": get_optimizer_state_dict(model, optimizer)}
-            dcp.load(sd, checkpoint_id=f"{base}/{source}",
-                     planner=hf_efficient.checkpoint.LoadPlanner() if how == "planner" else None)
-            set_optimizer_state_dict(model, optimizer, sd["optim"])
+            if how in ("dcp", "planner"):
+                sd = {"optim": get_optimizer_state_dict(model, optimizer)}
+                dcp.load(sd, checkpoint_id=f"{base}/{source}",
+                         planner=hf_efficient.checkpoint.LoadPlanner() if how == "planner" else None)
+                set_optimizer_state_dict(model, optimizer, sd["optim"])
+            elif how == "whole":
+                optimizer.load_state_dict(copy.deepcopy(whole))
+            else:
+                set_optimizer_state_dict(model, optimizer, copy.deepcopy(whole), options=whole_sd)
         except ValueError as e:
             return {"error": str(e)}
-    loaded = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    loaded = get_optimizer_state_dict(model, optimizer, options=whole_sd)
     loaded = by_name(loaded["state"], loaded["param_groups"])
     steps(model, optimizer, 6, 1)
-    return {"log": logged.text.getvalue(), "state": loaded, "counts": counts(optimizer)}
+    return {"log": logged.text.getvalue(), "state": loaded, "counts": counts(optimizer),
+            "params": {n: full(p) for n, p in model.named_parameters()}}
 
 
 def two_ranks(base: str) -> dict:
     out = {"saved": save_all(base)}
     for case, (*_, source, ways) in LOADS.items():
-        out[case] = {how: load_one(base, case, how) for how in ways}
+        out[case] = {how: load_one(base, case, how, out["saved"][source]["whole"]) for how in ways}
     return out
 
 
@@ -197,12 +206,12 @@ def test_step_counts_survive_sharded_and_whole_round_trips(ranks, key):
 
 @pytest.mark.parametrize("case", CONVERTED)
 def test_sharded_loads_convert_as_the_single_file_load_does(ranks, case):
-    """DCP through the package's planner: the tensors one process loads from the same state, bit for bit, with the
-    same warning."""
+    """DCP through the package's planner, and a whole state through the optimizer's own load_state_dict: the tensors
+    one process loads from the same state, bit for bit, with the same warning."""
     expected = single_file(ranks, case)
     assert ("converted" in expected["log"]) == (case != "adafactor"), expected["log"]
     for r in ranks:
-        for how in ("planner",):
+        for how in ("planner", "whole"):
             got = r[case][how]
             assert "error" not in got, (how, got["error"])
             assert got["log"] == expected["log"], how
@@ -212,6 +221,15 @@ def test_sharded_loads_convert_as_the_single_file_load_does(ranks, case):
                 for k, v in st.items():
                     assert torch.equal(got["state"][n][k], v), (how, n, k)
             assert got["counts"] == (3, 1), how  # the saved (2, 1), and the step after the load
+
+
+@pytest.mark.parametrize("case", [c for c in CONVERTED if "full" in LOADS[c][3]])
+def test_a_whole_state_loads_into_shards_as_torch_s_full_state_loader_loads_it(ranks, case):
+    for r in ranks:
+        got, full_loader = r[case]["whole"], r[case]["full"]
+        assert got["log"] == full_loader["log"]
+        for n, p in full_loader["params"].items():
+            assert torch.equal(got["params"][n], p), n
 
 
 def test_8bit_codes_read_into_fp32_state_are_refused_by_dcp_s_planner(ranks):

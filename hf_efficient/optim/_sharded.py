@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SUPPORTED", "is_sharded", "check", "sharded_by_rows", "local", "global_shape",
-           "global_numel", "global_offset", "zeros", "like", "whole", "shard_like", "to_local_state",
+           "global_numel", "global_offset", "zeros", "like", "whole", "shard_like", "replicate_like", "to_local_state",
            "sum_across"]
 
 SUPPORTED = "Shard(0) on a 1-D device mesh (torch's fully_shard)"
@@ -139,6 +139,17 @@ def shard_like(p, t: Tensor):
     rows = t[offset[0]:offset[0] + local_shape[0]].to(local(p).device).contiguous().clone()
     return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=t.shape,
                               stride=_contiguous_strides(t.shape))
+
+
+def replicate_like(p, t: Tensor):
+    """``t``, a whole tensor, as a DTensor on ``p``'s mesh, whole on every rank (a copy); ``t`` itself where ``p`` is
+    plain. What a whole statistic every shard needs (a matrix's column statistics) is put back as."""
+    if not is_sharded(p):
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(t.to(local(p).device).contiguous().clone(), p.device_mesh, (Replicate(),),
+                              run_check=False, shape=t.shape, stride=_contiguous_strides(t.shape))
 
 
 def to_local_state(state: dict) -> dict:
