@@ -1,5 +1,5 @@
 """Sharded checkpoints (torch.distributed.checkpoint, DCP) and whole states loaded into FSDP2 shards give the verdicts
-of single-file loads in one process (issue 30, items 10, 11, 14 and 15), on 2 gloo ranks.
+of single-file loads in one process (issue 30, items 10, 11, 14, 15 and 16), on 2 gloo ranks.
 
 DCP's ``dcp.load`` reads a checkpoint into the loading optimizer's own state dict (its keys and dtypes). Loaded that
 way, a state saved under other 8-bit settings is refused instead of its codes being cast into fp32 moments, a state
@@ -7,7 +7,8 @@ of another family is refused by the tag the param groups carry, and the step cou
 ``hf_efficient.checkpoint.LoadPlanner``, which reads what the checkpoint holds, and a whole state loaded by the
 optimizer's own ``load_state_dict`` (which shards it; torch's full-state loader fails on group keys only the saved
 state has), the state converts to exactly what one process loads from the same state (the same tensors, bit for
-bit, and the same warning), or is refused with the same message.
+bit, and the same warning), or is refused with the same message. A gradient on some ranks only is refused before
+anything steps.
 
 One launch of 2 ranks runs every case; the single-process loads it is compared with run in the test process.
 """
@@ -166,10 +167,30 @@ def load_one(base: str, case: str, how: str, whole: dict) -> dict:
             "params": {n: full(p) for n, p in model.named_parameters()}}
 
 
+def grad_on_one_rank(name: str) -> dict:
+    """Item 16: a gradient set on rank 0 only: refused on both ranks, before anything changed."""
+    import torch.distributed as dist
+
+    model, optimizer = build(name, OPTS, sharded=True)
+    steps(model, optimizer, 5, 1)
+    before = {n: full(p) for n, p in model.named_parameters()}
+    set_grads(model, 6)
+    if dist.get_rank() == 1:
+        model.w.grad = None
+    try:
+        optimizer.step()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "unchanged": all(torch.equal(full(p), before[n]) for n, p in model.named_parameters()),
+            "counts": counts(optimizer)}
+
+
 def two_ranks(base: str) -> dict:
     out = {"saved": save_all(base)}
     for case, (*_, source, ways) in LOADS.items():
         out[case] = {how: load_one(base, case, how, out["saved"][source]["whole"]) for how in ways}
+    out["grad_on_one_rank"] = {name: grad_on_one_rank(name) for name in ("adamw", "adam8bit", "adafactor")}
     return out
 
 
@@ -246,3 +267,11 @@ def test_another_family_is_refused_with_the_single_file_message(ranks, case):
     for r in ranks:
         for how, got in r[case].items():
             assert got.get("error") == expected, (how, got)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adafactor"])
+def test_a_gradient_on_one_rank_only_is_refused_by_name_on_every_rank(ranks, name):
+    for r in ranks:
+        got = r["grad_on_one_rank"][name]
+        assert got["error"] is not None and "'w'" in got["error"] and "1 of the 2 ranks" in got["error"], got
+        assert got["unchanged"] and got["counts"] == (1, 0)
