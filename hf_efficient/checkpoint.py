@@ -601,7 +601,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     saved = _check_structure(sd, live, spec.name)
     saved_ids = [pid for g in saved for pid in g["params"]]
     _check_not_cast(sd, tag, saved_ids, param_names, spec.trainer_name)
-    state, libraries = {}, set()
+    state, libraries, relabelled = {}, set(), []
     for pid, pname, p in zip(saved_ids, param_names, params):
         st = sd["state"].get(pid)
         if isinstance(st, dict) and not st:
@@ -614,6 +614,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
             except ValueError as e:
                 raise ValueError(f"the state of parameter {pname!r}: {e}") from None
             libraries.add(library)
+            relabelled += [pname] if library else []
         if st is not None:
             state[pid] = dict(st) if isinstance(st, dict) else st  # the caller's dict stays as it was
     src = FAMILIES[tag["family"]] if tag is not None else _untagged_family(
@@ -632,11 +633,13 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
         check_flags(g, optimizer.defaults, spec.trainer_name)
     if src is not spec.facts:
         done = _convert(state, src, spec.facts, optimizer, spec.backends[backend], saved_ids)
-        if set(done) - {""}:
-            logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
-                           spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
-                               f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
-                               f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
+    else:  # a library's own layout (bitsandbytes, torchao) relabelled to the canonical one: the same numbers
+        done = {"layout relabelled (the same codes and scales)": relabelled} if relabelled else {}
+    if set(done) - {""}:
+        logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
+                       spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
+                           f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
+                           f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
     drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
                                                         if pid in state})
     if src is spec.facts:  # another family's state was converted above, and said so
