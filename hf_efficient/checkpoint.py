@@ -705,25 +705,26 @@ def _ask_for_saved(nested: dict, saved: dict, prefix: str) -> None:
 
 def _as_saved(osd: dict, saved: dict, prefix: str) -> None:
     """``osd``'s per-parameter states and param groups made to ask for what ``saved`` holds under ``prefix``."""
-    def under(head: str) -> dict:
-        return {k[len(head):]: m for k, m in saved.items() if k.startswith(head)}
-
+    held: dict[str, dict] = {}  # parameter (fqn) -> state key -> metadata
+    groups: dict[int, dict] = {}  # index -> the group's entries, nested as saved (the tag is a dict)
+    states, group_head = f"{prefix}state.", f"{prefix}param_groups."
+    for key, m in saved.items():
+        if key.startswith(states):
+            fqn, _, name = key[len(states):].rpartition(".")  # state keys hold no dots; fqns may
+            held.setdefault(fqn, {})[name] = m
+        elif key.startswith(group_head):
+            index, _, path = key[len(group_head):].partition(".")
+            if index.isdigit() and path:
+                node = groups.setdefault(int(index), {})
+                *parents, last = path.split(".")
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[last] = _placeholder(m, None, {})
     for fqn, st in list(osd["state"].items()):
-        held = {k: m for k, m in under(f"{prefix}state.{fqn}.").items() if "." not in k}
-        if not held:
+        if fqn not in held:
             del osd["state"][fqn]  # nothing saved for it: as a single-file state without it
         elif isinstance(st, dict):
-            osd["state"][fqn] = {k: _placeholder(m, st.get(k), st) for k, m in held.items()}
-    groups: dict[int, dict] = {}
-    for rest, m in under(f"{prefix}param_groups.").items():
-        index, _, path = rest.partition(".")
-        if not index.isdigit() or not path:
-            continue
-        node = groups.setdefault(int(index), {})
-        *parents, last = path.split(".")  # a dict in a group (the tag) is flattened by its keys
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = _placeholder(m, None, {})
+            osd["state"][fqn] = {k: _placeholder(m, st.get(k), st) for k, m in held[fqn].items()}
     osd["param_groups"][:] = [groups.get(i, {}) for i in range(max(groups) + 1)] if groups else []
 
 
@@ -741,8 +742,8 @@ def _placeholder(m, template, state: dict):
     shards = [t for t in state.values() if _sharded.is_sharded(t)]
     ref = template if _sharded.is_sharded(template) and template.shape == size else next(
         (t for t in shards if len(size) and t.dim() and t.shape[0] == size[0] and _sharded.sharded_by_rows(t)), None)
-    if ref is not None:
-        return _sharded.zeros(ref, size, dtype, replicate=not _sharded.sharded_by_rows(ref))
+    if ref is not None:  # placed as ref is (its rows split, or whole on every rank)
+        return _sharded.zeros(ref, size, dtype)
     device = _sharded.local(shards[0]).device if shards else next(
         (t.device for t in state.values() if torch.is_tensor(t)), torch.device("cpu"))
     return torch.zeros(size, dtype=dtype, device=device)
