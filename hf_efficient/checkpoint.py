@@ -1,7 +1,8 @@
 """Optimizer state dicts that say what wrote them, load only where they fit, and move between formats.
 
-Every optimizer made by :func:`hf_efficient.create_optimizer` writes a tag (``state_dict()["hf_efficient"]``)
-naming its optimizer family and backend. Loading checks everything *before* anything is changed (groups and
+Every optimizer made by :func:`hf_efficient.create_optimizer` writes a tag (``state_dict()["hf_efficient"]``, and
+the same in each param group, which is all of it torch.distributed.checkpoint keeps) naming its optimizer family and
+backend, with its step counts. Loading checks everything *before* anything is changed (groups and
 their hyperparameters, parameter names, and per parameter the state keys its layout requires, their value
 types, dtypes and sizes), so a wrong checkpoint is refused, never half-loaded.
 
@@ -31,6 +32,14 @@ warning names the tensors.
 
 Parameters are matched by name where both the checkpoint and the optimizer name them (torch records
 ``param_names`` in each group), by position otherwise.
+
+Sharded checkpoints (torch.distributed.checkpoint, under FSDP2). ``dcp.load`` reads a checkpoint into the state dict
+it is given, made by the loading optimizer: its keys, its dtypes. A state saved under other settings or by another
+optimizer then arrives cast (8-bit codes as fp32 numbers, without their scales: refused, by the record of 8-bit
+states each group's tag keeps), or ``dcp.load`` fails on a key the checkpoint lacks, before this module is reached.
+:class:`LoadPlanner` reads what the checkpoint holds instead, so that every sharded load gets the verdict a
+single-file load of the same state gets: converted the same way, with the same warning, or refused with the same
+message.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from .param_groups import group_names
 from .families import rows_of_blocks
 from .registry import FAMILIES, PLAIN, Family, get_spec
 
-__all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
+__all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load", "LoadPlanner"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +74,16 @@ _SETTING_KEYS = {"compensation"}
 
 
 def tag_of(state_dict: dict) -> dict | None:
-    return state_dict.get(_TAG) if isinstance(state_dict, dict) else None
+    """What wrote ``state_dict``: its top-level tag, else the tag each param group carries (less the group's own
+    record, ``eight_bit``): torch.distributed.checkpoint keeps only ``state`` and ``param_groups``."""
+    if not isinstance(state_dict, dict):
+        return None
+    if _TAG in state_dict:
+        return state_dict[_TAG]
+    groups = state_dict.get("param_groups")
+    first = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], dict) else {}
+    tag = first.get(_TAG)
+    return {k: v for k, v in tag.items() if k != "eight_bit"} if isinstance(tag, dict) else tag
 
 
 def _convertible(src: str, dst: str) -> bool:
@@ -113,7 +131,7 @@ def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) 
     for g, live in zip(saved, current):
         # keys only this backend keeps (our kernel's `compile`, ...) and the settings come from the live group
         g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")},
-             **{k: v for k, v in g.items() if k not in _SETTING_KEYS}}
+             **{k: v for k, v in g.items() if k not in _SETTING_KEYS and k != _TAG}}
         if torch.is_tensor(live.get("lr")) and not torch.is_tensor(g.get("lr")):
             g["lr"] = torch.tensor(g["lr"], dtype=live["lr"].dtype, device=live["lr"].device)
         out.append(g)
@@ -213,17 +231,11 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
 
 
 def _check_sharding(family: Family, value: torch.Tensor, key: str, p: torch.Tensor, where: str) -> None:
-    """A sharded parameter (FSDP2's DTensor) takes DTensor state, a plain one plain state: the other kind would be
-    stepped as the wrong tensor (a whole state beside a shard, or a shard beside the whole weight)."""
-    if _sharded.is_sharded(value) == _sharded.is_sharded(p):
-        return
-    if _sharded.is_sharded(p) and family.state[key].format == "absmax":
-        return  # whole: DCP's full-state loader leaves plain what its template lacks; the load places it (by rows)
-    if _sharded.is_sharded(p):
-        raise ValueError(f"{where} has {key} as a plain tensor, but the parameter is sharded (FSDP2): load a whole "
-                         "(single-file) optimizer state into a sharded model with torch.distributed.checkpoint's "
-                         "set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions("
-                         "full_state_dict=True)), which shards it. Nothing was loaded")
+    """A plain parameter takes plain state: a DTensor (FSDP2 shards) would be stepped beside the whole weight. A
+    sharded one takes DTensor state, or whole plain tensors (a single-file state), which :func:`_place_whole`
+    shards."""
+    if _sharded.is_sharded(value) == _sharded.is_sharded(p) or _sharded.is_sharded(p):
+        return  # plain beside a sharded parameter: a whole state (its shape was checked), placed by the load
     raise ValueError(f"{where} has {key} as a DTensor (FSDP2 shards), but the parameter is a plain tensor: take a "
                      "whole optimizer state from the sharded run with torch.distributed.checkpoint's "
                      "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)). "
@@ -471,6 +483,22 @@ def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to
     return out
 
 
+def _place_whole(state: dict, family: Family, saved_ids: list, params: list) -> None:
+    """Whole (plain) state tensors of FSDP2 parameters, a single-file state loaded into shards, placed in place as the
+    family makes its own: sharded like the parameter's rows, except a matrix's column statistics (Adafactor's: sums
+    over every rank's rows), whole on every rank. Absmaxes are placed by the family's load, step counts stay plain."""
+    for pid, p in zip(saved_ids, params):
+        st = state.get(pid)
+        if not _sharded.is_sharded(p) or not isinstance(st, dict):
+            continue
+        for key, value in st.items():
+            fmt = family.state[key].format
+            if fmt in ("step", "absmax") or not torch.is_tensor(value) or _sharded.is_sharded(value):
+                continue
+            st[key] = (_sharded.replicate_like(p, value) if fmt == "col" and p.dim() == 2
+                       else _sharded.shard_like(p, value))
+
+
 def _describe(tag, libraries: set, src: Family) -> str:
     if tag is not None:
         return f"hf_eff_{tag.get('name')} ({src.name} state, backend {tag.get('backend')})"
@@ -494,12 +522,70 @@ def _convert_groups(groups: list[dict], src: str, trainer_name: str) -> list[dic
 
 
 def save(sd: dict, spec, backend: str, info) -> dict:
-    """The backend's state dict ``sd`` in the canonical layout, tagged with what wrote it."""
-    sd = dict(sd, state=to_canonical(spec, backend, sd["state"]),
-              param_groups=groups_to_canonical(sd["param_groups"]))
-    sd[_TAG] = {"name": spec.name, "family": spec.family, "backend": backend, "format": FORMAT,
-                "skipped_steps": info.skipped_steps, "steps": info.steps}
-    return sd
+    """The backend's state dict ``sd`` in the canonical layout, tagged with what wrote it: at the top level, and in
+    each param group with a record of which of its parameters' state is 8-bit codes (``eight_bit``: "1" or "0" per
+    parameter, a string: torch's state-dict utilities flatten lists element by element and drop empty ones).
+    torch.distributed.checkpoint keeps only the groups, and its loader reads a checkpoint into the loading optimizer's
+    own state dict (its keys and dtypes): the groups' tag says what was saved, and the record what was cast."""
+    state = to_canonical(spec, backend, sd["state"])
+    tag = {"name": spec.name, "family": spec.family, "backend": backend, "format": FORMAT,
+           "skipped_steps": info.skipped_steps, "steps": info.steps}
+    groups = [dict(g, **{_TAG: dict(tag, eight_bit="".join("01"[_holds_codes(spec.facts, state.get(pid))]
+                                                            for pid in g["params"]))})
+              for g in groups_to_canonical(sd["param_groups"])]
+    return dict(sd, state=state, param_groups=groups, **{_TAG: tag})
+
+
+def _holds_codes(family: Family, st) -> bool:
+    codes = _codes(family, st) if isinstance(st, dict) else []
+    return bool(codes) and _is_codes(st[codes[0]])
+
+
+def _recorded_8bit(sd: dict, tag: dict | None) -> set | None:
+    """The saved ids whose state was written as 8-bit codes, by the record in each param group's tag (None where the
+    groups carry none: untagged, or written before they did). Raises ValueError where a group's tag is malformed or,
+    without a top-level tag, the groups' tags differ."""
+    groups = sd["param_groups"]
+    tags = [g.get(_TAG) for g in groups]
+    if all(t is None for t in tags):
+        return None
+    recorded = set()
+    for gi, (g, t) in enumerate(zip(groups, tags)):
+        record = t.get("eight_bit") if isinstance(t, dict) else None
+        if (not isinstance(record, str) or len(record) != len(g["params"]) or set(record) - {"0", "1"}
+                or _TAG not in sd and {k: v for k, v in t.items() if k != "eight_bit"} != tag):
+            raise ValueError(f"param group {gi} of the loaded optimizer state has the tag {t!r}: not the other groups' "
+                             f"with a 0 or 1 for each of its {len(g['params'])} parameters. The checkpoint is corrupt "
+                             "or was edited")
+        recorded.update(pid for pid, bit in zip(g["params"], record) if bit == "1")
+    return recorded
+
+
+def _check_not_cast(sd: dict, tag: dict | None, saved_ids: list, param_names: list[str], trainer_name: str) -> None:
+    """Refuse states that the record of their groups' tag says were saved as 8-bit codes but that arrived as
+    floating-point moments with no absmaxes: what torch.distributed.checkpoint's ``dcp.load`` gives where the loading
+    optimizer keeps the tensor's state in fp32 (it reads into the loader's own state dict: the codes cast to its
+    dtype, the scales it does not hold left unread). Nothing can restore them; its planner reads them as saved."""
+    recorded = _recorded_8bit(sd, tag)
+    if recorded is None:
+        return
+    family = FAMILIES[tag["family"]]
+    cast = []
+    for pid, pname in zip(saved_ids, param_names):
+        st = sd["state"].get(pid)
+        codes = _codes(family, st) if pid in recorded and isinstance(st, dict) else []
+        if codes and not _is_codes(st[codes[0]]) and f"{codes[0]}_absmax" not in st:
+            cast.append(pname)
+    if cast:
+        raise ValueError(
+            f"{trainer_name}: the loaded state of {', '.join(cast[:8])}{', ...' * (len(cast) > 8)} was saved as 8-bit "
+            "codes but arrived as floating-point numbers without their scales. torch.distributed.checkpoint's dcp.load "
+            "reads a checkpoint into the loading optimizer's own state dict, which keeps these tensors in fp32 "
+            "(min_8bit_size, embedding_state or the backend differ from the run that saved it): it cast the codes and "
+            "left the scales unread. Load it with dcp.load(..., planner=hf_efficient.checkpoint.LoadPlanner()), which "
+            "reads what the checkpoint holds (then converted as a single-file state is), or resume with the saved "
+            "run's settings. Nothing was loaded, but dcp.load wrote what it read into the state tensors that state "
+            "dict shares with the optimizer: rebuild the optimizer before training on")
 
 
 def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_names: list[str]) -> None:
@@ -514,7 +600,8 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     params = [p for g in live for p in g["params"]]
     saved = _check_structure(sd, live, spec.name)
     saved_ids = [pid for g in saved for pid in g["params"]]
-    state, libraries = {}, set()
+    _check_not_cast(sd, tag, saved_ids, param_names, spec.trainer_name)
+    state, libraries, relabelled = {}, set(), []
     for pid, pname, p in zip(saved_ids, param_names, params):
         st = sd["state"].get(pid)
         if isinstance(st, dict) and not st:
@@ -527,6 +614,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
             except ValueError as e:
                 raise ValueError(f"the state of parameter {pname!r}: {e}") from None
             libraries.add(library)
+            relabelled += [pname] if library else []
         if st is not None:
             state[pid] = dict(st) if isinstance(st, dict) else st  # the caller's dict stays as it was
     src = FAMILIES[tag["family"]] if tag is not None else _untagged_family(
@@ -545,17 +633,117 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
         check_flags(g, optimizer.defaults, spec.trainer_name)
     if src is not spec.facts:
         done = _convert(state, src, spec.facts, optimizer, spec.backends[backend], saved_ids)
-        if set(done) - {""}:
-            logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
-                           spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
-                               f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
-                               f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
+    else:  # a library's own layout (bitsandbytes, torchao) relabelled to the canonical one: the same numbers
+        done = {"layout relabelled (the same codes and scales)": relabelled} if relabelled else {}
+    if set(done) - {""}:
+        logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
+                       spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
+                           f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
+                           f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
     drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
                                                         if pid in state})
     if src is spec.facts:  # another family's state was converted above, and said so
         _match_precision(state, optimizer, spec, backend, saved_ids)
+    _place_whole(state, spec.facts, saved_ids, params)
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))
     if tag is not None:
         info.skipped_steps, info.steps = tag.get("skipped_steps", 0), tag.get("steps", 0)
+
+
+# --- torch.distributed.checkpoint: reading what a checkpoint holds ----------------------------------------------
+
+
+def __getattr__(name: str):
+    if name == "LoadPlanner":  # made when first asked for: importing torch.distributed.checkpoint costs
+        globals()[name] = _load_planner_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _load_planner_class() -> type:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class LoadPlanner(DefaultLoadPlanner):
+        """torch.distributed.checkpoint's ``DefaultLoadPlanner``, except that every optimizer state dict in what
+        ``dcp.load`` fills is first made to ask for what the checkpoint holds: its keys, dtypes and sizes, per
+        parameter and per param group. DCP's own planner reads a checkpoint into the loading optimizer's state dict
+        (its keys and dtypes), so a state saved under other settings or by another optimizer arrives cast, or fails
+        on a key the checkpoint lacks; read as saved, ``set_optimizer_state_dict`` then converts it, or refuses it,
+        exactly as a single-file state (:func:`load`). Tensors it adds are placed like the parameter's state where
+        their rows are the parameter's, whole on every rank otherwise (what :func:`load` places).
+
+        Example::
+
+            sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(sd, checkpoint_id=path, planner=hf_efficient.checkpoint.LoadPlanner())
+            set_model_state_dict(model, sd["model"])
+            set_optimizer_state_dict(model, optimizer, sd["optim"])
+        """
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+            if metadata is not None:
+                _ask_for_saved(state_dict, metadata.state_dict_metadata, "")
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    LoadPlanner.__module__ = __name__
+    return LoadPlanner
+
+
+def _ask_for_saved(nested: dict, saved: dict, prefix: str) -> None:
+    """Each optimizer state dict in ``nested`` (whose flattened keys start with ``prefix``) rewritten in place to
+    the keys, dtypes and sizes ``saved`` (the checkpoint's metadata, by flattened key) holds for it."""
+    for key, value in nested.items():
+        if not isinstance(value, dict):
+            continue
+        if isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list):
+            _as_saved(value, saved, f"{prefix}{key}.")
+        else:
+            _ask_for_saved(value, saved, f"{prefix}{key}.")
+
+
+def _as_saved(osd: dict, saved: dict, prefix: str) -> None:
+    """``osd``'s per-parameter states and param groups made to ask for what ``saved`` holds under ``prefix``."""
+    held: dict[str, dict] = {}  # parameter (fqn) -> state key -> metadata
+    groups: dict[int, dict] = {}  # index -> the group's entries, nested as saved (the tag is a dict)
+    states, group_head = f"{prefix}state.", f"{prefix}param_groups."
+    for key, m in saved.items():
+        if key.startswith(states):
+            fqn, _, name = key[len(states):].rpartition(".")  # state keys hold no dots; fqns may
+            held.setdefault(fqn, {})[name] = m
+        elif key.startswith(group_head):
+            index, _, path = key[len(group_head):].partition(".")
+            if index.isdigit() and path:
+                node = groups.setdefault(int(index), {})
+                *parents, last = path.split(".")
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[last] = _placeholder(m, None, {})
+    for fqn, st in list(osd["state"].items()):
+        if fqn not in held:
+            del osd["state"][fqn]  # nothing saved for it: as a single-file state without it
+        elif isinstance(st, dict):
+            osd["state"][fqn] = {k: _placeholder(m, st.get(k), st) for k, m in held[fqn].items()}
+    osd["param_groups"][:] = [groups.get(i, {}) for i in range(max(groups) + 1)] if groups else []
+
+
+def _placeholder(m, template, state: dict):
+    """What DCP reads a saved entry with metadata ``m`` into: ``template`` where it is a tensor of the saved dtype
+    and size; else a tensor of those, placed like ``template`` (same size), or sharded like a state tensor of
+    ``state`` whose rows it shares, or whole; None for a saved object (DCP replaces it)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not isinstance(m, TensorStorageMetadata):
+        return None
+    size, dtype = torch.Size(m.size), m.properties.dtype
+    if torch.is_tensor(template) and template.shape == size and template.dtype == dtype:
+        return template
+    shards = [t for t in state.values() if _sharded.is_sharded(t)]
+    ref = template if _sharded.is_sharded(template) and template.shape == size else next(
+        (t for t in shards if len(size) and t.dim() and t.shape[0] == size[0] and _sharded.sharded_by_rows(t)), None)
+    if ref is not None:  # placed as ref is (its rows split, or whole on every rank)
+        return _sharded.zeros(ref, size, dtype)
+    device = _sharded.local(shards[0]).device if shards else next(
+        (t.device for t in state.values() if torch.is_tensor(t)), torch.device("cpu"))
+    return torch.zeros(size, dtype=dtype, device=device)

@@ -107,6 +107,26 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
     train(model, opt, 1, start=2)
 
 
+def test_bare_bitsandbytes_state_into_adam8bit_says_what_it_converted(caplog):
+    """Untagged bitsandbytes AdamW8bit state into the family it belongs to: relabelled to the canonical layout
+    (the same codes and scales), with the warning every conversion of an untagged state gives."""
+    bnb = pytest.importorskip("bitsandbytes")
+    src_model = Net()
+    src = bnb.optim.AdamW8bit(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
+    train(src_model, src, 2)
+    sd = src.state_dict()
+    model, opt = make("adam8bit", "torch", torch.float32)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert "written by an untagged bitsandbytes adamw8bit state" in caplog.text, caplog.text
+    assert "layout relabelled" in caplog.text and "fc.weight" in caplog.text, caplog.text
+    saved = checkpoint._any_to_canonical(_by_name(sd)["fc.weight"], FAMILIES["adamw8bit"])[0]
+    loaded = _by_name(opt.state_dict())["fc.weight"]
+    assert loaded["exp_avg"].dtype == torch.uint8
+    assert all(torch.equal(loaded[k].reshape(-1), saved[k].reshape(-1)) for k in saved if k != "step")
+    train(model, opt, 1, start=2)
+
+
 @pytest.mark.parametrize("source", ["torch.optim.AdamW", "hf_eff_adamw"])
 def test_fp32_adamw_state_into_adamw_bf16_is_cast_with_fresh_compensation(source, caplog):
     sd = _foreign_adamw(source).state_dict()
