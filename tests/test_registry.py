@@ -361,6 +361,8 @@ def _our_classes():
     found = {"adamw": {AdamW}}
     for spec in registry.SPECS.values():
         for impl in spec.backends.values():
+            if impl.package and registry.version_of(impl.package) is None:  # an optional backend, not installed
+                continue
             cls = impl.build.optimizer_cls()
             if cls.__module__.startswith("hf_efficient.optim."):
                 found.setdefault(spec.family, set()).add(cls)
