@@ -70,3 +70,15 @@ def test_ci_runs_the_readme_commands_as_written_before_anything_else():
     assert shown[1].startswith("python -m pytest")
     run_readme = ci.index('bash -c "${commands[$i]}"')
     assert all(ci.index(line) > run_readme for line in ci.splitlines() if re.match(r"\S*pip install", line.strip()))
+
+
+def test_readme_example_commands_are_sized_for_a_cpu():
+    """Every README command that runs an example says how many steps, few enough to finish in minutes on the CPU the
+    README runs them on (examples/accelerate_train.py at its old default, 300 steps, ran for hours)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = [line for block in re.findall(r"^```bash\n(.*?)\n```$", readme, re.M | re.S)
+                for line in block.splitlines() if "examples/" in line]
+    assert len(commands) >= 2, commands
+    for command in commands:
+        steps = re.search(r"--max_steps (\d+)", command)
+        assert steps and int(steps[1]) <= 40, command
