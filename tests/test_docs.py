@@ -96,3 +96,13 @@ def test_readme_speed_figures_are_the_gpu_results_page():
     assert not missing, f"README's speed figures not on docs/results/bench_cuda.md: {missing}"
     gpu = re.search(r"\(([^)]*NVIDIA[^)]*)\)", page.splitlines()[0]).group(1)
     assert gpu in section, f"README's speed section should name the results page's GPU, {gpu}"
+
+
+def test_nothing_says_to_install_hf_efficient_from_pypi():
+    """hf_efficient is not on PyPI: `pip install hf_efficient` (or an extra of it by that name) finds nothing. Every
+    page, example and message says to install from a checkout or a wheel built there, and names an extra's package."""
+    wrong = re.compile(r"""pip install\s+["']?hf_efficient\b""")
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").iterdir(),
+             *(ROOT / "hf_efficient").rglob("*.py")]
+    said = [f"{p.relative_to(ROOT)}: {m[0]}" for p in files if p.is_file() for m in wrong.finditer(p.read_text("utf-8"))]
+    assert not said, said
