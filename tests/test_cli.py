@@ -1,9 +1,14 @@
-"""The ``hf-efficient`` console script, run in-process (its import costs as much as the rest of the test)."""
+"""The ``hf-efficient`` console script: run in-process (its import costs as much as the rest of the test), and as the
+installed entry point in a fresh interpreter where what it imports is the point."""
 
 from __future__ import annotations
 
+import configparser
 import importlib.metadata
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +30,44 @@ def rows_by_label(out: str) -> dict:
 
 def test_console_script_is_declared():
     eps = importlib.metadata.entry_points(group="console_scripts")
-    assert any(ep.name == "hf-efficient" and ep.value == "hf_efficient.cli:main" for ep in eps)
+    assert any(ep.name == "hf-efficient" and ep.value == "_hf_efficient_cli:main" for ep in eps)
+
+
+def _console_script(tmp_path, *argv) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The console script's entry point (as setup.cfg declares it) run in a fresh interpreter: its result, and the
+    modules it imported (``-X importtime``)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines())
+    module, func = scripts["hf-efficient"].split(":")
+    code = f"import sys; from {module} import {func}; sys.exit({func}())"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code, *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    return proc, imported
+
+
+@pytest.mark.parametrize("argv, rc, says", [
+    (["--help"], 0, "usage: hf-efficient"),
+    (["--version"], 0, f"hf-efficient {importlib.metadata.version('hf_efficient')}"),
+    (["estimate", "--params", "banana"], 2, "'banana' is not a whole number of parameters"),
+    (["estimate"], 2, "estimate needs exactly one of MODEL or --params N"),
+    (["estimate", "--params", "1B", "--world-size", "0"], 2, "--world-size 0: the number of processes"),
+    (["nonsense"], 2, "invalid choice: 'nonsense'"),
+])
+def test_help_version_and_refused_arguments_import_neither_torch_nor_transformers(tmp_path, argv, rc, says):
+    """They answer at once: the console script parses before it imports the package (torch: seconds; transformers
+    for a model: more)."""
+    proc, imported = _console_script(tmp_path, *argv)
+    assert proc.returncode == rc and says in proc.stdout + proc.stderr, (proc.stdout, proc.stderr[-2000:])
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "hf_efficient"))
+    assert not heavy, heavy[:10]
+
+
+def test_a_command_that_runs_imports_the_package(tmp_path):
+    proc, imported = _console_script(tmp_path, "estimate", "--params", "1M", "--device", "cpu", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["num_params"] == 10**6, proc.stderr[-2000:]
+    assert {"torch", "hf_efficient.cli_commands"} <= imported
 
 
 def test_list_names_backends_and_reasons(capsys):
