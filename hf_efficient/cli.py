@@ -68,8 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p_est.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="parameter dtype in training (default: "
                        "the model's)")
     p_est.add_argument("--device", help="device the backends are chosen for (default: cuda if available, else cpu)")
-    p_est.add_argument("--world-size", type=int, default=1, help="processes training together: bytes are per rank "
-                       "(default: 1)")
+    p_est.add_argument("--world-size", type=int, help="processes training together: bytes are per rank (default: 1)")
     p_est.add_argument("--sharding", choices=("fsdp2", "zero1", "zero2", "zero3", "none"),
                        help="how --world-size ranks split the model: fsdp2 (each tensor by rows; the default with "
                        "--world-size above 1), "
@@ -90,8 +89,12 @@ def _check_estimate(args, parser: argparse.ArgumentParser) -> None:
         parser.error("estimate needs exactly one of MODEL or --params N")
     if args.measure and args.params is not None:
         parser.error("--measure needs a model (directory or hub name), not --params")
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: the number of processes, at least 1")
+    if args.sharding not in (None, "none") and args.world_size is None:
+        parser.error(f"--sharding {args.sharding} splits the model among ranks: give their number, --world-size N "
+                     f"(1 for one process sharded so)")
+    args.world_size = args.world_size or 1
     if args.measure and args.world_size > 1:
         parser.error("--measure runs one process: measure per-rank bytes in the sharded run itself (the Trainer's "
                      "memory log, or hf_efficient.optimizer_state_bytes on each rank)")

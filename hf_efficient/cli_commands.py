@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,16 @@ class Row:
 
 ROWS = tuple(Row(spec.trainer_name + r.suffix, spec.name, dict(r.options), r.param_dtype)
              for spec in SPECS.values() for r in spec.estimate_rows)  # the registry's rows, in its order
-WIDTH = 100  # columns the tables fit: a terminal's usual minimum
+WIDTH = 100  # columns when the output is no terminal (a pipe, a file) and COLUMNS is unset
+
+
+def _width() -> int:
+    """Columns the output fits: COLUMNS, else the terminal's width, else :data:`WIDTH`."""
+    return shutil.get_terminal_size((WIDTH, 24)).columns
+
+
+def _say(text: str) -> None:
+    print(textwrap.fill(text, _width(), subsequent_indent="  "))
 
 
 def _devices() -> list[str]:
@@ -80,16 +90,19 @@ def _nominal_bytes(spec) -> float | None:
 
 
 def _print_columns(head: list[str], lines: list[list[str]], wrap: int, right: int = 99) -> None:
-    """A table of ``WIDTH`` columns: column ``wrap`` takes what the others leave and wraps; columns from ``right``
-    on are right-aligned (numbers)."""
+    """A table as wide as the output: column ``wrap`` takes what the others leave (16 at least) and wraps; columns
+    from ``right`` on are right-aligned (numbers). Columns are two spaces apart, one where two would not fit."""
     widths = [max(len(c) for c in col) for col in zip(head, *lines)]
-    widths[wrap] = max(16, WIDTH - sum(w for i, w in enumerate(widths) if i != wrap) - 2 * (len(widths) - 1))
+    left = _width() - sum(w for i, w in enumerate(widths) if i != wrap)
+    gap = 2 if left - 2 * (len(widths) - 1) >= 16 else 1
+    widths[wrap] = max(16, left - gap * (len(widths) - 1))
     for cells in [head, *lines]:
         wrapped = [textwrap.wrap(c, widths[i], subsequent_indent="  ") or [""] if i == wrap else [c]
                    for i, c in enumerate(cells)]
         for n in range(max(len(w) for w in wrapped)):
             parts = [(w[n] if n < len(w) else "") for w in wrapped]
-            text = "  ".join(p.rjust(widths[i]) if i >= right else p.ljust(widths[i]) for i, p in enumerate(parts))
+            text = (" " * gap).join(p.rjust(widths[i]) if i >= right else p.ljust(widths[i])
+                                    for i, p in enumerate(parts))
             print(text.rstrip())
 
 
@@ -101,8 +114,9 @@ def _load_model(args):
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as e:
+        why = " ".join(str(e).split()).rstrip(".")  # transformers' message: sentences over lines, ending in a dot
         raise OSError(f"cannot load a config for {args.model!r} (a local directory with config.json, or a hub "
-                      f"name when a network or the cache has it): {e}. Or give a count: --params N") from None
+                      f"name when a network or the cache has it): {why}. Or give a count: --params N") from None
     model = model_from_config(config, args.auto_class)
     return config, model, f"{args.model} ({type(model).__name__})"
 
@@ -204,15 +218,27 @@ def _as_json(what, estimates, measured, auto, unavailable) -> dict:
 
 def _print_table(what, estimates, measured, auto, unavailable) -> None:
     first = estimates[0][1]
-    per_rank = (f"; bytes per rank of {first.world_size} ({first.sharding or 'DDP: each holds everything'})"
-                if first.world_size > 1 else "")
-    print(textwrap.fill(f"{what}: {first.num_params:,} trainable parameters, backends chosen for {first.device}"
-                        f"{per_rank}", WIDTH, subsequent_indent="  "))
+    sharded = first.world_size > 1
+    per_rank = f"; bytes per rank of {first.world_size} ({first.sharding or 'DDP: each holds everything'})" if sharded \
+        else ""
+    _say(f"{what}: {first.num_params:,} trainable parameters, backends chosen for {first.device}{per_rank}")
     if first.assumption:
-        print(textwrap.fill(f"assumed: {first.assumption}", WIDTH, subsequent_indent="  "))
+        _say(f"assumed: {first.assumption}")
     head = ["optimizer", "backend", "dtype", "B/param", "state MiB", "saved", "total MiB"]
-    lines = []
+    shown, same = [], []
     for row, est in estimates:
+        twin = next((i for i, (r, e) in enumerate(shown) if (r.name, e.backend, e.param_dtype, e.state_bytes,
+                     e.total_bytes) == (row.name, est.backend, est.param_dtype, est.state_bytes, est.total_bytes)
+                     and measured.get(r.label) == measured.get(row.label)), None)
+        if twin is None:
+            shown.append((row, est))
+            continue
+        # the same name asked with other options, and the same answer: one row (the default's: fewest options)
+        kept, dropped = sorted([shown[twin], (row, est)], key=lambda pair: len(pair[0].options))
+        shown[twin] = kept
+        same.append(f"{dropped[0].label} = {kept[0].label}")
+    lines = []
+    for row, est in shown:
         runs_as = "" if est.name.endswith(row.name) else f" (runs as {est.name})"
         cells = [row.label + runs_as, est.backend, _DTYPES.get(est.param_dtype, est.param_dtype),
                  f"{est.state_bytes_per_param:.3f}", _mib(est.state_bytes), f"{est.saving:.1%}", _mib(est.total_bytes)]
@@ -221,16 +247,24 @@ def _print_table(what, estimates, measured, auto, unavailable) -> None:
             cells.append(f"{_mib(m)} {(m - est.state_bytes) / max(est.state_bytes, 1):+.1%}")
         lines.append(cells)
     _print_columns(head + (["measured MiB"] if measured else []), lines, wrap=0, right=3)
-    print(textwrap.fill("B/param: state bytes per parameter; saved: state saved against fp32 AdamW; total: "
-                        "parameters + gradients + state", WIDTH, subsequent_indent="  "))
-    for label, why in unavailable.items():
-        print(textwrap.fill(f"{label}: unavailable here: {why}", WIDTH, subsequent_indent="  "))
-    if isinstance(auto, str):
-        print(textwrap.fill(f"{PREFIX}auto here: {auto}", WIDTH, subsequent_indent="  "))
+    if sharded:
+        _say("B/param: this rank's state bytes / the model's parameters; saved: state saved against fp32 AdamW on "
+             "this rank; total: this rank's parameters + gradients + state")
     else:
-        print(textwrap.fill(f"{PREFIX}auto here would choose {PREFIX}{auto.name}{'' if auto.fits else ' (nothing fits)'}"
-                            f": usable {format_bytes(auto.usable_bytes)} = {1 - AUTO_MARGIN:.0%} of "
-                            f"{format_bytes(auto.available_bytes)} ({auto.source})", WIDTH, subsequent_indent="  "))
+        _say("B/param: state bytes per parameter; saved: state saved against fp32 AdamW; total: parameters + "
+             "gradients + state")
+    if same:  # the registry's rows of one name differ in where state stays 32-bit (and compensation, its default)
+        shapes = "--params assumes none" if first.assumption else "this model has none"
+        _say(f"Not shown, the same figures as the row named: {'; '.join(same)}. What sets them apart is which tensors "
+             f"keep 32-bit state (embeddings, tensors under min_8bit_size), and {shapes}.")
+    for label, why in unavailable.items():
+        _say(f"{label}: unavailable here: {why}")
+    if isinstance(auto, str):
+        _say(f"{PREFIX}auto here: {auto}")
+    else:
+        _say(f"{PREFIX}auto here would choose {PREFIX}{auto.name}{'' if auto.fits else ' (nothing fits)'}: usable "
+             f"{format_bytes(auto.usable_bytes)} = {1 - AUTO_MARGIN:.0%} of {format_bytes(auto.available_bytes)} "
+             f"({auto.source})")
 
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
