@@ -37,7 +37,10 @@ def create_optimizer(model: nn.Module | Iterable, name: str, *, lr: float = 1e-3
         model: a module (decay groups and the embedding policy come from its structure), or parameters /
             param groups (used as given).
         name: short (``"adam8bit"``) or Trainer (``"hf_eff_adam8bit"``) name.
-        lr, weight_decay, betas, eps: the usual AdamW hyperparameters (Adafactor ignores betas and eps).
+        lr: the learning rate (Adafactor's step size).
+        weight_decay: decoupled weight decay of the decay group (norm layers and biases get none).
+        betas: the moments' decay rates, AdamW's (Lion's interpolation and momentum; Adafactor ignores them).
+        eps: AdamW's denominator term (Lion and Adafactor ignore it).
         backend: force ``"bnb"``, ``"torchao"`` or ``"torch"`` instead of the registry's choice (``"auto"`` or
             None: the registry's choice).
         **options: the same keys ``optim_args`` accepts (``decay_embeddings``, ``embedding_state``, ...).

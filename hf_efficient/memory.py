@@ -231,10 +231,10 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
         device: where training runs, deciding the backend (default: the model's device; for a count, a config
             or a meta model: ``cuda`` when available, else ``cpu``).
         backend: force a backend, as ``create_optimizer(backend=...)``.
-        world_size, sharding: predict the bytes of one of ``world_size`` processes sharding the model as
-            ``sharding`` says (:data:`SHARDINGS`; see the module docstring). Default: the model's own (its mesh,
-            where its parameters are FSDP2 DTensors), else one process. A name that cannot train under that
-            sharding raises :class:`UnsupportedSharding` with the reason.
+        world_size: predict the bytes of one of ``world_size`` processes, sharding the model as ``sharding``
+            says. Default: the model's own (its mesh, where its parameters are FSDP2 DTensors), else one process.
+        sharding: how the processes split the model (:data:`SHARDINGS`; see the module docstring; None: each holds
+            everything). A name that cannot train under it raises :class:`UnsupportedSharding` with the reason.
         **options: the options ``create_optimizer`` / ``optim_args`` take (``embedding_state``, ...).
 
     Example:

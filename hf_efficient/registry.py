@@ -265,7 +265,8 @@ _NO_COMPENSATION = "writes bf16/fp16 weights rounded to nearest (no compensated 
 
 def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None, *,
             log: bool = True, compensated: bool = False) -> Resolution:
-    """Pick the backend that runs ``name`` on ``device``, by the table above, and log the choice once.
+    """Pick the backend that runs ``name`` on ``device``: the first of its backends, in the registry's preference
+    order for the device (the guide's names table), that is installed and serves it; log the choice once.
 
     ``compensated``: the parameters include bf16/fp16 weights and the compensation is not ``none``: only backends
     that compensate qualify (a forced one that does not is refused, saying what to do instead).

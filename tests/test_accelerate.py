@@ -494,8 +494,6 @@ def test_plugin_with_auto_creates_an_accelerator():
 def test_deepspeed_rules():
     check_distributed_support("adamw", None, {}, _deepspeed(zero_stage=2))
     check_distributed_support("adam8bit", "bnb", {"embedding_state": "8bit"}, _deepspeed(zero_stage=3))
-    with pytest.raises(ValueError, match="cannot keep 32-bit state.*embedding_state=8bit"):
-        check_distributed_support("adam8bit", "torchao", {}, _deepspeed(zero_stage=2))
     with pytest.raises(ValueError, match="hf_eff_adafactor .* not supported with DeepSpeed: ZeRO flattens"):
         check_distributed_support("adafactor", None, {}, _deepspeed(zero_stage=1))
     with pytest.raises(ValueError, match="hf_eff_adamw_bf16 .* not supported with DeepSpeed: ZeRO keeps fp32 master"):
@@ -512,11 +510,23 @@ def test_deepspeed_rules():
         check_distributed_support("adamw", None, {}, ds)
 
 
-def test_fp32_state_ids_follow_a_parameter_swap():
+@pytest.mark.parametrize("backend", sorted(SPECS["adam8bit"].backends))
+def test_deepspeed_refuses_32bit_embedding_state_on_every_backend(backend):
+    """ZeRO hands the optimizer one flat partition, so no backend can keep embeddings' state in 32 bits."""
+    if backend == "torchao":
+        pytest.importorskip("torchao", reason="torchao is its own extra: pip install -e \".[torchao]\"")
+    with pytest.raises(ValueError, match="cannot keep 32-bit state.*embedding_state=8bit"):
+        check_distributed_support("adam8bit", backend, {}, _deepspeed(zero_stage=2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchao"])
+def test_fp32_state_ids_follow_a_parameter_swap(backend):
     """FSDP2 preparation replaces every parameter in place; the 32-bit-state choice must follow by position."""
     from hf_efficient.integrations.accelerator_checks import fp32_state_flags, restore_fp32_state_ids
 
-    plugin = EfficientOptimPlugin(optim="adam8bit", backend="torchao")
+    if backend == "torchao":
+        pytest.importorskip("torchao", reason="torchao is its own extra: pip install -e \".[torchao]\"")
+    plugin = EfficientOptimPlugin(optim="adam8bit", backend=backend)
     optimizer = plugin.create_optimizer(tiny_mlm())
     flags = fp32_state_flags(optimizer)
     assert sum(map(sum, flags)) == 3  # word, position and token-type embeddings

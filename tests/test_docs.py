@@ -96,3 +96,47 @@ def test_readme_speed_figures_are_the_gpu_results_page():
     assert not missing, f"README's speed figures not on docs/results/bench_cuda.md: {missing}"
     gpu = re.search(r"\(([^)]*NVIDIA[^)]*)\)", page.splitlines()[0]).group(1)
     assert gpu in section, f"README's speed section should name the results page's GPU, {gpu}"
+
+
+def test_nothing_says_to_install_hf_efficient_from_pypi():
+    """hf_efficient is not on PyPI: `pip install hf_efficient` (or an extra of it by that name) finds nothing. Every
+    page, example and message says to install from a checkout or a wheel built there, and names an extra's package."""
+    wrong = re.compile(r"""pip install\s+["']?hf_efficient\b""")
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").iterdir(),
+             *(ROOT / "hf_efficient").rglob("*.py")]
+    said = [f"{p.relative_to(ROOT)}: {m[0]}" for p in files if p.is_file() for m in wrong.finditer(p.read_text("utf-8"))]
+    assert not said, said
+
+
+def _api_objects():
+    """What docs/api.md renders: each ``::: module.name`` and, for a class, its public methods."""
+    import importlib
+    import inspect
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    for path in re.findall(r"^::: ([\w.]+)$", page, re.M):
+        module, name = path.rsplit(".", 1)
+        obj = getattr(importlib.import_module(module), name)
+        yield path, obj
+        if inspect.isclass(obj):
+            yield from ((f"{path}.{n}", m) for n, m in vars(obj).items() if not n.startswith("_") and callable(m))
+
+
+def test_api_docstrings_render_as_written():
+    """The API page is rendered from docstrings (mkdocstrings, Google style): an Args entry naming several parameters
+    ("lr, weight_decay, betas, eps: ...") matches none, so each was listed as required though it has a default; and
+    the page shows no table "above" a docstring (resolve's said "by the table above")."""
+    import inspect
+
+    checked = 0
+    for path, obj in _api_objects():
+        doc = inspect.getdoc(obj) or ""
+        assert not re.search(r"\b(above|below)\b", doc), f"{path}: its docstring points at a place on a page"
+        args = re.search(r"^Args:\n((?:    .*\n?|\n)+)", doc, re.M)
+        if not args:
+            continue
+        params = inspect.signature(obj).parameters
+        for entry in re.findall(r"^    (\S[^:]*?)(?: \([^)]*\))?:(?: |$)", args[1], re.M):
+            assert entry.lstrip("*") in params, f"{path}: Args entry {entry!r} is not one of its parameters"
+            checked += 1
+    assert checked > 20

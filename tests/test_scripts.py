@@ -209,8 +209,9 @@ def test_committed_pages_are_their_json_rendered(tmp_path, page):
     render = _load("render_results")
     text = render.render(tmp_path / f"{page}.json")
     assert text == (RESULTS / f"{page}.md").read_text() and "|---|" in text and not VERDICT.search(text)
-    if render.PAGES[page][1]:
+    if render.PAGES[page][1]:  # written, and shown on the page (the site copied the plots, no page showed them)
         assert (tmp_path / f"{page}.png").read_bytes()[:8] == PNG
+        assert re.search(rf"^!\[[^]\n]+\]\({page}\.png\)$", text, re.M), f"{page}.md does not show {page}.png"
 
 
 def test_convergence_failed_run_keeps_the_others(tmp_path, monkeypatch):
