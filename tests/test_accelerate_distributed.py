@@ -61,12 +61,14 @@ def test_learning_rate_after_k_steps_does_not_depend_on_process_count(ranks):
 
 
 def test_fsdp2_rank_without_gradients_does_not_hang(ranks):
-    """Under FSDP2 the inf/NaN decision is one all-reduce; a rank holding no gradient enters it too (reaching
-    here at all means neither rank hung): the rank with gradients stepped, the other left its shards alone."""
-    a, b = ranks
-    for mode in ("raise", "skip"):
-        assert all(a["fsdp2_rank_without_grads"][mode]), a["fsdp2_rank_without_grads"]
-        assert not any(b["fsdp2_rank_without_grads"][mode]), b["fsdp2_rank_without_grads"]
+    """Under FSDP2 a rank holding no gradient enters the step's collectives too (reaching here at all means neither
+    rank hung), and a step of some ranks' shards only is refused on every rank, naming the tensor, with nothing
+    stepped: stepping the rank with gradients alone would make the ranks' shards of one model diverge."""
+    for rank in ranks:
+        for mode in ("raise", "skip"):
+            seen = rank["fsdp2_rank_without_grads"][mode]
+            assert seen["refused"] and "'0.weight'" in seen["refused"] and "1 of the 2 ranks" in seen["refused"], seen
+            assert not any(seen["changed"]), seen
 
 
 def test_fsdp2_support_table_matches_what_runs(ranks):
@@ -237,8 +239,8 @@ def fsdp2_probe() -> dict:
 
 
 def fsdp2_rank_without_grads() -> dict:
-    """One FSDP2 step where rank 1 holds no gradient at all: the inf/NaN check's all-reduce must be entered by
-    both ranks (a rank that returned early left the other waiting forever). A watchdog ends a hang in 60 s."""
+    """One FSDP2 step where rank 1 holds no gradient at all: both ranks must enter the step's collectives (a rank
+    that returned early left the other waiting forever) and refuse it. A watchdog ends a hang in 60 s."""
     import faulthandler
 
     import torch
@@ -258,9 +260,14 @@ def fsdp2_rank_without_grads() -> dict:
             for p in model.parameters():
                 p.grad = torch.ones_like(p)
         faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-        optimizer.step()
+        try:
+            optimizer.step()
+            refused = None
+        except ValueError as e:
+            refused = str(e)
         faulthandler.cancel_dump_traceback_later()
-        out[nonfinite] = [not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())]
+        out[nonfinite] = {"refused": refused,
+                          "changed": [not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())]}
         model.zero_grad(set_to_none=True)
     return out
 

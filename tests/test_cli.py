@@ -18,6 +18,12 @@ N = 65_783_042  # DistilBERT (cased vocabulary) with a 2-label classification he
 TENSORS = -(-N // 2**20)  # --params assumes tensors of at most 2**20 elements
 
 
+@pytest.fixture(autouse=True)
+def _columns(monkeypatch):
+    """Tables as wide as with no terminal: their width follows COLUMNS or the terminal, which differ per worker."""
+    monkeypatch.setenv("COLUMNS", "100")
+
+
 def run(capsys, *argv):
     rc = cli.main(list(argv))
     out, err = capsys.readouterr()

@@ -4,6 +4,7 @@ to the ordinary step (zero_grad(set_to_none=False)), and parameter groups added 
 
 from __future__ import annotations
 
+import gc
 import types
 
 import pytest
@@ -204,6 +205,7 @@ def test_grad_scaler_is_refused_before_anything_is_stepped():
 
 def test_a_disabled_scaler_and_a_product_loss_are_fine():
     """GradScaler(enabled=False) returns the loss unscaled; a loss that is a product is not a scaled one."""
+    gc.collect()  # an enabled scaler of an earlier test, kept alive by its traceback's cycle, would count as live
     model = nn.Linear(4, 1)
     opt = hfe.create_optimizer(model, "adamw", lr=1e-2, gradient_release=True)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
