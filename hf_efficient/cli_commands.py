@@ -17,8 +17,8 @@ import torch
 
 from .backends import TORCHAO_MIN_SIZE
 from .auto import AUTO_MARGIN, choose_auto
-from .memory import (MB, MemoryEstimate, UnsupportedSharding, estimate_memory, format_bytes, model_from_config,
-                     optimizer_state_bytes)
+from .estimate import estimate_memory
+from .memory import MB, MemoryEstimate, UnsupportedSharding, format_bytes, model_from_config, optimizer_state_bytes
 from .registry import PREFIX, SPECS, resolve
 
 __all__ = ["list_names", "estimate", "ROWS", "Row"]

@@ -4,8 +4,8 @@
     python scripts/render_docs_tables.py --check   # exit 1, naming each stale block, and change nothing
 
 A generated block is the text between ``<!-- BEGIN generated: KEY -->`` and ``<!-- END generated: KEY -->``;
-KEY is one of :data:`TABLES`: ``names`` (the registry's specs), ``options`` (the one options table,
-``hf_efficient.options.OPTIONS``, crossed with the names that take each option) and ``distributed`` (what each
+KEY is one of :data:`TABLES`: ``names`` (the registry's specs), ``options`` (every option: the shared ones and each
+family's own, ``hf_efficient.registry.all_options()``, crossed with the names that take each option) and ``distributed`` (what each
 name and backend does under DDP, FSDP and DeepSpeed: the registry facts the distributed checks refuse by) and
 ``plugin`` (the accelerate plugin's fields, from the dataclass).
 tests/test_docs.py runs the check.
@@ -21,8 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_efficient.options import OPTIONS  # noqa: E402
-from hf_efficient.registry import PREFIX, SPECS  # noqa: E402
+from hf_efficient.registry import PREFIX, SPECS, all_options  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- BEGIN generated: (\w+) -->\n)(.*?)(<!-- END generated: \2 -->)", re.S)
 _DEVICE = {"cuda": "CUDA", "default": "other devices"}
@@ -92,7 +91,7 @@ def _values(option) -> str:
 
 def options_table() -> str:
     rows = ["| key | names | values | default | what it does |", "|---|---|---|---|---|"]
-    for option in OPTIONS.values():
+    for option in all_options().values():
         rows.append(f"| `{option.name}` | {_takers(option.name)} | {_values(option)} | `{_shown(option.default)}` | "
                     f"{_cell(option.help)} |")
     return "\n".join(rows)

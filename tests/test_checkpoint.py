@@ -14,7 +14,7 @@ from torch import nn
 
 import hf_efficient as hfe
 from hf_efficient import checkpoint
-from hf_efficient.registry import FAMILIES, SPECS
+from hf_efficient.registry import SPECS, families
 from cases import CASES
 from helpers import Net, assert_unchanged, make, snapshot, train
 
@@ -89,7 +89,7 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         src = (lib.optim.AdamW8bit)(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
         train(src_model, src, 2)
         sd = src.state_dict()
-        canonical = {n: checkpoint._any_to_canonical(st, FAMILIES["adamw"])[0] for n, st in _by_name(sd).items()}
+        canonical = {n: checkpoint._any_to_canonical(st, families()["adamw"])[0] for n, st in _by_name(sd).items()}
     else:
         src_model, src = make("adam8bit", backend, torch.float32)
         train(src_model, src, 2)
@@ -120,7 +120,7 @@ def test_bare_bitsandbytes_state_into_adam8bit_says_what_it_converted(caplog):
         opt.load_state_dict(copy.deepcopy(sd))
     assert "written by an untagged bitsandbytes adamw8bit state" in caplog.text, caplog.text
     assert "layout relabelled" in caplog.text and "fc.weight" in caplog.text, caplog.text
-    saved = checkpoint._any_to_canonical(_by_name(sd)["fc.weight"], FAMILIES["adamw8bit"])[0]
+    saved = checkpoint._any_to_canonical(_by_name(sd)["fc.weight"], families()["adamw8bit"])[0]
     loaded = _by_name(opt.state_dict())["fc.weight"]
     assert loaded["exp_avg"].dtype == torch.uint8
     assert all(torch.equal(loaded[k].reshape(-1), saved[k].reshape(-1)) for k in saved if k != "step")

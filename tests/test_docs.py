@@ -40,13 +40,13 @@ def test_every_table_is_somewhere_and_readme_has_names_and_options():
 
 
 def test_tables_list_every_name_and_option():
-    from hf_efficient.options import OPTIONS
+    from hf_efficient.registry import all_options
 
     names, options, distributed = render.names_table(), render.options_table(), render.distributed_table()
     for trainer_name in hf_efficient.available_optimizers():
         assert f"| `{trainer_name}` (" in names
         assert f"| `{trainer_name}`" in distributed  # every family, each of its backends
-    for key in OPTIONS:
+    for key in all_options():
         assert f"| `{key}` |" in options
 
 

@@ -14,7 +14,8 @@ from transformers import TrainerCallback
 import hf_efficient as hfe
 from hf_efficient import memory
 from hf_efficient.auto import AUTO_MARGIN, choose_auto, free_memory_bytes
-from hf_efficient.memory import MB, estimate_memory, optimizer_state_bytes
+from hf_efficient.estimate import estimate_memory
+from hf_efficient.memory import MB, optimizer_state_bytes
 from hf_efficient.registry import SPECS
 from conftest import ClassificationSet, tiny_bert, tiny_gpt2, tiny_llama
 

@@ -192,7 +192,8 @@ def test_the_embedding_state_hint_comes_once_from_the_optimizer_build(tmp_path, 
     """Where 32-bit embedding state (the default, not chosen) keeps the saving small (a large vocabulary), the
     Trainer's line at building says, at WARNING, what embedding_state=8bit would save: under any script (run_clm.py
     showed nothing: the line was at INFO on hf_efficient's logger, which only the examples turned on), once."""
-    from hf_efficient.memory import MB, estimate_memory
+    from hf_efficient.estimate import estimate_memory
+    from hf_efficient.memory import MB
 
     model = tiny_bert(vocab=4096)  # embeddings hold most parameters, as in MiniLM or GPT-2
     trainer = Trainer(model=model, args=_args(tmp_path, optim, steps=1, optim_args=optim_args),

@@ -26,7 +26,8 @@ import torch
 from .. import guard
 from ..auto import choose_auto
 from ..factory import build_optimizer, optimizer_info
-from ..memory import MB, estimate_memory, format_bytes, peak_memory, state_metrics
+from ..estimate import estimate_memory
+from ..memory import MB, format_bytes, peak_memory, state_metrics
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
 from .distributed import trainer_fsdp_version
@@ -49,7 +50,7 @@ def check_optim_args(optim, optim_args: str | None) -> None:
     """
     spec = get_spec(optim)
     try:
-        parse_options(spec.name, spec.options, parse_optim_args(optim_args), source="optim_args")
+        parse_options(spec.name, spec.accepted, parse_optim_args(optim_args), source="optim_args")
     except ValueError as exc:
         raise ValueError(f"TrainingArguments(optim={PREFIX + spec.name!r}, optim_args={optim_args!r}): {exc}") from None
 

@@ -29,13 +29,25 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..families import ADAMW
 from ..options import check_saved, start_step
 from . import _dispatch, _sharded, _triton
 from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
                            weight_key)
+from .facts import FIRST_MOMENT, KAHAN, SECOND_MOMENT, STEP, Family, kahan_keys
 
-__all__ = ["AdamW", "adamw_fp32_state", "fused_takes"]
+__all__ = ["ADAMW", "AdamW", "adamw_fp32_state", "fused_takes"]
+
+_MOMENTS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _adamw_required(p, group) -> set[str]:
+    return _MOMENTS | ({"max_exp_avg_sq"} if group.get("amsgrad") else set()) | kahan_keys(p, group)
+
+
+# the family of hf_eff_adamw: torch.optim.AdamW's state (the state torch's own optimizers write), and this module's
+ADAMW = Family("adamw", {"step": STEP, "exp_avg": FIRST_MOMENT, "exp_avg_sq": SECOND_MOMENT,
+                         "max_exp_avg_sq": SECOND_MOMENT, "kahan_comp": KAHAN},
+               "adamw", _adamw_required, flags=("maximize", "amsgrad"))
 
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
@@ -269,7 +281,9 @@ def _triton_probe(kernel, device: torch.device) -> bool:
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (its groups, flags and state keys) with fp32 moments and a compensated write for
     bf16/fp16 weights; see the module docstring. ``compensation``: ``"stochastic"``, ``"kahan"`` or ``"none"`` (round
-    to nearest: torch's stale weights, with fp32 moments); default: the family's (``families.ADAMW.compensation``)."""
+    to nearest: torch's stale weights, with fp32 moments); default: the family's (``ADAMW.compensation``)."""
+
+    FACTS = ADAMW
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
