@@ -55,7 +55,7 @@ from .optim.compensation import drop_unused_buffers
 from .optim.facts import rows_of_blocks
 from .options import check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
-from .registry import PLAIN, Family, all_options, families, get_spec
+from .registry import PLAIN, Family, families, get_spec
 
 __all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load", "LoadPlanner"]
 
@@ -249,20 +249,16 @@ def _check_sharding(family: Family, value: torch.Tensor, key: str, p: torch.Tens
                      "Nothing was loaded")
 
 
-def _check_group(g: dict, gi: int, uses_eps: bool = True) -> None:
+def _check_group(g: dict, gi: int, uses_eps: bool = True, options: dict | None = None) -> None:
     """Raise ValueError if saved group ``gi`` holds a hyperparameter no optimizer may run with (``eps`` only where
-    the family has one)."""
+    the family has one; ``options``: the loading name's, whose values groups carry)."""
     plain = groups_to_canonical([g])[0]
     try:
         check_hyperparams(lr=plain.get("lr", 0.0), betas=plain.get("betas"), eps=plain.get("eps") if uses_eps else None,
                           weight_decay=plain.get("weight_decay", 0.0))
-        options = all_options()
+        options = options or {}
         for key in sorted(plain.keys() & options.keys() - {"min_8bit_size"}):  # the family options groups carry
-            opt, value = options[key], plain[key]
-            number = opt.type is float and isinstance(value, (int, float))
-            if isinstance(value, bool) or not (isinstance(value, opt.type) or number or value is None):
-                raise ValueError(f"{key}={value!r} is not a {opt.type.__name__}")
-            opt.coerce(value, "the group")
+            options[key].check_value(plain[key], "the group")
         size = plain.get("min_8bit_size", 0)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"min_8bit_size={size!r} is not an int >= 0")
@@ -319,9 +315,9 @@ def _check_structure(sd, live_groups: list[dict], name: str) -> list[dict]:
     for pid in sd["state"]:
         if pid not in ids:
             raise ValueError(f"this optimizer state has state for parameter id {pid!r}, which no group lists")
-    uses_eps = get_spec(name).facts.uses_eps
+    spec = get_spec(name)
     for gi, g in enumerate(saved):
-        _check_group(g, gi, uses_eps)
+        _check_group(g, gi, spec.facts.uses_eps, spec.accepted)
     return _live_order(saved, live_groups)
 
 

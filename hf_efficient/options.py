@@ -80,10 +80,9 @@ class Option:
         except ValueError:
             fits = False
         if not fits:
-            valid = f"one of {list(self.choices)}" if self.choices else f"a {self.type.__name__}"
-            valid += f" that {self.check_text.removeprefix('must ')}" if self.check_text else ""
-            raise ValueError(f"{where}: invalid {self.name}={value!r}: it must be {valid}"
-                             f"{' or None' if self.optional else ''}")
+            kind = f"one of {list(self.choices)}" if self.choices else f"a {self.type.__name__}"
+            raise ValueError(f"{where}: invalid {self.name}={value!r}: expected {kind}"
+                             f"{' or None' if self.optional else ''}{'; it ' + self.check_text if self.check_text else ''}")
 
 
 def _positive(x) -> bool:

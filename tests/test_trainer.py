@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from cases import fp32_model, names, packaged, plain
 from conftest import ClassificationSet, tiny_bert
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
@@ -256,7 +257,8 @@ def test_adamw_bf16_trains_a_bf16_model_with_warmup_and_no_autocast(tmp_path):
         "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "kahan_comp": torch.bfloat16}
 
 
-@pytest.mark.parametrize("optim", ["hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_lion8bit", "hf_eff_adafactor"])
+# every name made for fp32 models (hf_eff_adamw_bf16, made for bf16 ones, has its test above), known to transformers
+@pytest.mark.parametrize("optim", [hfe.registry.PREFIX + n for n in plain(names(packaged, fp32_model))])
 def test_every_name_trains_a_bf16_model_compensated_and_resumes_exactly(tmp_path, optim):
     """A bf16 model (no autocast): each name's default compensation holds what rounding to bf16 drops (its Kahan
     buffer, or stochastic rounding), the loss falls, and a resume from a checkpoint equals the uninterrupted run

@@ -1,15 +1,23 @@
-"""What every optimizer with blockwise 8-bit state shares: a family is its math, nothing else.
+"""What every optimizer with blockwise quantized state shares: a family is its math, nothing else.
 
-A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`) subclasses :class:`Blockwise8bit` and gives:
+A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`; the smallest: docs/contributing.md's) subclasses
+:class:`Blockwise8bit` and gives:
 
-- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``,
-  ``blockwise_triton.{NAME}`` launches its Triton kernel), ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit
-  state keys and whether each is signed (the map);
-- ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``: one step on ``nb`` blocks, in torch ops
-  (``p``, ``g`` ``(nb, 256)``, codes in :mod:`.quant8`'s in-memory form); compiled by inductor, or run as is;
+- ``FACTS``, its :class:`.facts.Family`: ``NAME`` (the family's name, its kernels' name: ``{NAME}_cpu.c`` holds
+  ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``, ``blockwise_triton.{NAME}`` launches its Triton kernel),
+  ``FAMILY`` (the class's name, for messages), ``MOMENTS`` (its quantized state keys and whether each is signed) and
+  ``CODEC`` are read from it;
+- ``update(p, g, moments, coef) -> (p, moments)``: its math on fp32 values, in torch ops; the quantized kernel
+  (unpack, update, pack) and the step of tensors that keep fp32 state are made from it. A family may write them
+  itself instead: ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``, one step on ``nb`` blocks
+  (``p``, ``g`` ``(nb, BLOCK)``, codes in its codec's in-memory form; compiled by inductor, or run as is), and
+  ``step_32bit(group, items)`` (small tensors, ``fp32_state_params``; ``TRITON_FP32`` True where it steps CUDA
+  tensors with a Triton kernel, their step counts then living on the device);
 - ``coefficients(group, step) -> list[float]``: its per-step scalars (the C kernel reads them per tensor);
-- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``);
-  ``TRITON_FP32`` True where it steps CUDA tensors with a Triton kernel (their step counts then live on the device).
+- its ``__init__``: its hyperparameters as keywords (its Family's options among them), put in ``defaults``.
+
+Kernels are optional: ``C_KERNEL`` / ``TRITON_KERNEL`` say it has ``{NAME}_cpu.c`` / ``blockwise_triton.{NAME}``;
+without them its tensors take the compiled (or eager) kernel.
 
 Everything else is here, once: state creation, the choice of kernel per tensor (:meth:`Blockwise8bit.choose`),
 full blocks in bounded calls and the zero-padded last block, all C-kernel tensors of a group in one call of its
@@ -47,7 +55,7 @@ from ..options import check_group, check_saved_tensor, check_step, start_step
 from . import _dispatch, _native, _sharded, _triton, quant8
 from ._dispatch import on_device
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
-                           weight_key, write)
+                           step_in_fp32, weight_key, write)
 from .facts import Codec, Family, keeps_quantized_state, rows_of_blocks
 from .quant8 import _describe
 
@@ -120,17 +128,47 @@ class Blockwise8bit(Optimizer):
     # --- what a family gives -------------------------------------------------------------------------------
 
     @staticmethod
-    def kernel(p, g, *args):
-        raise NotImplementedError
+    def update(p: Tensor, g: Tensor, moments: list[Tensor], coef) -> tuple[Tensor, list[Tensor]]:
+        """The family's math on fp32 values of one shape: the new weight and moments (``coef``: its
+        :meth:`coefficients`, a tensor or a list). Not needed where the family writes :meth:`kernel` and
+        :meth:`step_32bit` itself."""
+        raise NotImplementedError("a quantized family gives update(), or kernel() and step_32bit()")
 
     @staticmethod
     def coefficients(group: dict, step: int) -> list[float]:
         raise NotImplementedError
 
+    @classmethod
+    def kernel(cls, p, g, *args):
+        """One step on ``nb`` blocks made from :meth:`update`: the moments decoded, updated, encoded (returned, not
+        written in place: inductor then keeps a block's moments local); ``p`` updated in place."""
+        k, codec = len(cls.MOMENTS), cls.CODEC
+        words, absmax, coef = args[:k], args[k:2 * k], args[-1]
+        moments = [codec.unpack(w, a, s) for w, a, (_, s) in zip(words, absmax, cls.MOMENTS)]
+        new_p, moments = cls.update(p.float(), g.float(), moments, coef)
+        p.copy_(new_p)
+        packed = [codec.pack(m, s) for m, (_, s) in zip(moments, cls.MOMENTS)]
+        return (*(w for w, _ in packed), *(a for _, a in packed))
+
     def step_32bit(self, group: dict, items: list[tuple[Tensor, Tensor, dict]], offsets=None) -> None:
-        """Step fp32-state ``items`` (weight, gradient, state, position); ``offsets``: where given, the items are
-        FSDP2 shards (local tensors) and each one's first global element number, for the stochastic noise."""
-        raise NotImplementedError
+        """Step fp32-state ``items`` (weight, gradient, state, position) by :meth:`update`, bf16/fp16 weights as fp32
+        copies written under the group's compensation; ``offsets``: where given, the items are FSDP2 shards (local
+        tensors) and each one's first global element number, for the stochastic noise."""
+        keys = self.noise_keys(items)
+        for it in items:
+            it[2]["step"] += 1
+
+        def step(idx, ps):
+            for i, p32 in zip(idx, ps):
+                _, g, st, _ = items[i]
+                coef = self.coefficients(group, int(st["step"].item()))
+                new_p, moments = self.update(p32, g.float(), [st[k] for k, _ in self.MOMENTS], coef)
+                p32.copy_(new_p)
+                for (key, _), m in zip(self.MOMENTS, moments):
+                    st[key].copy_(m)
+
+        step_in_fp32([it[0] for it in items], step, group["compensation"],
+                     [it[2].get("kahan_comp") for it in items], keys, offsets)
 
     @classmethod
     def check_family_keys(cls, group: dict) -> None:
