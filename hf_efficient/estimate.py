@@ -22,9 +22,9 @@ def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None =
     """Predict the bytes of parameters, gradients and optimizer state of ``name`` for ``model``.
 
     Args:
-        model: an ``nn.Module`` (any device, ``meta`` included: nothing is allocated), parameters, a
-            transformers config (built on the meta device), or a parameter count (shapes then assumed, see
-            :mod:`hf_efficient.memory`).
+        model: an ``nn.Module`` (any device, ``meta`` included: nothing is allocated; a transformers config
+            becomes one by ``hf_efficient.integrations.transformers.model_from_config``), parameters, or a parameter
+            count (shapes then assumed, see :mod:`hf_efficient.memory`).
         name: short or Trainer name; ``"auto"`` predicts what ``hf_eff_auto`` would choose.
         param_dtype: the dtype parameters will have in training (default: as they are; float32 for a count).
         device: where training runs, deciding the backend (default: the model's device; for a count, a config

@@ -50,7 +50,7 @@ from .param_groups import split_parameters
 from .registry import PREFIX, compensation_of, get_spec, resolve
 
 __all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "MemoryEstimate",
-           "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
+           "peak_memory", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
            "describe_params", "predict", "SHARDINGS", "UnsupportedSharding"]
 
 logger = logging.getLogger(__name__)
@@ -332,18 +332,19 @@ def describe_params(model, param_dtype: torch.dtype | str | None = None,
 
 def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torch.device, bool, int]:
     """``model``'s parameters (global shapes), the shape assumption made (if any), its device, whether the
-    parameters really occupy that device (False for a count, a config, a meta model), and the size of the mesh its
+    parameters really occupy that device (False for a count or a meta model), and the size of the mesh its
     DTensor parameters are sharded over (0: none; 1: a mesh of one rank, whose optimizer still steps shards and
     decides 8-bit state as under any mesh)."""
     dtype = _as_dtype(param_dtype)
     default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
-        raise TypeError(f"model={model!r}: pass a module, parameters, a config or an integer parameter count")
+        raise TypeError(f"model={model!r}: pass a module, parameters or an integer parameter count")
     if isinstance(model, str):
-        raise TypeError(f"model={model!r} is a string: estimate_memory takes a module, its parameters, a transformers "
-                        f"config or a parameter count. For a hub name or a directory with config.json run "
+        raise TypeError(f"model={model!r} is a string: estimate_memory takes a module, its parameters or a parameter "
+                        f"count. For a hub name or a directory with config.json run "
                         f"`hf-efficient estimate {model}`, or pass "
-                        f"model_from_config(AutoConfig.from_pretrained({model!r}))")
+                        f"model_from_config(AutoConfig.from_pretrained({model!r})) "
+                        "(hf_efficient.integrations.transformers)")
     if isinstance(model, (int, float)):
         n = int(model)
         if n <= 0 or n > MAX_PARAMS:
@@ -356,7 +357,10 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
                       f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
         return tensors, assumption, default_dev, False, 0
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
-        model = model_from_config(model)
+        raise TypeError(f"model is a transformers config ({type(model).__name__}): the core builds no transformers "
+                        "model. Pass the model it describes, built on the meta device (no memory): "
+                        "from hf_efficient.integrations.transformers import model_from_config; "
+                        "estimate_memory(model_from_config(config), ...)")
     if isinstance(model, nn.Module):
         split = split_parameters(model)
         embeddings = set(split.embeddings)
@@ -387,19 +391,3 @@ def _as_dtype(dtype) -> torch.dtype | None:
     if str(dtype).removeprefix("torch.") not in names:
         raise ValueError(f"param_dtype={dtype!r}: use one of {', '.join(names)} or a torch.dtype")
     return names[str(dtype).removeprefix("torch.")]
-
-
-def model_from_config(config, auto_class: str | None = None, device: torch.device | str = "meta") -> nn.Module:
-    """A transformers model for ``config``, by default on the meta device: shapes and dtypes, no memory.
-
-    The class is ``auto_class`` (e.g. ``"AutoModelForSequenceClassification"``), else the config's first
-    ``architectures`` entry, else ``AutoModel``. Imports transformers lazily (only a config leads here).
-    """
-    import transformers
-
-    cls_name = auto_class or (getattr(config, "architectures", None) or ["AutoModel"])[0]
-    cls = getattr(transformers, cls_name, None)
-    if cls is None:
-        raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
-    with torch.device(device):
-        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)

@@ -168,14 +168,21 @@ def test_estimate_for_a_count_states_its_assumption():
 
 
 def test_estimate_for_a_config_builds_on_meta():
+    """A config becomes a meta model in the integration (the core never imports transformers); handed to
+    estimate_memory itself, it is refused with that one line."""
     from transformers import DistilBertConfig
 
+    from hf_efficient.integrations.transformers import model_from_config
+
     cfg = DistilBertConfig(vocab_size=28996, architectures=["DistilBertForSequenceClassification"])
-    est = estimate_memory(cfg, "adam8bit", device="cpu")
+    with pytest.raises(TypeError, match=r"transformers config.*estimate_memory\(model_from_config\(config\)"):
+        estimate_memory(cfg, "adam8bit")
+    model = model_from_config(cfg)
+    est = estimate_memory(model, "adam8bit", device="cpu")
     assert est.num_params == 65_783_042 and est.assumption is None
     emb = 28996 * 768 + 512 * 768  # word + position embeddings keep 32-bit state by default
     assert est.state_bytes > 8 * emb
-    allq = estimate_memory(cfg, "adam8bit", device="cpu", embedding_state="8bit", min_8bit_size=1)
+    allq = estimate_memory(model, "adam8bit", device="cpu", embedding_state="8bit", min_8bit_size=1)
     assert 125 < allq.state_bytes / MB < 128  # the reference measured 128 MB with bitsandbytes' defaults
 
 

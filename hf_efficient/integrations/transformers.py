@@ -33,9 +33,26 @@ from ..registry import PREFIX, SPECS, get_spec
 from .distributed import trainer_fsdp_version
 
 __all__ = ["register", "patch_training_args", "patch_trainer", "check_optim_args", "TrainerOptimizer",
-           "is_hf_eff_name", "MemoryCallback"]
+           "is_hf_eff_name", "MemoryCallback", "model_from_config"]
 
 logger = logging.getLogger(__name__)
+
+
+def model_from_config(config, auto_class: str | None = None, device: torch.device | str = "meta") -> torch.nn.Module:
+    """A transformers model for ``config``, by default on the meta device: shapes and dtypes, no memory (for
+    :func:`hf_efficient.estimate_memory` and ``hf-efficient estimate``).
+
+    The class is ``auto_class`` (e.g. ``"AutoModelForSequenceClassification"``), else the config's first
+    ``architectures`` entry, else ``AutoModel``. Here, not in the core: the core never imports transformers.
+    """
+    import transformers
+
+    cls_name = auto_class or (getattr(config, "architectures", None) or ["AutoModel"])[0]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
+    with torch.device(device):
+        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
 
 
 def is_hf_eff_name(optim) -> bool:
