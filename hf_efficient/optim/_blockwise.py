@@ -235,10 +235,7 @@ class Blockwise8bit(Optimizer):
     def triton_fits(p: Tensor, g: Tensor) -> bool:
         """Whether the Triton kernels can step ``p``: :func:`._triton.applies` (CUDA, Triton importable), contiguous
         fp32/bf16/fp16 weights and gradients (logged once where CUDA has no Triton)."""
-        if p.is_cuda and not _triton.available():
-            _dispatch.log_once(logging.WARNING, ("triton-missing",), "hf_efficient: Triton is not importable, so the "
-                               "8-bit optimizers step CUDA tensors with the torch.compile'd kernel (slower); install "
-                               "a CUDA build of torch, which ships Triton")
+        _dispatch.note_missing_triton(p)
         return (_triton.applies(p, g) and p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES
                 and p.is_contiguous() and g.is_contiguous())
 
@@ -517,10 +514,9 @@ class Blockwise8bit(Optimizer):
         return self.TRITON_FP32 and group["compile"] is None and self.triton_fits(p, p.grad)
 
     def takes_found_inf(self) -> bool:
-        """Whether the coming step runs Triton kernels for every tensor with a gradient (the guard's protocol): they
-        read its device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
-        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return bool(todo) and all(self._uses_triton(p, group) for p, group in todo)
+        """Whether the coming step runs Triton kernels for every tensor with a gradient (the guard's protocol,
+        :func:`._dispatch.takes_found_inf`)."""
+        return _dispatch.takes_found_inf(self, lambda p, group, st: self._uses_triton(p, group))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -697,8 +693,8 @@ class Blockwise8bit(Optimizer):
             t = saved[key]
             if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) not in shapes:
                 raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape "
-                                 f"{' or '.join(map(str, shapes))}, one absmax per block of {self.CODEC.BLOCK} elements; nothing "
-                                 "was loaded")
+                                 f"{' or '.join(map(str, shapes))}, one absmax per block of {self.CODEC.BLOCK} elements; "
+                                 "nothing was loaded")
             # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
             plain = lambda: t.to(p.device, torch.float32).reshape(-1).clone()  # noqa: E731 - a copy: never the caller's
             st[key] = _placed_absmax(t, p, self.CODEC) if _sharded.is_sharded(p) else plain()

@@ -152,11 +152,10 @@ class Adafactor(torch.optim.Optimizer):
         drop_unused_buffers(self, "Adafactor")
 
     def takes_found_inf(self) -> bool:
-        """Whether the coming step runs the Triton kernels for every tensor with a gradient: they read the guard's
-        device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
-        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return bool(todo) and all(_triton_fits(p, p.grad, self.state.get(p, {}), group)
-                                  and _triton_module(p.device) is not None for p, group in todo)
+        """Whether the coming step runs the Triton kernels for every tensor with a gradient, which read the guard's
+        device-side flag (:func:`._dispatch.takes_found_inf`); a fresh state fits them from the first step."""
+        return _dispatch.takes_found_inf(self, lambda p, group, st: _triton_fits(p, p.grad, st, group)
+                                         and _triton_module(p.device) is not None)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -538,28 +537,19 @@ def _step_triton(optimizer, todo: list) -> list:
     """Step the tensors of ``todo`` (``(p, group, state, position)``) that the Triton kernels take, on each device
     whose probe passed; return the others. Their steps live on the device (advanced there unless the step's flag
     is set, see :mod:`._triton`): nothing here reads the device."""
-    mine: dict = {}
-    rest = []
-    for entry in todo:
-        p, group, state, _ = entry
-        if _triton_fits(p, p.grad, state, group):
-            mine.setdefault(p.device, []).append(entry)
-        else:
-            rest.append(entry)
-    for device, entries in mine.items():
+    mine, rest = _dispatch.triton_split(range(len(todo)), [entry[0] for entry in todo], lambda i: _triton_fits(
+        todo[i][0], todo[i][0].grad, todo[i][2], todo[i][1]), _triton_module)
+    for device, idx in mine.items():
         module = _triton_module(device)
-        if module is None:
-            rest += entries
-            continue
         items = []
-        for p, group, state, position in entries:
+        for p, group, state, position in (todo[i] for i in idx):
             if state["step"].device != device:  # once: a new state's, or a loaded one's (torch keeps it on CPU)
                 state["step"] = state["step"].to(device)
             items.append((p.detach(), p.grad.contiguous(), state, group, position))
         found_inf = _triton.flag(optimizer, device)
         _triton.advance_steps([state["step"] for _, _, state, _, _ in items], found_inf)
         module.step(items, found_inf, optimizer.__dict__.setdefault("_triton_tables", {}))
-    return rest
+    return [todo[i] for i in rest]
 
 
 def _triton_fits(p: Tensor, grad: Tensor, state: dict, group: dict) -> bool:
