@@ -114,7 +114,7 @@ class OptimizerSpec:
         """The options it takes, by key: the shared ones (:data:`..options.OPTIONS`) and families' own (its family's;
         ``hf_eff_auto``'s: those of the names it picks from)."""
         known = all_options()
-        return {k: known[k] for k in self.options}
+        return {k: self.facts.option(k) or known[k] for k in self.options}
 
     @property
     def trainer_name(self) -> str:
@@ -191,6 +191,10 @@ def family_spec(cls: type, notes: str, *, name: str | None = None, backends: dic
     whether it takes betas (its class's signature says), and ``hf-efficient estimate``'s rows. ``kw``: any other
     :class:`OptimizerSpec` field, given rather than derived."""
     facts = cls.FACTS
+    clash = sorted({o.name for o in facts.options} & set(OPTIONS))
+    if clash:
+        raise ValueError(f"family {facts.name} declares options {clash}, which every name already takes "
+                         "(options.OPTIONS): name its own otherwise")
     backends = backends or {"torch": torch_backend(cls)}
     derived = dict(options=_COMMON + (_QUANTIZED if facts.quantized else ()) + tuple(o.name for o in facts.options),
                    uses_betas="betas" in takes(cls),
