@@ -25,8 +25,7 @@ from .optional import require
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_torch_adamw", "class_builder", "bnb_builder", "build_bnb_adamw8bit", "build_bnb_paged_adamw8bit",
-           "build_torchao_adamw8bit", "Layout", "bnb_layout", "torchao_layout", "bnb_keeps_8bit",
+__all__ = ["build_torch_adamw", "class_builder", "bnb_builder", "build_torchao_adamw8bit", "Layout", "bnb_layout", "torchao_layout", "bnb_keeps_8bit",
            "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
            "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory", "torch_adamw_memory"]
 
@@ -105,8 +104,6 @@ def bnb_builder(base_name: str, *, uses_eps: bool = True) -> Callable:
     return build
 
 
-build_bnb_adamw8bit = bnb_builder("AdamW8bit")
-build_bnb_paged_adamw8bit = bnb_builder("PagedAdamW8bit")
 
 
 TORCHAO_MIN_SIZE = 4096  # torchao quantizes only tensors of at least this many elements

@@ -33,7 +33,7 @@ from .options import OPTIONS, Option
 from .optional import install_hint, version_of
 
 __all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "SPECS", "PREFIX", "PLAIN",
-           "family", "families", "torch_backend", "bnb_backend", "family_spec", "get_spec", "resolve",
+           "families", "torch_backend", "bnb_backend", "family_spec", "get_spec", "resolve",
            "available_optimizers", "compensation_of", "all_options"]
 
 logger = logging.getLogger(__name__)
@@ -263,11 +263,6 @@ PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state 
 def families() -> dict[str, Family]:
     """Every registered name's family, by family name (read at each call: a name registered later counts)."""
     return {s.facts.name: s.facts for s in SPECS.values() if s.backends}
-
-
-def family(name: str) -> Family:
-    """The registered family ``name`` (KeyError: none is)."""
-    return families()[name]
 
 
 def all_options() -> dict[str, Option]:

@@ -10,6 +10,7 @@ from torch import nn
 import hf_efficient as hfe
 from hf_efficient import registry
 from hf_efficient.options import parse_optim_args, parse_options
+from cases import names, quantized
 
 
 def test_names_are_listed():
@@ -26,7 +27,7 @@ def test_short_and_long_names_resolve_alike(name):
     assert hfe.resolve(name, device="cuda").backend == "torch"  # our Triton kernel, Triton being installed
 
 
-@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+@pytest.mark.parametrize("name", names(quantized, lambda spec: "bnb" in spec.backends))
 def test_8bit_on_cuda_takes_bnb_where_triton_is_missing(monkeypatch, name):
     import importlib.util
 
@@ -226,13 +227,13 @@ def test_8bit_state_policy(backend):
         assert dtype_of(model.emb.weight) == emb_dtype
 
 
-@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+@pytest.mark.parametrize("name", names(quantized))
 def test_torch_backend_s_8bit_rule_is_the_optimizer_s(monkeypatch, name):
     """What checkpoint conversion and memory read (the backend's keeps_8bit) is the rule the step allocates by: one
     rule, so a family that changes it (here: everything fp32) is followed everywhere."""
     model = Tiny()
     opt = hfe.create_optimizer(model, name, lr=1e-3, backend="torch")
-    keeps = registry.SPECS[name].backends["torch"].keeps_8bit
+    keeps = registry.get_spec(name).backends["torch"].keeps_8bit
     assert keeps(opt)(0, 0, model.big.weight) is opt._has_8bit_state(model.big.weight, opt.param_groups[0])
     monkeypatch.setattr(type(opt), "_has_8bit_state", lambda self, p, group: False)
     assert not any(keeps(opt)(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"]))
