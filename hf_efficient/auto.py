@@ -18,7 +18,7 @@ import torch
 
 from .memory import MB, Described, MemoryEstimate, UnsupportedSharding, describe_params, predict
 from .options import parse_options
-from .registry import PICKERS, PREFIX, get_spec
+from .registry import PREFIX, get_spec
 
 __all__ = ["choose_auto", "AutoChoice", "free_memory_bytes", "AUTO_MARGIN", "AUTO_ORDER", "AUTO_ORDER_BF16"]
 
@@ -112,7 +112,7 @@ def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
     """:func:`choose_auto` for a model already described (:func:`~hf_efficient.memory.describe_params`)."""
     tensors, dev = described.tensors, described.device
     auto = get_spec("auto")
-    opts = parse_options(auto.name, auto.options, given, source=source)
+    opts = parse_options(auto.name, auto.accepted, given, source=source)
     if opts["budget_gb"] is not None:
         available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
     else:
@@ -148,10 +148,3 @@ def _held_bytes(described: Described) -> int:
     return predict(described.tensors, "adamw", described.device, world_size=described.world_size,
                    sharding=described.sharding).param_bytes
 
-
-def _estimate_choice(described: Described, options: dict) -> MemoryEstimate:
-    """``estimate_memory(model, "auto")``: the prediction for the name ``hf_eff_auto`` picks (see registry.PICKERS)."""
-    return choose_from(described, options, "estimate_memory").chosen
-
-
-PICKERS["auto"] = _estimate_choice

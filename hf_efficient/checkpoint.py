@@ -7,9 +7,10 @@ their hyperparameters, parameter names, and per parameter the state keys its lay
 types, dtypes and sizes), so a wrong checkpoint is refused, never half-loaded.
 
 State is written in one canonical layout per family (its registry entry: ``Family.state``), whichever backend
-made it; a backend that stores it otherwise has a ``Layout`` (backends.py) converting both ways. 8-bit moments
-are uint8 codes of the parameter's shape plus ``<moment>_absmax`` (fp32, one per block), or fp32 tensors for
-parameters with 32-bit state. bitsandbytes and torchao use quant8's maps and block size (tests/test_checkpoint.py),
+made it; a backend that stores it otherwise has a ``Layout`` (backends.py) converting both ways. Quantized moments
+are their codec's canonical codes (``StateKey.codec``: quant8's are uint8 of the parameter's shape) plus
+``<moment>_absmax`` (fp32, one per block), or fp32 tensors for parameters with 32-bit state. bitsandbytes and
+torchao use quant8's maps and block size (tests/test_checkpoint.py),
 so the conversion is a relabelling, not a requantization: a bnb checkpoint resumes on torchao or this package's
 kernel exactly, and back. Every tensor in it is a plain tensor, so ``torch.load(..., weights_only=True)`` works
 (torchao's own state holds tensor subclasses, which it does not).
@@ -26,7 +27,7 @@ one family holds, ``Family.marks``); one without marks is torch's plain AdamW st
 and the loader's own for the others.
 
 Precision. Where a tensor's saved state is 8-bit and this optimizer keeps it fp32, or the reverse (one process and
-FSDP2 choose differently: :func:`.families.keeps_8bit_state`; so do backends and thresholds), the state is
+FSDP2 choose differently: :func:`.optim.facts.keeps_quantized_state`; so do backends and thresholds), the state is
 dequantized (exact) or quantized (lossy, within the codec's rounding), whole, and placed like its parameter; one
 warning names the tensors.
 
@@ -51,11 +52,10 @@ import torch
 
 from .optim import _sharded
 from .optim.compensation import drop_unused_buffers
-from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
-from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
+from .optim.facts import rows_of_blocks
+from .options import check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
-from .families import rows_of_blocks
-from .registry import FAMILIES, PLAIN, Family, get_spec
+from .registry import PLAIN, Family, families, get_spec
 
 __all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load", "LoadPlanner"]
 
@@ -88,7 +88,7 @@ def tag_of(state_dict: dict) -> dict | None:
 
 def _convertible(src: str, dst: str) -> bool:
     """Families of one math (one update rule) convert each other's moments."""
-    return src == dst or FAMILIES[src].math == FAMILIES[dst].math
+    return src == dst or families()[src].math == families()[dst].math
 
 
 def _layout(spec, backend: str):
@@ -141,13 +141,18 @@ def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) 
 # --- validation before loading -------------------------------------------------------------------------
 
 
-def _allowed_shapes(family: Family, key: str, p: torch.Tensor) -> set[tuple]:
-    """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p``."""
-    shape, fmt = tuple(p.shape), family.state[key].format
-    absmax = {(math.ceil(p.numel() / BLOCK),)}
-    if rows_of_blocks(shape):  # FSDP2's (rows, blocks per row)
-        absmax.add((shape[0], p.numel() // shape[0] // BLOCK))
-    return {"absmax": absmax, "row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt, {shape})
+def _allowed_shapes(family: Family, key: str, p: torch.Tensor, quantized: bool = False) -> set[tuple]:
+    """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p`` (``quantized``: its codes are)."""
+    shape, fmt = tuple(p.shape), family.state[key]
+    if fmt.format == "absmax":
+        block = fmt.codec.BLOCK
+        absmax = {(math.ceil(p.numel() / block),)}
+        if rows_of_blocks(shape, block):  # FSDP2's (rows, blocks per row)
+            absmax.add((shape[0], p.numel() // shape[0] // block))
+        return absmax
+    if fmt.format == "codes" and quantized:
+        return {tuple(fmt.codec.canonical_shape(shape))}
+    return {"row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt.format, {shape})
 
 
 def _codes(family: Family, st: dict) -> list[str]:
@@ -172,7 +177,8 @@ def _dtype_error(family: Family, st: dict, key: str, value: torch.Tensor) -> str
     fmt = family.state[key].format
     codes = _codes(family, st)
     if fmt == "absmax":
-        return None if value.dtype == torch.float32 else f"float32 (one scale per {BLOCK}-element block)"
+        block = family.state[key].codec.BLOCK
+        return None if value.dtype == torch.float32 else f"float32 (one scale per {block}-element block)"
     if fmt == "codes" and _is_codes(st[codes[0]]):
         return None if value.dtype == torch.uint8 else f"uint8 codes, as {codes[0]}'s"
     if value.dtype.is_floating_point:
@@ -223,8 +229,9 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
         if value.dtype.is_floating_point:  # the unsigned ones are second moments or scales: >= 0
             check_saved_tensor(value, key, where, signed=family.state[key].signed,
                                first_moment=_is_first_moment(family, key))
-        if tuple(value.shape) not in _allowed_shapes(family, key, p):
-            expected = " or ".join(str(s) for s in _allowed_shapes(family, key, p))
+        allowed = _allowed_shapes(family, key, p, _is_codes(value))
+        if tuple(value.shape) not in allowed:
+            expected = " or ".join(str(s) for s in allowed)
             raise ValueError(f"{where} has {key} of shape {tuple(value.shape)}, but {key} of a parameter of shape "
                              f"{tuple(p.shape)} has shape {expected}: the checkpoint is for another model or "
                              "another optimizer")
@@ -242,19 +249,16 @@ def _check_sharding(family: Family, value: torch.Tensor, key: str, p: torch.Tens
                      "Nothing was loaded")
 
 
-def _check_group(g: dict, gi: int, uses_eps: bool = True) -> None:
+def _check_group(g: dict, gi: int, uses_eps: bool = True, options: dict | None = None) -> None:
     """Raise ValueError if saved group ``gi`` holds a hyperparameter no optimizer may run with (``eps`` only where
-    the family has one)."""
+    the family has one; ``options``: the loading name's, whose values groups carry)."""
     plain = groups_to_canonical([g])[0]
     try:
         check_hyperparams(lr=plain.get("lr", 0.0), betas=plain.get("betas"), eps=plain.get("eps") if uses_eps else None,
                           weight_decay=plain.get("weight_decay", 0.0))
-        for key in sorted(plain.keys() & OPTIONS.keys() - {"min_8bit_size"}):  # the family options groups carry
-            opt, value = OPTIONS[key], plain[key]
-            number = opt.type is float and isinstance(value, (int, float))
-            if isinstance(value, bool) or not (isinstance(value, opt.type) or number or value is None):
-                raise ValueError(f"{key}={value!r} is not a {opt.type.__name__}")
-            opt.coerce(value, "the group")
+        options = options or {}
+        for key in sorted(plain.keys() & options.keys() - {"min_8bit_size"}):  # the family options groups carry
+            options[key].check_value(plain[key], "the group")
         size = plain.get("min_8bit_size", 0)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"min_8bit_size={size!r} is not an int >= 0")
@@ -311,9 +315,9 @@ def _check_structure(sd, live_groups: list[dict], name: str) -> list[dict]:
     for pid in sd["state"]:
         if pid not in ids:
             raise ValueError(f"this optimizer state has state for parameter id {pid!r}, which no group lists")
-    uses_eps = get_spec(name).facts.uses_eps
+    spec = get_spec(name)
     for gi, g in enumerate(saved):
-        _check_group(g, gi, uses_eps)
+        _check_group(g, gi, spec.facts.uses_eps, spec.accepted)
     return _live_order(saved, live_groups)
 
 
@@ -326,7 +330,7 @@ def _check_tag(tag, family: Family, name: str) -> None:
     if tag.get("format", FORMAT) > FORMAT:
         raise ValueError(f"this optimizer state uses hf_efficient state format {tag['format']}; this version reads "
                          f"up to {FORMAT}: upgrade hf_efficient")
-    if tag.get("family") not in FAMILIES or not _convertible(tag["family"], family.name):
+    if tag.get("family") not in families() or not _convertible(tag["family"], family.name):
         raise ValueError(f"this optimizer state was written by hf_eff_{tag.get('name')} ({tag.get('family')} "
                          f"state) and cannot be loaded into hf_eff_{name}: resume with optim=hf_eff_{tag.get('name')},"
                          f" or start the optimizer afresh (remove optimizer.pt from the checkpoint)")
@@ -342,10 +346,11 @@ def _untagged_family(state: dict, libraries: set, family: Family) -> Family:
     math; keys only one family holds are that family's; a state without marks is torch's plain AdamW where the loader
     converts from it, else the loader's own."""
     keys = set().union(*state.values()) if state else set()
-    kin = [family] + [f for f in FAMILIES.values() if f is not family and f.math == family.math]
+    known = list(families().values())
+    kin = [family] + [f for f in known if f is not family and f.math == family.math]
     if libraries - {None} or any(_is_codes(v) for st in state.values() for v in st.values()):
-        return next((f for f in kin + list(FAMILIES.values()) if f.quantized), family)
-    marked = [f for f in FAMILIES.values() if f.marks & keys]
+        return next((f for f in kin + known if f.quantized), family)
+    marked = [f for f in known if f.marks & keys]
     if marked:
         return marked[0]
     return PLAIN if _convertible(PLAIN.name, family.name) else family
@@ -358,7 +363,7 @@ def validate(state_dict: dict, family: Family | str, name: str, param_names: lis
 
     ``groups``: the optimizer's param groups, to check the grouping and names against (default: one group).
     """
-    family = FAMILIES[family] if isinstance(family, str) else family
+    family = families()[family] if isinstance(family, str) else family
     live = groups if groups is not None else [{"params": params}]
     saved = _check_structure(state_dict, live, name)
     for i, (gi, pid) in enumerate((gi, pid) for gi, g in enumerate(saved) for pid in g["params"]):
@@ -377,7 +382,8 @@ def _decoded(family: Family, st: dict) -> dict[str, torch.Tensor]:
         fmt = family.state[key]
         if fmt.format in ("step", "absmax"):
             continue
-        out[key] = dequantize_blockwise(value, st[f"{key}_absmax"], fmt.signed) if _is_codes(value) else value.float()
+        out[key] = (fmt.codec.dequantize_blockwise(value, st[f"{key}_absmax"], fmt.signed) if _is_codes(value)
+                    else value.float())
     return out
 
 
@@ -409,8 +415,8 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
                     out[key] = torch.zeros_like(p, dtype=dtype)
                     actions.append(f"{fmt.label or key} started at zero")
                 elif quantize and fmt.format == "codes":  # an FSDP2 shard's whole, then its rows (as _requantized)
-                    codes, out[f"{key}_absmax"] = quantize_blockwise(_sharded.whole(values[key]), fmt.signed)
-                    out[key] = _sharded.shard_like(p, codes.reshape(p.shape))
+                    codes, out[f"{key}_absmax"] = fmt.codec.quantize_blockwise(_sharded.whole(values[key]), fmt.signed)
+                    out[key] = _sharded.shard_like(p, codes.reshape(fmt.codec.canonical_shape(p.shape)))
                 else:  # adamw: torch casts fp32 moments to the parameter's dtype itself
                     out[key] = values[key].to(dtype)
             if quantize:
@@ -439,7 +445,7 @@ def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list
     """Saved state of the loader's own family whose 8-bit / fp32 choice differs from this optimizer's, converted in
     place: 8-bit codes dequantized where the tensor keeps fp32, fp32 moments quantized (canonical blocks, as a kernel
     stores them: the only lossy direction) where it keeps 8-bit. The choices differ between one process and FSDP2
-    (rows of whole blocks, :func:`.families.keeps_8bit_state`), between backends (torchao's whole-block rule) and
+    (rows of whole blocks, :func:`.optim.facts.keeps_quantized_state`), between backends (torchao's whole-block rule) and
     thresholds. An FSDP2 state is converted whole (gathered: every rank loads, in the same order) and re-sharded
     like its parameter. One warning names the tensors."""
     impl = spec.backends[backend]
@@ -473,13 +479,14 @@ def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to
     ``p``'s shape with whole ``(blocks,)`` absmaxes (the optimizer's load places those), or fp32 moments."""
     out = {k: v for k, v in st.items() if k not in codes and family.state[k].format != "absmax"}
     for key in codes:
-        signed, value = family.state[key].signed, _sharded.whole(st[key])
+        fmt, value = family.state[key], _sharded.whole(st[key])
         if to_8bit:
-            out[key], out[f"{key}_absmax"] = quantize_blockwise(value.float(), signed)
+            out[key], out[f"{key}_absmax"] = fmt.codec.quantize_blockwise(value.float(), fmt.signed)
             out[key] = _sharded.shard_like(p, out[key])
         else:
             absmax = _sharded.whole(st[f"{key}_absmax"]).reshape(-1)
-            out[key] = _sharded.shard_like(p, dequantize_blockwise(value, absmax, signed).reshape(p.shape))
+            out[key] = _sharded.shard_like(p, fmt.codec.dequantize_blockwise(value, absmax, fmt.signed)
+                                           .reshape(p.shape))
     return out
 
 
@@ -569,7 +576,7 @@ def _check_not_cast(sd: dict, tag: dict | None, saved_ids: list, param_names: li
     recorded = _recorded_8bit(sd, tag)
     if recorded is None:
         return
-    family = FAMILIES[tag["family"]]
+    family = families()[tag["family"]]
     cast = []
     for pid, pname in zip(saved_ids, param_names):
         st = sd["state"].get(pid)
@@ -617,7 +624,7 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
             relabelled += [pname] if library else []
         if st is not None:
             state[pid] = dict(st) if isinstance(st, dict) else st  # the caller's dict stays as it was
-    src = FAMILIES[tag["family"]] if tag is not None else _untagged_family(
+    src = families()[tag["family"]] if tag is not None else _untagged_family(
         {k: v for k, v in state.items() if isinstance(v, dict)}, libraries, spec.facts)
     if not _convertible(src.name, spec.family):
         raise ValueError(f"this optimizer state holds {src.name} state and cannot be loaded into {spec.trainer_name}: "

@@ -17,8 +17,8 @@ import torch
 
 from .backends import TORCHAO_MIN_SIZE
 from .auto import AUTO_MARGIN, choose_auto
-from .memory import (MB, MemoryEstimate, UnsupportedSharding, estimate_memory, format_bytes, model_from_config,
-                     optimizer_state_bytes)
+from .estimate import estimate_memory
+from .memory import MB, MemoryEstimate, UnsupportedSharding, format_bytes, optimizer_state_bytes
 from .registry import PREFIX, SPECS, resolve
 
 __all__ = ["list_names", "estimate", "ROWS", "Row"]
@@ -110,6 +110,8 @@ def _load_model(args):
     """The model (meta device) and a description of it, from a directory or hub name."""
     from transformers import AutoConfig
 
+    from .integrations.transformers import model_from_config
+
     _check_local_path(args.model)
     try:
         config = AutoConfig.from_pretrained(args.model)
@@ -187,6 +189,7 @@ def _row_estimate(source, row: Row, dtype, device, sharded: dict) -> MemoryEstim
 def _measure(config, auto_class, estimates, dtype, device) -> dict[str, int]:
     """Build the model for real on ``device`` and measure each row's state after one step of zero gradients."""
     from .factory import create_optimizer
+    from .integrations.transformers import model_from_config
 
     model = model_from_config(config, auto_class, device=device)
     out = {}

@@ -64,7 +64,7 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
         spec, raw_options = get_spec(choice.name), choice.options
     check_hyperparams(lr=lr, betas=betas if spec.uses_betas else None,
                       eps=eps if spec.uses_betas and spec.facts.uses_eps else None, weight_decay=weight_decay)
-    options = parse_options(spec.name, spec.options, raw_options, source=source)
+    options = parse_options(spec.name, spec.accepted, raw_options, source=source)
     if isinstance(model, nn.Module):
         split = split_parameters(model, decay_embeddings=options["decay_embeddings"])
         groups = build_param_groups(model, weight_decay, split=split)

@@ -12,10 +12,11 @@ import os
 import sys
 
 import pytest
+from cases import names, packaged, plain
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WATCHDOG_S = 60  # a hung collective ends the worker (with tracebacks) instead of the 600 s launch timeout
-OPTIMIZERS = ("adamw", "adam8bit", "adafactor", "adamw_bf16")
+OPTIMIZERS = plain(names(packaged))  # every name of the package (the workers are other processes: not the example)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def worker(out_dir: str) -> None:
         except (ImportError, RuntimeError) as e:
             result["trained"][name] = {"skipped": str(e)}
             continue
-        dtype = torch.bfloat16 if spec.family == "adamw_bf16" else torch.float32
+        dtype = spec.facts.param_dtype
         plugin = EfficientOptimPlugin(optim=name, lr=1e-2, weight_decay=0.01, warmup_steps=1,
                                       gradient_accumulation_steps=2)
         start = tiny_mlm(0, dtype=dtype)
@@ -211,7 +212,7 @@ def fsdp2_probe() -> dict:
             except ImportError as e:
                 out[key] = {"skipped": str(e)}
                 continue
-            dtype = torch.bfloat16 if spec.family == "adamw_bf16" else torch.float32
+            dtype = spec.facts.param_dtype
             model = tiny_mlm(0, dtype=dtype, intermediate=128)  # a 128x64 matrix: 4096-element shards
             optimizer = EfficientOptimPlugin(optim=spec.name, backend=backend.name, lr=1e-3).create_optimizer(model)
             name_of = {id(p): n for n, p in model.named_parameters()}

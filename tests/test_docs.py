@@ -40,13 +40,13 @@ def test_every_table_is_somewhere_and_readme_has_names_and_options():
 
 
 def test_tables_list_every_name_and_option():
-    from hf_efficient.options import OPTIONS
+    from hf_efficient.registry import all_options
 
     names, options, distributed = render.names_table(), render.options_table(), render.distributed_table()
     for trainer_name in hf_efficient.available_optimizers():
         assert f"| `{trainer_name}` (" in names
         assert f"| `{trainer_name}`" in distributed  # every family, each of its backends
-    for key in OPTIONS:
+    for key in all_options():
         assert f"| `{key}` |" in options
 
 
@@ -140,3 +140,26 @@ def test_api_docstrings_render_as_written():
             assert entry.lstrip("*") in params, f"{path}: Args entry {entry!r} is not one of its parameters"
             checked += 1
     assert checked > 20
+
+
+def _parametrized(fn, arg: str) -> set:
+    """The values a test function is parametrized over for ``arg`` (its own marks, as pytest collects them)."""
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name == "parametrize" and mark.args[0] == arg:
+            return {v.values[0] if hasattr(v, "values") else v for v in mark.args[1]}
+    raise AssertionError(f"{fn.__name__} is not parametrized over {arg!r}")
+
+
+def test_fsdp2_yes_is_where_the_fsdp2_tests_run():
+    """docs/distributed.md says FSDP2 "yes" for exactly the names the FSDP2 tests parametrize over (both loops, the
+    checkpoint tests): a name the registry allows but no test runs is not claimed."""
+    import test_fsdp2
+    import test_fsdp2_integrations as integrations
+
+    ran = _parametrized(integrations.test_accelerate_fsdp2_trains_like_one_process, "name")
+    assert ran == _parametrized(integrations.test_trainer_fsdp2_trains_and_logs_per_rank_state, "name")
+    assert ran == _parametrized(test_fsdp2.test_dcp_save_on_two_ranks_resumes_exactly_on_two, "name")
+    assert {(n, "torch") for n in ran} == render.fsdp2_tested()
+    table = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    yes = {m.group(1) for m in re.finditer(r"^\| `hf_eff_(\w+)` \(\w+\) \| [^|]* \| yes", table, re.M)}
+    assert yes == ran and ran

@@ -67,6 +67,14 @@ def _lion(params, grads, states, group):
         m.mul_(beta2).add_(g, alpha=1 - beta2)
 
 
+def _sgdm(params, grads, states, group):
+    """SGD with momentum and decoupled weight decay (docs/contributing.md's example family, tests/example_family.py)."""
+    for p, g in zip(params, grads):
+        m = states.setdefault(p, torch.zeros_like(p))
+        m.mul_(group["momentum"]).add_(g)
+        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(m, alpha=-group["lr"])
+
+
 def _reference(math: str, params, group):
     """A float64 optimizer of ``math`` over ``params`` with ``group``'s hyperparameters; its ``step(grads)``."""
     if math == "adamw":
@@ -78,9 +86,9 @@ def _reference(math: str, params, group):
         opt = Adafactor(params, lr=group["lr"], eps=(group["eps"], 1e-3), clip_threshold=group["clip_threshold"],
                         decay_rate=group["decay_rate"], beta1=group["beta1"], weight_decay=group["weight_decay"],
                         scale_parameter=False, relative_step=False, warmup_init=False)
-    elif math == "lion":
-        states = {}
-        return lambda grads: _lion(params, grads, states, group)
+    elif math in ("lion", "sgdm"):
+        states, step = {}, {"lion": _lion, "sgdm": _sgdm}[math]
+        return lambda grads: step(params, grads, states, group)
     else:
         raise AssertionError(f"no float64 reference for the math {math!r}: add one to this test")
 

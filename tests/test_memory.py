@@ -14,8 +14,10 @@ from transformers import TrainerCallback
 import hf_efficient as hfe
 from hf_efficient import memory
 from hf_efficient.auto import AUTO_MARGIN, choose_auto, free_memory_bytes
-from hf_efficient.memory import MB, estimate_memory, optimizer_state_bytes
+from hf_efficient.estimate import estimate_memory
+from hf_efficient.memory import MB, optimizer_state_bytes
 from hf_efficient.registry import SPECS
+from cases import specs
 from conftest import ClassificationSet, tiny_bert, tiny_gpt2, tiny_llama
 
 HAS_BF16 = importlib.util.find_spec("hf_efficient.optim.adamw_bf16") is not None
@@ -110,10 +112,10 @@ def test_shared_storage_and_views_counted_once():
 
 
 def _cases():
-    """Every (name, backend, options) that can run on CPU here: each backend of each spec, plus the 8-bit
-    policy variants; the paged name resolves to adam8bit off CUDA."""
+    """Every (name, backend, options) that can run on CPU here: each backend of each spec (docs/contributing.md's
+    example family's too), plus the 8-bit policy variants; the paged name resolves to adam8bit off CUDA."""
     out = []
-    for spec in SPECS.values():
+    for spec in specs():
         if not spec.backends:
             continue
         backends = [b for b, be in spec.backends.items() if be.why_not("cpu") is None] or [None]
@@ -126,6 +128,7 @@ def _cases():
     return out
 
 
+@pytest.mark.example_family
 @pytest.mark.parametrize("make", [tiny_bert, tiny_gpt2, tiny_llama], ids=["bert", "gpt2", "llama"])
 def test_prediction_matches_measurement_within_3_percent(make, eager_torchao):
     rows = []
@@ -140,7 +143,7 @@ def test_prediction_matches_measurement_within_3_percent(make, eager_torchao):
         predicted = estimate_memory(model, name, backend=backend, **options)
         measured = optimizer_state_bytes(one_step(model, name, backend=backend, **options))
         rows.append((name, backend, options, predicted.state_bytes, measured))
-    assert {r[0] for r in rows} >= {"adamw", "adam8bit", "paged_adam8bit", "adafactor"}
+    assert {r[0] for r in rows} >= {"adamw", "adam8bit", "paged_adam8bit", "adafactor", "sgdm8bit"}
     for name, backend, options, predicted, measured in rows:
         assert abs(predicted - measured) <= 0.03 * measured, (name, backend, options, predicted, measured)
 
@@ -165,14 +168,21 @@ def test_estimate_for_a_count_states_its_assumption():
 
 
 def test_estimate_for_a_config_builds_on_meta():
+    """A config becomes a meta model in the integration (the core never imports transformers); handed to
+    estimate_memory itself, it is refused with that one line."""
     from transformers import DistilBertConfig
 
+    from hf_efficient.integrations.transformers import model_from_config
+
     cfg = DistilBertConfig(vocab_size=28996, architectures=["DistilBertForSequenceClassification"])
-    est = estimate_memory(cfg, "adam8bit", device="cpu")
+    with pytest.raises(TypeError, match=r"transformers config.*estimate_memory\(model_from_config\(config\)"):
+        estimate_memory(cfg, "adam8bit")
+    model = model_from_config(cfg)
+    est = estimate_memory(model, "adam8bit", device="cpu")
     assert est.num_params == 65_783_042 and est.assumption is None
     emb = 28996 * 768 + 512 * 768  # word + position embeddings keep 32-bit state by default
     assert est.state_bytes > 8 * emb
-    allq = estimate_memory(cfg, "adam8bit", device="cpu", embedding_state="8bit", min_8bit_size=1)
+    allq = estimate_memory(model, "adam8bit", device="cpu", embedding_state="8bit", min_8bit_size=1)
     assert 125 < allq.state_bytes / MB < 128  # the reference measured 128 MB with bitsandbytes' defaults
 
 

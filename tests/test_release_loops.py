@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hf_efficient as hfe
+from cases import fp32_model, names
 from hf_efficient import release
 from hf_efficient.factory import optimizer_info
 
@@ -128,11 +129,12 @@ class _EvenOdd(nn.Module):
         return (self.even(h) if step % 2 == 0 else h).pow(2).mean()
 
 
-CASES = [("adamw", {}), ("adam8bit", {}), ("lion8bit", {}), ("adafactor", {}),
-         ("adamw", {"bucket_bytes": 0})]
+# every name made for fp32 models (this model's), and one of them with each tensor stepped alone
+CASES = [pytest.param(*p.values, {}, marks=p.marks, id=p.id) for p in names(fp32_model)] + [
+    pytest.param("adamw", {"bucket_bytes": 0}, id="adamw-bucket_bytes=0")]
 
 
-@pytest.mark.parametrize("name,opts", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("name,opts", CASES)
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_zero_grad_keeping_zeros_equals_the_ordinary_step(name, opts, set_to_none):
     """The ordinary loop steps a kept zero gradient (momentum, decay, step count move); release steps it at step():

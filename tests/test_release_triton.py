@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from triton_helpers import needs_interpreter, on_cpu, triton  # noqa: F401
+from cases import cls_of, names, plain, triton_kernel
 from helpers import no_host_read
+from hf_efficient.registry import get_spec
 import hf_efficient as hfe
 from hf_efficient import nonfinite, release
 from hf_efficient.optim import _triton
@@ -23,8 +25,9 @@ B = pytest.importorskip("hf_efficient.optim.blockwise_triton")
 K = pytest.importorskip("hf_efficient.optim.nonfinite_triton")
 pytestmark = needs_interpreter
 
-NAMES = ["adam8bit", "lion8bit"]  # 8-bit weights and fp32-state biases: every tensor takes a Triton kernel
-KERNELS = {"adam8bit": "adamw8bit_kernel", "lion8bit": "lion8bit_kernel"}
+# the quantized families with a Triton kernel: 8-bit weights and fp32-state biases, every tensor takes a Triton kernel
+NAMES = names(triton_kernel)
+KERNELS = {n: f"{cls_of(get_spec(n)).NAME}_kernel" for n in plain(NAMES)}
 
 
 class Spy:

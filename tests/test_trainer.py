@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from cases import fp32_model, names, packaged, plain
 from conftest import ClassificationSet, tiny_bert
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
@@ -192,7 +193,8 @@ def test_the_embedding_state_hint_comes_once_from_the_optimizer_build(tmp_path, 
     """Where 32-bit embedding state (the default, not chosen) keeps the saving small (a large vocabulary), the
     Trainer's line at building says, at WARNING, what embedding_state=8bit would save: under any script (run_clm.py
     showed nothing: the line was at INFO on hf_efficient's logger, which only the examples turned on), once."""
-    from hf_efficient.memory import MB, estimate_memory
+    from hf_efficient.estimate import estimate_memory
+    from hf_efficient.memory import MB
 
     model = tiny_bert(vocab=4096)  # embeddings hold most parameters, as in MiniLM or GPT-2
     trainer = Trainer(model=model, args=_args(tmp_path, optim, steps=1, optim_args=optim_args),
@@ -255,7 +257,8 @@ def test_adamw_bf16_trains_a_bf16_model_with_warmup_and_no_autocast(tmp_path):
         "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "kahan_comp": torch.bfloat16}
 
 
-@pytest.mark.parametrize("optim", ["hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_lion8bit", "hf_eff_adafactor"])
+# every name made for fp32 models (hf_eff_adamw_bf16, made for bf16 ones, has its test above), known to transformers
+@pytest.mark.parametrize("optim", [hfe.registry.PREFIX + n for n in plain(names(packaged, fp32_model))])
 def test_every_name_trains_a_bf16_model_compensated_and_resumes_exactly(tmp_path, optim):
     """A bf16 model (no autocast): each name's default compensation holds what rounding to bf16 drops (its Kahan
     buffer, or stochastic rounding), the loss falls, and a resume from a checkpoint equals the uninterrupted run

@@ -18,15 +18,18 @@ import torch
 
 from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, signature_8bit, triton  # noqa: F401
 from hf_efficient.optim import _triton, quant8
+from cases import cls_of, names, plain, triton_kernel
 from hf_efficient.optim.adamw8bit import AdamW8bit
 from hf_efficient.optim.lion8bit import Lion8bit
+from hf_efficient.registry import get_spec
 
 B = pytest.importorskip("hf_efficient.optim.blockwise_triton")
 
 N = B.NB * 256 + 256 + 37  # two programs: one of whole blocks, one of a whole and a partial block
 CASES = [(torch.float32, "none"), (torch.bfloat16, "kahan"), (torch.bfloat16, "stochastic"), (torch.bfloat16, "none"),
          (torch.float16, "kahan"), (torch.float16, "stochastic")]
-KERNEL = {AdamW8bit: "adamw8bit_kernel", Lion8bit: "lion8bit_kernel"}
+FAMILIES = [cls_of(get_spec(n)) for n in plain(names(triton_kernel))]  # the quantized families with a Triton kernel
+KERNEL = {cls: f"{cls.NAME}_kernel" for cls in FAMILIES}
 
 
 class Spy:
@@ -97,7 +100,7 @@ def assert_same(pa, oa, pb, ob, fp32_ulps=4):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda cls: cls.NAME)
 @pytest.mark.parametrize("dtype,mode", CASES)
 def test_triton_step_gives_the_eager_kernels_codes(on_cpu, spy, cls, dtype, mode):
     pt, ot = make(cls, dtype, mode)
@@ -110,7 +113,7 @@ def test_triton_step_gives_the_eager_kernels_codes(on_cpu, spy, cls, dtype, mode
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda cls: cls.NAME)
 def test_void_flag_changes_nothing_and_empty_groups_launch_nothing(on_cpu, spy, cls):
     params, opt = make(cls, torch.bfloat16, "kahan")
     run(params, opt, 1)
@@ -152,7 +155,7 @@ def test_a_failed_probe_falls_back_to_the_next_kernel_with_one_warning(on_cpu, m
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda cls: cls.NAME)
 def test_stepping_in_buckets_equals_one_step(on_cpu, cls):
     """Gradient release steps the tensors whose gradients are ready, a bucket at a time: the same bits as one step."""
     runs = []
@@ -169,7 +172,7 @@ def test_stepping_in_buckets_equals_one_step(on_cpu, cls):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda cls: cls.NAME)
 def test_resume_on_the_triton_kernel_is_exact(on_cpu, cls):
     pa, oa = make(cls, torch.bfloat16, "stochastic")
     run(pa, oa, 4)
@@ -193,7 +196,7 @@ def test_resume_on_the_triton_kernel_is_exact(on_cpu, cls):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda cls: cls.NAME)
 @pytest.mark.parametrize("first", ["triton", "cpu"])
 def test_checkpoints_move_between_triton_and_the_cpu_kernel(on_cpu, cls, first):
     """2 steps on one path, its state_dict loaded by the other path's optimizer, which continues 2 steps like the
@@ -283,7 +286,7 @@ def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtyp
 
 
 @needs_interpreter
-@pytest.mark.parametrize("cls", [AdamW8bit, Lion8bit])
+@pytest.mark.parametrize("cls", FAMILIES, ids=lambda cls: cls.NAME)
 @pytest.mark.parametrize("max_programs", [65535, 1])
 def test_a_groups_8bit_tensors_share_one_launch_per_dtype_pair(on_cpu, spy, monkeypatch, cls, max_programs):
     """Two groups of 8-bit tensors (partial, single-block and multi-program sizes; bf16 weights, one of them with an
@@ -368,7 +371,7 @@ def test_alignment_is_promised_exactly_where_every_address_is_aligned(on_cpu, sp
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+@pytest.mark.parametrize("name", names(triton_kernel))
 def test_the_guard_checks_on_the_device_where_every_tensor_takes_a_triton_kernel(name, on_cpu, monkeypatch):
     """takes_found_inf(): True where every tensor with a gradient goes to a Triton kernel (the 8-bit ones, and the
     fp32-state ones: Lion's own kernel, AdamW8bit's through adamw.py's); then an inf gradient under nonfinite=skip

@@ -26,15 +26,33 @@ import torch
 from .. import guard
 from ..auto import choose_auto
 from ..factory import build_optimizer, optimizer_info
-from ..memory import MB, estimate_memory, format_bytes, peak_memory, state_metrics
+from ..estimate import estimate_memory
+from ..memory import MB, format_bytes, peak_memory, state_metrics
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
 from .distributed import trainer_fsdp_version
 
 __all__ = ["register", "patch_training_args", "patch_trainer", "check_optim_args", "TrainerOptimizer",
-           "is_hf_eff_name", "MemoryCallback"]
+           "is_hf_eff_name", "MemoryCallback", "model_from_config"]
 
 logger = logging.getLogger(__name__)
+
+
+def model_from_config(config, auto_class: str | None = None, device: torch.device | str = "meta") -> torch.nn.Module:
+    """A transformers model for ``config``, by default on the meta device: shapes and dtypes, no memory (for
+    :func:`hf_efficient.estimate_memory` and ``hf-efficient estimate``).
+
+    The class is ``auto_class`` (e.g. ``"AutoModelForSequenceClassification"``), else the config's first
+    ``architectures`` entry, else ``AutoModel``. Here, not in the core: the core never imports transformers.
+    """
+    import transformers
+
+    cls_name = auto_class or (getattr(config, "architectures", None) or ["AutoModel"])[0]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
+    with torch.device(device):
+        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
 
 
 def is_hf_eff_name(optim) -> bool:
@@ -49,7 +67,7 @@ def check_optim_args(optim, optim_args: str | None) -> None:
     """
     spec = get_spec(optim)
     try:
-        parse_options(spec.name, spec.options, parse_optim_args(optim_args), source="optim_args")
+        parse_options(spec.name, spec.accepted, parse_optim_args(optim_args), source="optim_args")
     except ValueError as exc:
         raise ValueError(f"TrainingArguments(optim={PREFIX + spec.name!r}, optim_args={optim_args!r}): {exc}") from None
 

@@ -34,7 +34,7 @@ import torch
 from .compensation import C_MODES, WEIGHT_STREAM
 
 __all__ = ["available", "applies", "interpret_on_cpu", "KAHAN", "STOCHASTIC", "NONE", "flag", "zero_flag",
-           "advance_steps", "takes_flag_for_all", "PointerTable", "jit_helpers", "split64", "fp32"]
+           "advance_steps", "PointerTable", "jit_helpers", "split64", "fp32"]
 
 KAHAN, STOCHASTIC, NONE = C_MODES["kahan"], C_MODES["stochastic"], C_MODES["none"]
 _ON_CPU = False
@@ -115,25 +115,6 @@ def advance_steps(steps: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     no host synchronisation. Call it before the kernels, which read the new counts."""
     if steps:
         torch._foreach_add_(steps, found_inf.reshape(()).eq(0).float())
-
-
-def takes_flag_for_all(optimizer, takes) -> bool:
-    """The guard's ``takes_found_inf()`` for a family whose Triton kernel steps a tensor once its state exists: True
-    where some tensor has a gradient and, in every group holding one, ``takes(group, params, states)`` says the
-    Triton kernel steps all of them. False before a tensor's first step (its state is made in step()) and for FSDP2
-    shards (their host paths read the flag)."""
-    from . import _sharded
-
-    any_grad = False
-    for group in optimizer.param_groups:
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            continue
-        states = [optimizer.state.get(p) for p in params]
-        if not all(states) or any(_sharded.is_sharded(p) for p in params) or not takes(group, params, states):
-            return False
-        any_grad = True
-    return any_grad
 
 
 class PointerTable:
