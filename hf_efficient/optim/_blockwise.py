@@ -204,13 +204,13 @@ class Blockwise8bit(Optimizer):
 
     @classmethod
     def c_kernel(cls) -> _dispatch.CKernel:
-        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c``, declared once per class (its argument list
-        depends on the number of moments)."""
+        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c`` (blockwise.h's arguments), declared once per
+        class (``codes`` / ``absmax``: every tensor's first moment, then every tensor's second...)."""
         if "_c_kernel" not in cls.__dict__:
-            moments = " ".join(f"{kind}{i}:ptrs" for kind in ("codes", "absmax") for i in range(len(cls.MOMENTS)))
+            k = len(cls.MOMENTS)
             cls._c_kernel = _dispatch.CKernel(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step", "count params:ptrs grads:ptrs "
-                                              f"{moments} numel:i64s bf16:i32s comps:ptrs keys:i32s mode:mode "
-                                              "maps:ptr coef:f32s*", cls._probe)
+                                              f"codes:ptrs*{k} absmax:ptrs*{k} numel:i64s bf16:i32s comps:ptrs "
+                                              "keys:i32s mode:mode maps:ptr coef:f32s*", cls._probe)
         return cls._c_kernel
 
     @staticmethod
@@ -256,8 +256,8 @@ class Blockwise8bit(Optimizer):
         :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn; bf16 weights are
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
-        cls.c_kernel().run(fn, count, params, grads, *(codes[i::k] for i in range(k)),
-                           *(absmax[i::k] for i in range(k)), numel, [p.dtype == torch.bfloat16 for p in params],
+        by_moment = [c for i in range(k) for c in codes[i::k]], [a for i in range(k) for a in absmax[i::k]]
+        cls.c_kernel().run(fn, count, params, grads, *by_moment, numel, [p.dtype == torch.bfloat16 for p in params],
                            comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
                            n=sum(quant8.blocks(n) for n in numel), unit=quant8.BLOCK, threads=threads)
 
