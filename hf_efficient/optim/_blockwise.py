@@ -122,7 +122,7 @@ class Blockwise8bit(Optimizer):
     def __init__(self, params, defaults: dict, fp32_state_params=None):
         _check_8bit_keys(defaults, self.FACTS, self.FAMILY)
         self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
-        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (blockwise_triton.launch)
+        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (_triton.launch)
         super().__init__(params, defaults)
 
     # --- what a family gives -------------------------------------------------------------------------------
@@ -568,7 +568,7 @@ class Blockwise8bit(Optimizer):
             for device, (launch, items) in gpu.items():
                 flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
                 _triton.advance_steps([it[2]["step"] for it in items], flag)
-                with on_device(device):  # one launch per (weight dtype, gradient dtype): blockwise_triton.launch
+                with on_device(device):  # one launch per (weight dtype, gradient dtype): _triton.launch
                     launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
             if fp32:
                 self.step_32bit(group, fp32)
