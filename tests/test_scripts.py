@@ -181,8 +181,7 @@ def test_bench_cuda_sweep_runs_the_8bit_kernels_under_each_program_shape(tmp_pat
     from hf_efficient.optim import _triton
     from hf_efficient.optim import blockwise_triton as B
 
-    _triton.interpret_on_cpu(True)
-    monkeypatch.setattr(_triton, "_ON_CPU", True)  # put back (off) after the test
+    monkeypatch.setattr(_triton, "_ON_CPU", True)  # interpret_on_cpu(True) for this test only (put back after)
     cuda = _load("bench_cuda")
     seen = []
     real = _triton.launch
