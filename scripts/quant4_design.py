@@ -10,7 +10,10 @@ fp32 moments, as torchao's and this package's 8-bit kernels do), then ``exp_avg`
 what their codec would decode. Storing the decoded values is storing the codes: the run is the codec's, without its
 kernels. Tensors under 4096 elements keep fp32 moments (torchao's and bitsandbytes' rule); every other tensor,
 embeddings included, is quantized. The row ``torchao AdamW4bit`` is torchao's optimizer itself (its compiled step),
-on the same run.
+on the same run. It differs from ``ao4`` (its maps in this loop) by one more rule: torchao floors every scale at
+1e-12 (``scale_tensor``'s ``clip``), so a block of second moments below 1e-12 decodes as if its largest were 1e-12
+(at least 1e-12 / 16): a larger ``eps`` for the parameters of tiny gradients. With that floor this loop reproduces
+``AdamW4bit`` (weights within 2e-6 after 10 steps at lr 1e-2 on a 64 x 128 tensor).
 
 Candidates (normalized by each block's absmax unless said; "nearest": the map value nearest to the normalized
 value, "companded": rounding in the companded domain):
@@ -29,7 +32,9 @@ Tasks: ``minilm``, scripts/convergence.py's task (masked-LM fine-tuning of the p
 Python's documentation, 150 steps of 16, lr 1e-4); ``llama``, a config-built 4-layer Llama (hidden 256, the
 tokenizer's 4095 most frequent tokens) trained from scratch on the same text as a causal LM (300 steps of 16 windows
 of 64 tokens, lr 1e-3): from scratch the moments matter more than in a short fine-tuning. Both: linear warm-up over
-10% then linear decay, weight decay 0.01 on this package's decay groups, seed 0. Writes ``--out``/quant4_design.json.
+10% then linear decay, weight decay 0.01 on this package's decay groups, seed 0 (``--seed``: another model
+initialization, data order and masks, on the same split and eval set). Writes ``--out``/quant4_design.json (with
+``--seed``, ``quant4_design_seedN.json``).
 """
 
 from __future__ import annotations
@@ -110,6 +115,11 @@ def v_sqrt(x, block=128):
     return _blocks(x.sqrt(), block, lambda xn: _nearest(xn, LIN16)) ** 2
 
 
+def v_log2(x, block=128):
+    """Powers of two ``2**-c`` (c = 0..15) of the block's largest, no zero; the nearest in the log domain."""
+    return _blocks(x, block, lambda xn: 2.0 ** -torch.round(-torch.log2(xn)).clamp(0, 15))
+
+
 def v_rank1(x, block=128):
     if x.dim() < 2:
         return v_lin(x, block)
@@ -142,9 +152,10 @@ def _designs() -> dict:
         "fp32": (None, None, "fp32 AdamW (this script's loop, fp32 moments)"),
         "ao": (None, None, "torchao AdamW4bit (its own compiled step)"),
         "8bit": (q8(True), q8(False), "this package's 8-bit codec, blocks of 256"),
-        "ao4": (m_de, v_lin, "m: de, v: lin (torchao AdamW4bit's codec), B128"),
+        "ao4": (m_de, v_lin, "m: de, v: lin (torchao AdamW4bit's maps; scales without its 1e-12 floor), B128"),
         "de+de0": (m_de, v_de0, "m: de, v: unsigned dynamic map with the floor, B128"),
         "de+sqrt": (m_de, v_sqrt, "m: de, v: sqrt on lin, B128"),
+        "de+log2": (m_de, v_log2, "m: de, v: powers of two of the block's largest (2**-15 .. 1), B128"),
         "de+rank1": (m_de, v_rank1, "m: de, v: rank-1 normalised lin (Li et al. 2023); B128 for 1-D"),
         "softsign+sqrt": (m_softsign, v_sqrt, "m: softsign companding, v: sqrt on lin, B128"),
         "sq+sqrt": (m_sq, v_sqrt, "m: sign * (q/7)**2, v: sqrt on lin, B128"),
@@ -208,9 +219,10 @@ def _minilm(cfg: dict):
 
     model, tok = load_model_and_tokenizer()
     train, ev = build_datasets(tok, max_length=64, seed=0)
-    masker = MLMCollator(tok, generator=torch.Generator().manual_seed(0))
+    seed = cfg.get("seed", 0)  # the split and the eval masks stay seed 0's: every seed is scored on one set
+    masker = MLMCollator(tok, generator=torch.Generator().manual_seed(seed))
     loader = DataLoader(train, batch_size=16, shuffle=True, drop_last=True, collate_fn=masker,
-                        generator=torch.Generator().manual_seed(0))
+                        generator=torch.Generator().manual_seed(seed))
     eval_loader = DataLoader(ev[:cfg["eval_examples"] or None], batch_size=64, collate_fn=MLMCollator(tok))
 
     def loss(batch):
@@ -233,11 +245,12 @@ def _llama(cfg: dict):
     windows = windows[torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))]
     n_eval = max(16, len(windows) // 20)
     ev, train = windows[:n_eval], windows[n_eval:]
-    torch.manual_seed(0)
+    seed = cfg.get("seed", 0)  # the split stays seed 0's
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768,
                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                                          max_position_embeddings=64, tie_word_embeddings=False))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
 
     def loader():
         while True:
@@ -268,7 +281,7 @@ def train_one(task: str, design: str, cfg: dict) -> dict:
         torch.set_num_threads(cfg["threads"])
     build, steps, lr = TASKS[task]
     steps = cfg.get("steps") or steps
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.get("seed", 0))
     model, loader, evaluate, loss_fn = build(cfg)
     groups = hfe.build_param_groups(model, weight_decay=0.01)
     if design == "ao":
@@ -307,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="override each task's steps")
     p.add_argument("--eval-examples", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the model's initialization, data order and masks")
     p.add_argument("--quick", action="store_true", help="4 steps, 64 eval paragraphs: a smoke test")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -315,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(train_one(args.worker[0], args.worker[1], json.loads(args.worker[2]))))
         return {}
     cfg = {"threads": args.threads, "steps": 4 if args.quick else args.steps,
-           "eval_examples": 64 if args.quick else args.eval_examples}
+           "eval_examples": 64 if args.quick else args.eval_examples, **({"seed": args.seed} if args.seed else {})}
     designs = [d for d in args.only.split(",") if d] or DEFAULT
     unknown = [d for d in designs if d not in _designs()]
     if unknown:
@@ -328,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
     keep.mkdir(parents=True, exist_ok=True)
 
     def launch(job):
-        done = keep / f"{job[0]}-{job[1].replace(' ', '_').replace('+', '_')}.json"
+        seed = f"-seed{cfg['seed']}" if cfg.get("seed") else ""
+        done = keep / f"{job[0]}-{job[1].replace(' ', '_').replace('+', '_')}{seed}.json"
         if done.exists() and json.loads(done.read_text()).get("config") == cfg:
             return json.loads(done.read_text())
         proc = subprocess.run([sys.executable, __file__, "--worker", job[0], job[1], json.dumps(cfg)],
@@ -350,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"command": command_line(__file__, argv), "machine": start, "loadavg_after": machine()["loadavg_1_5_15"],
            "wall_s": round(time.perf_counter() - t0, 1), "config": cfg, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quant4_design.json").write_text(json.dumps(doc, indent=1) + "\n")
+    name = f"quant4_design_seed{args.seed}.json" if args.seed else "quant4_design.json"
+    (args.out / name).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{'task':7} {'design':14} {'final eval loss':>15} {'vs fp32':>8}")
     for r in rows:
         print(f"{r['task']:7} {r['design']:14} {r.get('final_loss', float('nan')):15.4f} "
