@@ -1,6 +1,7 @@
 """Fine-tune a pretrained masked LM with Accelerate; the optimizer is chosen in config, not in this code.
 
-    HF_EFF_OPTIM=adam8bit HF_EFF_GRADIENT_ACCUMULATION_STEPS=4 accelerate launch examples/accelerate_train.py
+    HF_EFF_OPTIM=adam8bit HF_EFF_GRADIENT_ACCUMULATION_STEPS=4 accelerate launch examples/accelerate_train.py \
+        --max_steps 10                                     # minutes on a 2-core CPU
     HF_EFF_CONFIG=optim.yaml ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \
         examples/accelerate_train.py --max_steps 20        # 2 CPU processes, gloo
     python examples/accelerate_train.py --model bert-base-uncased     # any hub MLM, given a network
@@ -42,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="hub name or local directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--config", default=None, help="YAML file of EfficientOptimPlugin fields (or set HF_EFF_CONFIG)")
-    p.add_argument("--max_steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--max_steps", type=int, default=10, help="optimizer steps (the default is sized for a CPU, where "
+                   "a step of 4 micro-batches took ~15 s on a busy 2-core machine; give hundreds on a GPU)")
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
     p.add_argument("--per_device_eval_batch_size", type=int, default=32)
     p.add_argument("--max_length", type=int, default=128, help="tokens per paragraph, longer ones are truncated")

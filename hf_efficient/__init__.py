@@ -8,7 +8,8 @@ imports them. Importing this package does the same even when the hook is off (``
 
 from . import _autoload
 from .factory import create_optimizer, optimizer_info
-from .memory import estimate_memory, optimizer_state_bytes
+from .estimate import estimate_memory
+from .memory import optimizer_state_bytes
 from .param_groups import build_param_groups, split_parameters
 from .registry import available_optimizers, resolve
 

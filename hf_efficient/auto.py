@@ -2,7 +2,8 @@
 
 Built on :mod:`hf_efficient.memory`'s predictions (the same per-tensor counts :func:`~hf_efficient.estimate_memory`
 makes), so the choice and ``hf-efficient estimate`` agree. The choice is logged at INFO with every candidate's
-bytes; when nothing fits, the smallest is chosen and a WARNING says so. On a sharded model (FSDP2 DTensor
+bytes; when nothing fits, the smallest is chosen and a WARNING says so (the Trainer's line says the choice and
+:meth:`AutoChoice.why` at WARNING either way: it depends on the free memory). On a sharded model (FSDP2 DTensor
 parameters, or ``world_size``/``sharding`` given) each candidate is sized per rank, and a name that cannot train
 under that sharding (the registry's ``fsdp2`` / ``deepspeed`` facts) is no candidate.
 """
@@ -17,7 +18,7 @@ import torch
 
 from .memory import MB, Described, MemoryEstimate, UnsupportedSharding, describe_params, predict
 from .options import parse_options
-from .registry import PICKERS, PREFIX, get_spec
+from .registry import PREFIX, get_spec
 
 __all__ = ["choose_auto", "AutoChoice", "free_memory_bytes", "AUTO_MARGIN", "AUTO_ORDER", "AUTO_ORDER_BF16"]
 
@@ -48,13 +49,17 @@ class AutoChoice:
         return next(c for c in self.candidates if c.name == PREFIX + self.name)
 
     def summary(self) -> str:
+        return f"{PREFIX}auto chose {PREFIX}{self.name}, {self.why()}"
+
+    def why(self) -> str:
+        """Why this name: the first (most accurate) that fits, against what memory, and what each candidate needs."""
         rows = "; ".join(f"{c.name} needs {_gb(c.total_bytes)} (params {_gb(c.param_bytes)} + grads "
                          f"{_gb(c.grad_bytes)} + state {_gb(c.state_bytes)})" for c in self.candidates)
         verdict = "the first that fits" if self.fits else "the smallest; NONE FITS, expect out-of-memory"
         first = self.candidates[0]
         where = f" per rank of {first.world_size} ({first.sharding})" if first.sharding else ""
-        return (f"{PREFIX}auto chose {PREFIX}{self.name}, {verdict}{where}: usable {_gb(self.usable_bytes)} = "
-                f"{1 - AUTO_MARGIN:.0%} of {_gb(self.available_bytes)} ({self.source}); {rows}")
+        return (f"{verdict}{where}: usable {_gb(self.usable_bytes)} = {1 - AUTO_MARGIN:.0%} of "
+                f"{_gb(self.available_bytes)} ({self.source}); {rows}")
 
 
 def _gb(n: int) -> str:
@@ -107,7 +112,7 @@ def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
     """:func:`choose_auto` for a model already described (:func:`~hf_efficient.memory.describe_params`)."""
     tensors, dev = described.tensors, described.device
     auto = get_spec("auto")
-    opts = parse_options(auto.name, auto.options, given, source=source)
+    opts = parse_options(auto.name, auto.accepted, given, source=source)
     if opts["budget_gb"] is not None:
         available, where = int(opts["budget_gb"] * 2**30), f"budget_gb={opts['budget_gb']}"
     else:
@@ -143,10 +148,3 @@ def _held_bytes(described: Described) -> int:
     return predict(described.tensors, "adamw", described.device, world_size=described.world_size,
                    sharding=described.sharding).param_bytes
 
-
-def _estimate_choice(described: Described, options: dict) -> MemoryEstimate:
-    """``estimate_memory(model, "auto")``: the prediction for the name ``hf_eff_auto`` picks (see registry.PICKERS)."""
-    return choose_from(described, options, "estimate_memory").chosen
-
-
-PICKERS["auto"] = _estimate_choice

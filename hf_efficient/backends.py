@@ -9,7 +9,7 @@ tensor by tensor (:mod:`hf_efficient.memory`). 8-bit rules say which tensors a b
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -18,17 +18,15 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from .families import ADAMW8BIT, LION8BIT, Family, keeps_8bit_state
 from .optim.compensation import LOW_PRECISION
+from .optim.facts import Family, codes_bytes, keeps_quantized_state
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_torch_adamw", "build_torch_adamw8bit", "bnb_builder", "build_bnb_adamw8bit",
-           "build_bnb_paged_adamw8bit", "build_torchao_adamw8bit", "build_adafactor", "build_adamw_bf16",
-           "build_torch_lion8bit", "Layout", "bnb_layout", "torchao_layout",
-           "bnb_keeps_8bit", "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
+__all__ = ["build_torch_adamw", "class_builder", "bnb_builder", "build_torchao_adamw8bit", "Layout", "bnb_layout", "torchao_layout", "bnb_keeps_8bit",
+           "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
            "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory", "torch_adamw_memory"]
 
 
@@ -40,11 +38,14 @@ def _with_cls(load: Callable[[], type]):
 
 
 def fused_adamw_supported(device: torch.device, params: Iterable[torch.Tensor]) -> bool:
-    """torch ships a fused AdamW kernel for this device type and these dtypes."""
+    """torch ships a fused AdamW kernel for this device type and these dtypes, and it steps these weights right (a
+    slice of a larger tensor it would not: :func:`.optim.adamw.fused_takes`)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+    from .optim.adamw import fused_takes
+
     return device.type in _get_fused_kernels_supported_devices() and all(
-        p.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) for p in params)
+        p.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16) and fused_takes(p) for p in params)
 
 
 def _compensated_adamw_cls():
@@ -103,8 +104,6 @@ def bnb_builder(base_name: str, *, uses_eps: bool = True) -> Callable:
     return build
 
 
-build_bnb_adamw8bit = bnb_builder("AdamW8bit")
-build_bnb_paged_adamw8bit = bnb_builder("PagedAdamW8bit")
 
 
 TORCHAO_MIN_SIZE = 4096  # torchao quantizes only tensors of at least this many elements
@@ -189,46 +188,25 @@ def compiler_missing(device_type: str) -> str | None:
     return None
 
 
-def _blockwise_builder(module: str, name: str, family: Family) -> Callable:
-    """The builder of one of this package's 8-bit families (``optim.{module}.{name}``): the options it reads and
-    ``fp32_state_params``; ``eps`` is passed where the family has one (``family.uses_eps``; Lion has none: accepted
-    for the common signature and unused)."""
-    def load() -> type:
-        return getattr(importlib.import_module(f"hf_efficient.optim.{module}"), name)
+def takes(cls: type) -> set[str]:
+    """The keywords ``cls`` (an optimizer class) takes."""
+    return set(inspect.signature(cls).parameters)
 
-    @_with_cls(load)
+
+def class_builder(cls: type) -> Callable:
+    """The builder of one of this package's optimizer classes: it passes each value the class takes, by name (its
+    keyword-only signature is its hyperparameters): ``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``fp32_state_params`` and the parsed options (``compensation``, ``min_8bit_size``, the family's own)."""
+    accepted = takes(cls)
+
+    @_with_cls(lambda: cls)
     def build(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-        return load()(groups, lr=lr, betas=betas, weight_decay=weight_decay, **({"eps": eps} if family.uses_eps else {}),
-                      min_8bit_size=options["min_8bit_size"], fp32_state_params=fp32_state_params,
-                      compensation=options["compensation"])
+        given = dict(options, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                     fp32_state_params=fp32_state_params)
+        return cls(groups, **{k: v for k, v in given.items() if k in accepted})
+
+    build.__name__ = build.__qualname__ = f"build_{cls.__name__}"
     return build
-
-
-build_torch_adamw8bit = _blockwise_builder("adamw8bit", "AdamW8bit", ADAMW8BIT)
-build_torch_lion8bit = _blockwise_builder("lion8bit", "Lion8bit", LION8BIT)
-
-
-def _adafactor_cls():
-    from .optim.adafactor import Adafactor
-    return Adafactor
-
-
-@_with_cls(_adafactor_cls)
-def build_adafactor(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _adafactor_cls()(groups, lr=lr, weight_decay=weight_decay, beta1=options["beta1"],
-                            decay_rate=options["decay_rate"], clip_threshold=options["clip_threshold"],
-                            compensation=options["compensation"])
-
-
-def _adamw_bf16_cls():
-    from .optim.adamw_bf16 import AdamWBF16
-    return AdamWBF16
-
-
-@_with_cls(_adamw_bf16_cls)
-def build_adamw_bf16(groups, *, lr, betas, eps, weight_decay, options, fp32_state_params, device):
-    return _adamw_bf16_cls()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                             compensation=options["compensation"])
 
 
 # --- state layouts: a backend's per-parameter state <-> the canonical layout -------------------------------------
@@ -420,27 +398,28 @@ def torchao_memory(moments: int) -> Callable:
     return rule
 
 
-def _torch_keeps_8bit_shape(t, opts: Mapping) -> bool:
-    """``Blockwise8bit._has_8bit_state`` on paper: :func:`.families.keeps_8bit_state` of the whole tensor (an FSDP2
-    row shard, ``t.shard_of``, is judged by the tensor it is a shard of), so that the estimate counts what the step
-    allocates."""
-    return keeps_8bit_state(t.shard_of or t.shape, sharded=t.shard_of is not None,
-                            min_8bit_size=opts["min_8bit_size"], keep_32bit=_keeps_32bit(t, opts))
+def _torch_keeps_8bit_shape(t, opts: Mapping, codec) -> bool:
+    """``Blockwise8bit._has_8bit_state`` on paper: :func:`.optim.facts.keeps_quantized_state` of the whole tensor (an
+    FSDP2 row shard, ``t.shard_of``, is judged by the tensor it is a shard of), so that the estimate counts what the
+    step allocates."""
+    return keeps_quantized_state(t.shard_of or t.shape, codec, sharded=t.shard_of is not None,
+                                 min_8bit_size=opts["min_8bit_size"], keep_32bit=_keeps_32bit(t, opts))
 
 
-def torch_8bit_memory(moments: int) -> Callable:
-    """This package's 8-bit optimizers: per moment uint8 codes padded to whole blocks + float32 absmax per block
-    (an FSDP2 shard of an 8-bit tensor is whole rows of whole blocks: no padding); else float32 moments. Step:
-    float32. The code books are module constants, not state. bf16/fp16 weights under compensation=kahan: their
-    bf16 buffer."""
+def torch_8bit_memory(family: Family) -> Callable:
+    """This package's quantized optimizers (``family``'s): per moment its codec's codes padded to whole blocks + a
+    float32 absmax per block (:func:`.optim.facts.codes_bytes`; an FSDP2 shard of a quantized tensor is whole rows
+    of whole blocks: no padding) where :func:`_torch_keeps_8bit_shape` says so; else float32 moments. Step: float32.
+    The code books are module constants, not state. bf16/fp16 weights under compensation=kahan: their bf16
+    buffer."""
+    moments = [family.state[k].codec for k, _ in family.moments]
+
     def rule(ts, opts: Mapping) -> int:
         total = 0
         for t in ts:
-            if not _torch_keeps_8bit_shape(t, opts):
-                total += t.count * moments * 4 * t.numel
-            else:
-                blocks = -(-t.numel // BLOCK)
-                total += t.count * moments * (blocks * BLOCK + 4 * blocks)
+            for codec in moments:
+                keeps = _torch_keeps_8bit_shape(t, opts, codec)
+                total += t.count * (codes_bytes(codec, t.numel) if keeps else 4 * t.numel)
             total += t.count * _STEP + _kahan_bytes(t, opts)
         return total
     return rule

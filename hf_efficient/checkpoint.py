@@ -1,14 +1,16 @@
 """Optimizer state dicts that say what wrote them, load only where they fit, and move between formats.
 
-Every optimizer made by :func:`hf_efficient.create_optimizer` writes a tag (``state_dict()["hf_efficient"]``)
-naming its optimizer family and backend. Loading checks everything *before* anything is changed (groups and
+Every optimizer made by :func:`hf_efficient.create_optimizer` writes a tag (``state_dict()["hf_efficient"]``, and
+the same in each param group, which is all of it torch.distributed.checkpoint keeps) naming its optimizer family and
+backend, with its step counts. Loading checks everything *before* anything is changed (groups and
 their hyperparameters, parameter names, and per parameter the state keys its layout requires, their value
 types, dtypes and sizes), so a wrong checkpoint is refused, never half-loaded.
 
 State is written in one canonical layout per family (its registry entry: ``Family.state``), whichever backend
-made it; a backend that stores it otherwise has a ``Layout`` (backends.py) converting both ways. 8-bit moments
-are uint8 codes of the parameter's shape plus ``<moment>_absmax`` (fp32, one per block), or fp32 tensors for
-parameters with 32-bit state. bitsandbytes and torchao use quant8's maps and block size (tests/test_checkpoint.py),
+made it; a backend that stores it otherwise has a ``Layout`` (backends.py) converting both ways. Quantized moments
+are their codec's canonical codes (``StateKey.codec``: quant8's are uint8 of the parameter's shape) plus
+``<moment>_absmax`` (fp32, one per block), or fp32 tensors for parameters with 32-bit state. bitsandbytes and
+torchao use quant8's maps and block size (tests/test_checkpoint.py),
 so the conversion is a relabelling, not a requantization: a bnb checkpoint resumes on torchao or this package's
 kernel exactly, and back. Every tensor in it is a plain tensor, so ``torch.load(..., weights_only=True)`` works
 (torchao's own state holds tensor subclasses, which it does not).
@@ -25,12 +27,20 @@ one family holds, ``Family.marks``); one without marks is torch's plain AdamW st
 and the loader's own for the others.
 
 Precision. Where a tensor's saved state is 8-bit and this optimizer keeps it fp32, or the reverse (one process and
-FSDP2 choose differently: :func:`.families.keeps_8bit_state`; so do backends and thresholds), the state is
+FSDP2 choose differently: :func:`.optim.facts.keeps_quantized_state`; so do backends and thresholds), the state is
 dequantized (exact) or quantized (lossy, within the codec's rounding), whole, and placed like its parameter; one
 warning names the tensors.
 
 Parameters are matched by name where both the checkpoint and the optimizer name them (torch records
 ``param_names`` in each group), by position otherwise.
+
+Sharded checkpoints (torch.distributed.checkpoint, under FSDP2). ``dcp.load`` reads a checkpoint into the state dict
+it is given, made by the loading optimizer: its keys, its dtypes. A state saved under other settings or by another
+optimizer then arrives cast (8-bit codes as fp32 numbers, without their scales: refused, by the record of 8-bit
+states each group's tag keeps), or ``dcp.load`` fails on a key the checkpoint lacks, before this module is reached.
+:class:`LoadPlanner` reads what the checkpoint holds instead, so that every sharded load gets the verdict a
+single-file load of the same state gets: converted the same way, with the same warning, or refused with the same
+message.
 """
 
 from __future__ import annotations
@@ -42,13 +52,12 @@ import torch
 
 from .optim import _sharded
 from .optim.compensation import drop_unused_buffers
-from .optim.quant8 import BLOCK, dequantize_blockwise, quantize_blockwise
-from .options import OPTIONS, check_hyperparams, check_saved_tensor, check_step
+from .optim.facts import rows_of_blocks
+from .options import check_hyperparams, check_saved_tensor, check_step
 from .param_groups import group_names
-from .families import rows_of_blocks
-from .registry import FAMILIES, PLAIN, Family, get_spec
+from .registry import PLAIN, Family, families, get_spec
 
-__all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load"]
+__all__ = ["FORMAT", "tag_of", "to_canonical", "from_canonical", "validate", "save", "load", "LoadPlanner"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +74,21 @@ _SETTING_KEYS = {"compensation"}
 
 
 def tag_of(state_dict: dict) -> dict | None:
-    return state_dict.get(_TAG) if isinstance(state_dict, dict) else None
+    """What wrote ``state_dict``: its top-level tag, else the tag each param group carries (less the group's own
+    record, ``eight_bit``): torch.distributed.checkpoint keeps only ``state`` and ``param_groups``."""
+    if not isinstance(state_dict, dict):
+        return None
+    if _TAG in state_dict:
+        return state_dict[_TAG]
+    groups = state_dict.get("param_groups")
+    first = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], dict) else {}
+    tag = first.get(_TAG)
+    return {k: v for k, v in tag.items() if k != "eight_bit"} if isinstance(tag, dict) else tag
 
 
 def _convertible(src: str, dst: str) -> bool:
     """Families of one math (one update rule) convert each other's moments."""
-    return src == dst or FAMILIES[src].math == FAMILIES[dst].math
+    return src == dst or families()[src].math == families()[dst].math
 
 
 def _layout(spec, backend: str):
@@ -113,7 +131,7 @@ def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) 
     for g, live in zip(saved, current):
         # keys only this backend keeps (our kernel's `compile`, ...) and the settings come from the live group
         g = {**{k: v for k, v in live.items() if k not in ("params", "param_names")},
-             **{k: v for k, v in g.items() if k not in _SETTING_KEYS}}
+             **{k: v for k, v in g.items() if k not in _SETTING_KEYS and k != _TAG}}
         if torch.is_tensor(live.get("lr")) and not torch.is_tensor(g.get("lr")):
             g["lr"] = torch.tensor(g["lr"], dtype=live["lr"].dtype, device=live["lr"].device)
         out.append(g)
@@ -123,13 +141,18 @@ def groups_from_canonical(backend: str, saved: list[dict], current: list[dict]) 
 # --- validation before loading -------------------------------------------------------------------------
 
 
-def _allowed_shapes(family: Family, key: str, p: torch.Tensor) -> set[tuple]:
-    """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p``."""
-    shape, fmt = tuple(p.shape), family.state[key].format
-    absmax = {(math.ceil(p.numel() / BLOCK),)}
-    if rows_of_blocks(shape):  # FSDP2's (rows, blocks per row)
-        absmax.add((shape[0], p.numel() // shape[0] // BLOCK))
-    return {"absmax": absmax, "row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt, {shape})
+def _allowed_shapes(family: Family, key: str, p: torch.Tensor, quantized: bool = False) -> set[tuple]:
+    """Shapes (as tuples) a state tensor ``key`` may have for parameter ``p`` (``quantized``: its codes are)."""
+    shape, fmt = tuple(p.shape), family.state[key]
+    if fmt.format == "absmax":
+        block = fmt.codec.BLOCK
+        absmax = {(math.ceil(p.numel() / block),)}
+        if rows_of_blocks(shape, block):  # FSDP2's (rows, blocks per row)
+            absmax.add((shape[0], p.numel() // shape[0] // block))
+        return absmax
+    if fmt.format == "codes" and quantized:
+        return {tuple(fmt.codec.canonical_shape(shape))}
+    return {"row": {shape[:-1]}, "col": {shape[:-2] + shape[-1:]}}.get(fmt.format, {shape})
 
 
 def _codes(family: Family, st: dict) -> list[str]:
@@ -154,7 +177,8 @@ def _dtype_error(family: Family, st: dict, key: str, value: torch.Tensor) -> str
     fmt = family.state[key].format
     codes = _codes(family, st)
     if fmt == "absmax":
-        return None if value.dtype == torch.float32 else f"float32 (one scale per {BLOCK}-element block)"
+        block = family.state[key].codec.BLOCK
+        return None if value.dtype == torch.float32 else f"float32 (one scale per {block}-element block)"
     if fmt == "codes" and _is_codes(st[codes[0]]):
         return None if value.dtype == torch.uint8 else f"uint8 codes, as {codes[0]}'s"
     if value.dtype.is_floating_point:
@@ -205,44 +229,36 @@ def _check_param_state(family: Family, name: str, st, p: torch.Tensor, pname: st
         if value.dtype.is_floating_point:  # the unsigned ones are second moments or scales: >= 0
             check_saved_tensor(value, key, where, signed=family.state[key].signed,
                                first_moment=_is_first_moment(family, key))
-        if tuple(value.shape) not in _allowed_shapes(family, key, p):
-            expected = " or ".join(str(s) for s in _allowed_shapes(family, key, p))
+        allowed = _allowed_shapes(family, key, p, _is_codes(value))
+        if tuple(value.shape) not in allowed:
+            expected = " or ".join(str(s) for s in allowed)
             raise ValueError(f"{where} has {key} of shape {tuple(value.shape)}, but {key} of a parameter of shape "
                              f"{tuple(p.shape)} has shape {expected}: the checkpoint is for another model or "
                              "another optimizer")
 
 
 def _check_sharding(family: Family, value: torch.Tensor, key: str, p: torch.Tensor, where: str) -> None:
-    """A sharded parameter (FSDP2's DTensor) takes DTensor state, a plain one plain state: the other kind would be
-    stepped as the wrong tensor (a whole state beside a shard, or a shard beside the whole weight)."""
-    if _sharded.is_sharded(value) == _sharded.is_sharded(p):
-        return
-    if _sharded.is_sharded(p) and family.state[key].format == "absmax":
-        return  # whole: DCP's full-state loader leaves plain what its template lacks; the load places it (by rows)
-    if _sharded.is_sharded(p):
-        raise ValueError(f"{where} has {key} as a plain tensor, but the parameter is sharded (FSDP2): load a whole "
-                         "(single-file) optimizer state into a sharded model with torch.distributed.checkpoint's "
-                         "set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions("
-                         "full_state_dict=True)), which shards it. Nothing was loaded")
+    """A plain parameter takes plain state: a DTensor (FSDP2 shards) would be stepped beside the whole weight. A
+    sharded one takes DTensor state, or whole plain tensors (a single-file state), which :func:`_place_whole`
+    shards."""
+    if _sharded.is_sharded(value) == _sharded.is_sharded(p) or _sharded.is_sharded(p):
+        return  # plain beside a sharded parameter: a whole state (its shape was checked), placed by the load
     raise ValueError(f"{where} has {key} as a DTensor (FSDP2 shards), but the parameter is a plain tensor: take a "
                      "whole optimizer state from the sharded run with torch.distributed.checkpoint's "
                      "get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)). "
                      "Nothing was loaded")
 
 
-def _check_group(g: dict, gi: int, uses_eps: bool = True) -> None:
+def _check_group(g: dict, gi: int, uses_eps: bool = True, options: dict | None = None) -> None:
     """Raise ValueError if saved group ``gi`` holds a hyperparameter no optimizer may run with (``eps`` only where
-    the family has one)."""
+    the family has one; ``options``: the loading name's, whose values groups carry)."""
     plain = groups_to_canonical([g])[0]
     try:
         check_hyperparams(lr=plain.get("lr", 0.0), betas=plain.get("betas"), eps=plain.get("eps") if uses_eps else None,
                           weight_decay=plain.get("weight_decay", 0.0))
-        for key in sorted(plain.keys() & OPTIONS.keys() - {"min_8bit_size"}):  # the family options groups carry
-            opt, value = OPTIONS[key], plain[key]
-            number = opt.type is float and isinstance(value, (int, float))
-            if isinstance(value, bool) or not (isinstance(value, opt.type) or number or value is None):
-                raise ValueError(f"{key}={value!r} is not a {opt.type.__name__}")
-            opt.coerce(value, "the group")
+        options = options or {}
+        for key in sorted(plain.keys() & options.keys() - {"min_8bit_size"}):  # the family options groups carry
+            options[key].check_value(plain[key], "the group")
         size = plain.get("min_8bit_size", 0)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"min_8bit_size={size!r} is not an int >= 0")
@@ -299,9 +315,9 @@ def _check_structure(sd, live_groups: list[dict], name: str) -> list[dict]:
     for pid in sd["state"]:
         if pid not in ids:
             raise ValueError(f"this optimizer state has state for parameter id {pid!r}, which no group lists")
-    uses_eps = get_spec(name).facts.uses_eps
+    spec = get_spec(name)
     for gi, g in enumerate(saved):
-        _check_group(g, gi, uses_eps)
+        _check_group(g, gi, spec.facts.uses_eps, spec.accepted)
     return _live_order(saved, live_groups)
 
 
@@ -314,7 +330,7 @@ def _check_tag(tag, family: Family, name: str) -> None:
     if tag.get("format", FORMAT) > FORMAT:
         raise ValueError(f"this optimizer state uses hf_efficient state format {tag['format']}; this version reads "
                          f"up to {FORMAT}: upgrade hf_efficient")
-    if tag.get("family") not in FAMILIES or not _convertible(tag["family"], family.name):
+    if tag.get("family") not in families() or not _convertible(tag["family"], family.name):
         raise ValueError(f"this optimizer state was written by hf_eff_{tag.get('name')} ({tag.get('family')} "
                          f"state) and cannot be loaded into hf_eff_{name}: resume with optim=hf_eff_{tag.get('name')},"
                          f" or start the optimizer afresh (remove optimizer.pt from the checkpoint)")
@@ -330,10 +346,11 @@ def _untagged_family(state: dict, libraries: set, family: Family) -> Family:
     math; keys only one family holds are that family's; a state without marks is torch's plain AdamW where the loader
     converts from it, else the loader's own."""
     keys = set().union(*state.values()) if state else set()
-    kin = [family] + [f for f in FAMILIES.values() if f is not family and f.math == family.math]
+    known = list(families().values())
+    kin = [family] + [f for f in known if f is not family and f.math == family.math]
     if libraries - {None} or any(_is_codes(v) for st in state.values() for v in st.values()):
-        return next((f for f in kin + list(FAMILIES.values()) if f.quantized), family)
-    marked = [f for f in FAMILIES.values() if f.marks & keys]
+        return next((f for f in kin + known if f.quantized), family)
+    marked = [f for f in known if f.marks & keys]
     if marked:
         return marked[0]
     return PLAIN if _convertible(PLAIN.name, family.name) else family
@@ -346,7 +363,7 @@ def validate(state_dict: dict, family: Family | str, name: str, param_names: lis
 
     ``groups``: the optimizer's param groups, to check the grouping and names against (default: one group).
     """
-    family = FAMILIES[family] if isinstance(family, str) else family
+    family = families()[family] if isinstance(family, str) else family
     live = groups if groups is not None else [{"params": params}]
     saved = _check_structure(state_dict, live, name)
     for i, (gi, pid) in enumerate((gi, pid) for gi, g in enumerate(saved) for pid in g["params"]):
@@ -365,7 +382,8 @@ def _decoded(family: Family, st: dict) -> dict[str, torch.Tensor]:
         fmt = family.state[key]
         if fmt.format in ("step", "absmax"):
             continue
-        out[key] = dequantize_blockwise(value, st[f"{key}_absmax"], fmt.signed) if _is_codes(value) else value.float()
+        out[key] = (fmt.codec.dequantize_blockwise(value, st[f"{key}_absmax"], fmt.signed) if _is_codes(value)
+                    else value.float())
     return out
 
 
@@ -397,8 +415,8 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
                     out[key] = torch.zeros_like(p, dtype=dtype)
                     actions.append(f"{fmt.label or key} started at zero")
                 elif quantize and fmt.format == "codes":  # an FSDP2 shard's whole, then its rows (as _requantized)
-                    codes, out[f"{key}_absmax"] = quantize_blockwise(_sharded.whole(values[key]), fmt.signed)
-                    out[key] = _sharded.shard_like(p, codes.reshape(p.shape))
+                    codes, out[f"{key}_absmax"] = fmt.codec.quantize_blockwise(_sharded.whole(values[key]), fmt.signed)
+                    out[key] = _sharded.shard_like(p, codes.reshape(fmt.codec.canonical_shape(p.shape)))
                 else:  # adamw: torch casts fp32 moments to the parameter's dtype itself
                     out[key] = values[key].to(dtype)
             if quantize:
@@ -427,7 +445,7 @@ def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list
     """Saved state of the loader's own family whose 8-bit / fp32 choice differs from this optimizer's, converted in
     place: 8-bit codes dequantized where the tensor keeps fp32, fp32 moments quantized (canonical blocks, as a kernel
     stores them: the only lossy direction) where it keeps 8-bit. The choices differ between one process and FSDP2
-    (rows of whole blocks, :func:`.families.keeps_8bit_state`), between backends (torchao's whole-block rule) and
+    (rows of whole blocks, :func:`.optim.facts.keeps_quantized_state`), between backends (torchao's whole-block rule) and
     thresholds. An FSDP2 state is converted whole (gathered: every rank loads, in the same order) and re-sharded
     like its parameter. One warning names the tensors."""
     impl = spec.backends[backend]
@@ -461,14 +479,31 @@ def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to
     ``p``'s shape with whole ``(blocks,)`` absmaxes (the optimizer's load places those), or fp32 moments."""
     out = {k: v for k, v in st.items() if k not in codes and family.state[k].format != "absmax"}
     for key in codes:
-        signed, value = family.state[key].signed, _sharded.whole(st[key])
+        fmt, value = family.state[key], _sharded.whole(st[key])
         if to_8bit:
-            out[key], out[f"{key}_absmax"] = quantize_blockwise(value.float(), signed)
+            out[key], out[f"{key}_absmax"] = fmt.codec.quantize_blockwise(value.float(), fmt.signed)
             out[key] = _sharded.shard_like(p, out[key])
         else:
             absmax = _sharded.whole(st[f"{key}_absmax"]).reshape(-1)
-            out[key] = _sharded.shard_like(p, dequantize_blockwise(value, absmax, signed).reshape(p.shape))
+            out[key] = _sharded.shard_like(p, fmt.codec.dequantize_blockwise(value, absmax, fmt.signed)
+                                           .reshape(p.shape))
     return out
+
+
+def _place_whole(state: dict, family: Family, saved_ids: list, params: list) -> None:
+    """Whole (plain) state tensors of FSDP2 parameters, a single-file state loaded into shards, placed in place as the
+    family makes its own: sharded like the parameter's rows, except a matrix's column statistics (Adafactor's: sums
+    over every rank's rows), whole on every rank. Absmaxes are placed by the family's load, step counts stay plain."""
+    for pid, p in zip(saved_ids, params):
+        st = state.get(pid)
+        if not _sharded.is_sharded(p) or not isinstance(st, dict):
+            continue
+        for key, value in st.items():
+            fmt = family.state[key].format
+            if fmt in ("step", "absmax") or not torch.is_tensor(value) or _sharded.is_sharded(value):
+                continue
+            st[key] = (_sharded.replicate_like(p, value) if fmt == "col" and p.dim() == 2
+                       else _sharded.shard_like(p, value))
 
 
 def _describe(tag, libraries: set, src: Family) -> str:
@@ -494,12 +529,70 @@ def _convert_groups(groups: list[dict], src: str, trainer_name: str) -> list[dic
 
 
 def save(sd: dict, spec, backend: str, info) -> dict:
-    """The backend's state dict ``sd`` in the canonical layout, tagged with what wrote it."""
-    sd = dict(sd, state=to_canonical(spec, backend, sd["state"]),
-              param_groups=groups_to_canonical(sd["param_groups"]))
-    sd[_TAG] = {"name": spec.name, "family": spec.family, "backend": backend, "format": FORMAT,
-                "skipped_steps": info.skipped_steps, "steps": info.steps}
-    return sd
+    """The backend's state dict ``sd`` in the canonical layout, tagged with what wrote it: at the top level, and in
+    each param group with a record of which of its parameters' state is 8-bit codes (``eight_bit``: "1" or "0" per
+    parameter, a string: torch's state-dict utilities flatten lists element by element and drop empty ones).
+    torch.distributed.checkpoint keeps only the groups, and its loader reads a checkpoint into the loading optimizer's
+    own state dict (its keys and dtypes): the groups' tag says what was saved, and the record what was cast."""
+    state = to_canonical(spec, backend, sd["state"])
+    tag = {"name": spec.name, "family": spec.family, "backend": backend, "format": FORMAT,
+           "skipped_steps": info.skipped_steps, "steps": info.steps}
+    groups = [dict(g, **{_TAG: dict(tag, eight_bit="".join("01"[_holds_codes(spec.facts, state.get(pid))]
+                                                            for pid in g["params"]))})
+              for g in groups_to_canonical(sd["param_groups"])]
+    return dict(sd, state=state, param_groups=groups, **{_TAG: tag})
+
+
+def _holds_codes(family: Family, st) -> bool:
+    codes = _codes(family, st) if isinstance(st, dict) else []
+    return bool(codes) and _is_codes(st[codes[0]])
+
+
+def _recorded_8bit(sd: dict, tag: dict | None) -> set | None:
+    """The saved ids whose state was written as 8-bit codes, by the record in each param group's tag (None where the
+    groups carry none: untagged, or written before they did). Raises ValueError where a group's tag is malformed or,
+    without a top-level tag, the groups' tags differ."""
+    groups = sd["param_groups"]
+    tags = [g.get(_TAG) for g in groups]
+    if all(t is None for t in tags):
+        return None
+    recorded = set()
+    for gi, (g, t) in enumerate(zip(groups, tags)):
+        record = t.get("eight_bit") if isinstance(t, dict) else None
+        if (not isinstance(record, str) or len(record) != len(g["params"]) or set(record) - {"0", "1"}
+                or _TAG not in sd and {k: v for k, v in t.items() if k != "eight_bit"} != tag):
+            raise ValueError(f"param group {gi} of the loaded optimizer state has the tag {t!r}: not the other groups' "
+                             f"with a 0 or 1 for each of its {len(g['params'])} parameters. The checkpoint is corrupt "
+                             "or was edited")
+        recorded.update(pid for pid, bit in zip(g["params"], record) if bit == "1")
+    return recorded
+
+
+def _check_not_cast(sd: dict, tag: dict | None, saved_ids: list, param_names: list[str], trainer_name: str) -> None:
+    """Refuse states that the record of their groups' tag says were saved as 8-bit codes but that arrived as
+    floating-point moments with no absmaxes: what torch.distributed.checkpoint's ``dcp.load`` gives where the loading
+    optimizer keeps the tensor's state in fp32 (it reads into the loader's own state dict: the codes cast to its
+    dtype, the scales it does not hold left unread). Nothing can restore them; its planner reads them as saved."""
+    recorded = _recorded_8bit(sd, tag)
+    if recorded is None:
+        return
+    family = families()[tag["family"]]
+    cast = []
+    for pid, pname in zip(saved_ids, param_names):
+        st = sd["state"].get(pid)
+        codes = _codes(family, st) if pid in recorded and isinstance(st, dict) else []
+        if codes and not _is_codes(st[codes[0]]) and f"{codes[0]}_absmax" not in st:
+            cast.append(pname)
+    if cast:
+        raise ValueError(
+            f"{trainer_name}: the loaded state of {', '.join(cast[:8])}{', ...' * (len(cast) > 8)} was saved as 8-bit "
+            "codes but arrived as floating-point numbers without their scales. torch.distributed.checkpoint's dcp.load "
+            "reads a checkpoint into the loading optimizer's own state dict, which keeps these tensors in fp32 "
+            "(min_8bit_size, embedding_state or the backend differ from the run that saved it): it cast the codes and "
+            "left the scales unread. Load it with dcp.load(..., planner=hf_efficient.checkpoint.LoadPlanner()), which "
+            "reads what the checkpoint holds (then converted as a single-file state is), or resume with the saved "
+            "run's settings. Nothing was loaded, but dcp.load wrote what it read into the state tensors that state "
+            "dict shares with the optimizer: rebuild the optimizer before training on")
 
 
 def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_names: list[str]) -> None:
@@ -514,7 +607,8 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     params = [p for g in live for p in g["params"]]
     saved = _check_structure(sd, live, spec.name)
     saved_ids = [pid for g in saved for pid in g["params"]]
-    state, libraries = {}, set()
+    _check_not_cast(sd, tag, saved_ids, param_names, spec.trainer_name)
+    state, libraries, relabelled = {}, set(), []
     for pid, pname, p in zip(saved_ids, param_names, params):
         st = sd["state"].get(pid)
         if isinstance(st, dict) and not st:
@@ -527,9 +621,10 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
             except ValueError as e:
                 raise ValueError(f"the state of parameter {pname!r}: {e}") from None
             libraries.add(library)
+            relabelled += [pname] if library else []
         if st is not None:
             state[pid] = dict(st) if isinstance(st, dict) else st  # the caller's dict stays as it was
-    src = FAMILIES[tag["family"]] if tag is not None else _untagged_family(
+    src = families()[tag["family"]] if tag is not None else _untagged_family(
         {k: v for k, v in state.items() if isinstance(v, dict)}, libraries, spec.facts)
     if not _convertible(src.name, spec.family):
         raise ValueError(f"this optimizer state holds {src.name} state and cannot be loaded into {spec.trainer_name}: "
@@ -545,17 +640,117 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
         check_flags(g, optimizer.defaults, spec.trainer_name)
     if src is not spec.facts:
         done = _convert(state, src, spec.facts, optimizer, spec.backends[backend], saved_ids)
-        if set(done) - {""}:
-            logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
-                           spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
-                               f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
-                               f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
+    else:  # a library's own layout (bitsandbytes, torchao) relabelled to the canonical one: the same numbers
+        done = {"layout relabelled (the same codes and scales)": relabelled} if relabelled else {}
+    if set(done) - {""}:
+        logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
+                       spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(
+                           f"{action or 'format unchanged'}: {len(names)} tensor(s) ({', '.join(names[:4])}"
+                           f"{', ...' if len(names) > 4 else ''})" for action, names in done.items()))
     drop_unused_buffers(optimizer, spec.trainer_name, {p: state[pid] for pid, p in zip(saved_ids, params)
                                                         if pid in state})
     if src is spec.facts:  # another family's state was converted above, and said so
         _match_precision(state, optimizer, spec, backend, saved_ids)
+    _place_whole(state, spec.facts, saved_ids, params)
     native = from_canonical(spec, backend, state, {pid: p for pid, p in zip(saved_ids, params)})
     plain = {k: v for k, v in sd.items() if k != _TAG}
     load_state_dict(dict(plain, state=native, param_groups=groups))
     if tag is not None:
         info.skipped_steps, info.steps = tag.get("skipped_steps", 0), tag.get("steps", 0)
+
+
+# --- torch.distributed.checkpoint: reading what a checkpoint holds ----------------------------------------------
+
+
+def __getattr__(name: str):
+    if name == "LoadPlanner":  # made when first asked for: importing torch.distributed.checkpoint costs
+        globals()[name] = _load_planner_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _load_planner_class() -> type:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class LoadPlanner(DefaultLoadPlanner):
+        """torch.distributed.checkpoint's ``DefaultLoadPlanner``, except that every optimizer state dict in what
+        ``dcp.load`` fills is first made to ask for what the checkpoint holds: its keys, dtypes and sizes, per
+        parameter and per param group. DCP's own planner reads a checkpoint into the loading optimizer's state dict
+        (its keys and dtypes), so a state saved under other settings or by another optimizer arrives cast, or fails
+        on a key the checkpoint lacks; read as saved, ``set_optimizer_state_dict`` then converts it, or refuses it,
+        exactly as a single-file state (:func:`load`). Tensors it adds are placed like the parameter's state where
+        their rows are the parameter's, whole on every rank otherwise (what :func:`load` places).
+
+        Example::
+
+            sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(sd, checkpoint_id=path, planner=hf_efficient.checkpoint.LoadPlanner())
+            set_model_state_dict(model, sd["model"])
+            set_optimizer_state_dict(model, optimizer, sd["optim"])
+        """
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+            if metadata is not None:
+                _ask_for_saved(state_dict, metadata.state_dict_metadata, "")
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    LoadPlanner.__module__ = __name__
+    return LoadPlanner
+
+
+def _ask_for_saved(nested: dict, saved: dict, prefix: str) -> None:
+    """Each optimizer state dict in ``nested`` (whose flattened keys start with ``prefix``) rewritten in place to
+    the keys, dtypes and sizes ``saved`` (the checkpoint's metadata, by flattened key) holds for it."""
+    for key, value in nested.items():
+        if not isinstance(value, dict):
+            continue
+        if isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list):
+            _as_saved(value, saved, f"{prefix}{key}.")
+        else:
+            _ask_for_saved(value, saved, f"{prefix}{key}.")
+
+
+def _as_saved(osd: dict, saved: dict, prefix: str) -> None:
+    """``osd``'s per-parameter states and param groups made to ask for what ``saved`` holds under ``prefix``."""
+    held: dict[str, dict] = {}  # parameter (fqn) -> state key -> metadata
+    groups: dict[int, dict] = {}  # index -> the group's entries, nested as saved (the tag is a dict)
+    states, group_head = f"{prefix}state.", f"{prefix}param_groups."
+    for key, m in saved.items():
+        if key.startswith(states):
+            fqn, _, name = key[len(states):].rpartition(".")  # state keys hold no dots; fqns may
+            held.setdefault(fqn, {})[name] = m
+        elif key.startswith(group_head):
+            index, _, path = key[len(group_head):].partition(".")
+            if index.isdigit() and path:
+                node = groups.setdefault(int(index), {})
+                *parents, last = path.split(".")
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[last] = _placeholder(m, None, {})
+    for fqn, st in list(osd["state"].items()):
+        if fqn not in held:
+            del osd["state"][fqn]  # nothing saved for it: as a single-file state without it
+        elif isinstance(st, dict):
+            osd["state"][fqn] = {k: _placeholder(m, st.get(k), st) for k, m in held[fqn].items()}
+    osd["param_groups"][:] = [groups.get(i, {}) for i in range(max(groups) + 1)] if groups else []
+
+
+def _placeholder(m, template, state: dict):
+    """What DCP reads a saved entry with metadata ``m`` into: ``template`` where it is a tensor of the saved dtype
+    and size; else a tensor of those, placed like ``template`` (same size), or sharded like a state tensor of
+    ``state`` whose rows it shares, or whole; None for a saved object (DCP replaces it)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not isinstance(m, TensorStorageMetadata):
+        return None
+    size, dtype = torch.Size(m.size), m.properties.dtype
+    if torch.is_tensor(template) and template.shape == size and template.dtype == dtype:
+        return template
+    shards = [t for t in state.values() if _sharded.is_sharded(t)]
+    ref = template if _sharded.is_sharded(template) and template.shape == size else next(
+        (t for t in shards if len(size) and t.dim() and t.shape[0] == size[0] and _sharded.sharded_by_rows(t)), None)
+    if ref is not None:  # placed as ref is (its rows split, or whole on every rank)
+        return _sharded.zeros(ref, size, dtype)
+    device = _sharded.local(shards[0]).device if shards else next(
+        (t.device for t in state.values() if torch.is_tensor(t)), torch.device("cpu"))
+    return torch.zeros(size, dtype=dtype, device=device)

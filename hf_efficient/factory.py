@@ -37,8 +37,12 @@ def create_optimizer(model: nn.Module | Iterable, name: str, *, lr: float = 1e-3
         model: a module (decay groups and the embedding policy come from its structure), or parameters /
             param groups (used as given).
         name: short (``"adam8bit"``) or Trainer (``"hf_eff_adam8bit"``) name.
-        lr, weight_decay, betas, eps: the usual AdamW hyperparameters (Adafactor ignores betas and eps).
-        backend: force ``"bnb"``, ``"torchao"`` or ``"torch"`` instead of the registry's choice.
+        lr: the learning rate (Adafactor's step size).
+        weight_decay: decoupled weight decay of the decay group (norm layers and biases get none).
+        betas: the moments' decay rates, AdamW's (Lion's interpolation and momentum; Adafactor ignores them).
+        eps: AdamW's denominator term (Lion and Adafactor ignore it).
+        backend: force ``"bnb"``, ``"torchao"`` or ``"torch"`` instead of the registry's choice (``"auto"`` or
+            None: the registry's choice).
         **options: the same keys ``optim_args`` accepts (``decay_embeddings``, ``embedding_state``, ...).
 
     Example:
@@ -60,7 +64,7 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
         spec, raw_options = get_spec(choice.name), choice.options
     check_hyperparams(lr=lr, betas=betas if spec.uses_betas else None,
                       eps=eps if spec.uses_betas and spec.facts.uses_eps else None, weight_decay=weight_decay)
-    options = parse_options(spec.name, spec.options, raw_options, source=source)
+    options = parse_options(spec.name, spec.accepted, raw_options, source=source)
     if isinstance(model, nn.Module):
         split = split_parameters(model, decay_embeddings=options["decay_embeddings"])
         groups = build_param_groups(model, weight_decay, split=split)

@@ -46,6 +46,7 @@ from collections import defaultdict
 import torch
 
 from . import checkpoint, nonfinite
+from .optim import _sharded
 from .info import unwrap
 from .options import check_flags, check_hyperparams, check_unique, run_closure
 from .param_groups import group_names, named_params
@@ -200,6 +201,7 @@ class _Protected:
     def step(self, closure=None):
         info = self.hf_efficient
         loss = run_closure(closure)  # gradients exist only after the closure: run it, then check
+        _sharded.check_grads_agree(self.param_groups, info.resolution.spec.trainer_name)
         policy = info.options.get("nonfinite", "ignore")
         found = None  # the flag, where the check runs on the device
         if policy == "raise":

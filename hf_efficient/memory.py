@@ -4,8 +4,8 @@ Measured (:func:`optimizer_state_bytes`): every tensor reachable from ``optimize
 maps and block scales included, the inner tensors of tensor subclasses (torchao's ``OptimState8bit``,
 DTensor) included, a storage shared by several entries (bitsandbytes' ``qmap1``/``qmap2``) counted once.
 
-Predicted (:func:`estimate_memory`): the same count done on paper, tensor by tensor, by the rule of the
-backend the registry picks for the device (``Backend.memory``, written in backends.py) -- so 8-bit keeps
+Predicted (:func:`predict`, behind :func:`hf_efficient.estimate_memory`): the same count done on paper, tensor by
+tensor, by the rule of the backend the registry picks for the device (``Backend.memory``, written in backends.py) -- so 8-bit keeps
 32-bit state for embeddings and tensors below
 ``min_8bit_size`` exactly where the optimizer will, Adafactor stores row + column statistics of each
 matrix, and ``adamw_bf16`` keeps bf16 buffers. Sizes are binary: ``MB`` here is 2**20 bytes, one MiB (the
@@ -26,8 +26,8 @@ everything. A parameter that is already a DTensor (a model sharded by ``fully_sh
 shape, and its mesh sets ``world_size`` and ``"fsdp2"``.
 
 To compare several names on one model (``hf_eff_auto`` does), describe it once (:func:`describe_params`) and
-:func:`predict` each name. A name that picks another per model answers ``estimate_memory`` through the registry's
-``PICKERS``.
+:func:`predict` each name. ``hf_eff_auto``, which picks another name per model, is estimated by
+:mod:`hf_efficient.estimate`, above this module and :mod:`hf_efficient.auto`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from .info import unwrap
 from .optim.compensation import LOW_PRECISION
 from .options import parse_options
 from .param_groups import split_parameters
-from .registry import PICKERS, PREFIX, compensation_of, get_spec, resolve
+from .registry import PREFIX, compensation_of, get_spec, resolve
 
-__all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "estimate_memory", "MemoryEstimate",
-           "peak_memory", "model_from_config", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
+__all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "MemoryEstimate",
+           "peak_memory", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
            "describe_params", "predict", "SHARDINGS", "UnsupportedSharding"]
 
 logger = logging.getLogger(__name__)
@@ -217,56 +217,22 @@ class MemoryEstimate:
         return d
 
 
-def estimate_memory(model, name: str, *, param_dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None, backend: str | None = None,
-                    world_size: int | None = None, sharding: str | None = None, **options) -> MemoryEstimate:
-    """Predict the bytes of parameters, gradients and optimizer state of ``name`` for ``model``.
-
-    Args:
-        model: an ``nn.Module`` (any device, ``meta`` included: nothing is allocated), parameters, a
-            transformers config (built on the meta device), or a parameter count (shapes then assumed, see
-            the module docstring).
-        name: short or Trainer name; ``"auto"`` predicts what ``hf_eff_auto`` would choose.
-        param_dtype: the dtype parameters will have in training (default: as they are; float32 for a count).
-        device: where training runs, deciding the backend (default: the model's device; for a count, a config
-            or a meta model: ``cuda`` when available, else ``cpu``).
-        backend: force a backend, as ``create_optimizer(backend=...)``.
-        world_size, sharding: predict the bytes of one of ``world_size`` processes sharding the model as
-            ``sharding`` says (:data:`SHARDINGS`; see the module docstring). Default: the model's own (its mesh,
-            where its parameters are FSDP2 DTensors), else one process. A name that cannot train under that
-            sharding raises :class:`UnsupportedSharding` with the reason.
-        **options: the options ``create_optimizer`` / ``optim_args`` take (``embedding_state``, ...).
-
-    Example:
-        >>> est = estimate_memory(model, "adam8bit")
-        >>> print(f"{format_bytes(est.state_bytes)}; this saves {est.saving:.0%} against fp32 AdamW")
-    """
-    described = describe_params(model, param_dtype, device)
-    if world_size is not None or sharding is not None:
-        described = described._replace(world_size=1 if world_size is None else world_size, sharding=sharding)
-    pick = PICKERS.get(get_spec(name).name)
-    if pick is not None:  # a name that picks another per model (hf_eff_auto): the estimate of the one it picks
-        return pick(described, dict(options, **({"backend": backend} if backend else {})))
-    return predict(described.tensors, name, described.device, backend=backend, options=options,
-                   assumption=described.assumption, world_size=described.world_size, sharding=described.sharding)
-
-
 def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backend: str | None = None,
             options: Mapping[str, Any] | None = None, assumption: str | None = None, world_size: int = 1,
             sharding: str | None = None) -> MemoryEstimate:
-    """The prediction of :func:`estimate_memory` for parameters already described (:func:`describe_params`): the
-    bytes of ``name`` on ``device`` by the rule of the backend the registry picks there, per rank of
-    ``world_size`` under ``sharding``. For callers that compare several names on one model (``hf_eff_auto``)
-    without describing it again for each."""
+    """The prediction of :func:`~hf_efficient.estimate_memory` for parameters already described
+    (:func:`describe_params`): the bytes of ``name`` on ``device`` by the rule of the backend the registry picks
+    there, per rank of ``world_size`` under ``sharding``. For callers that compare several names on one model
+    (``hf_eff_auto``) without describing it again for each."""
     world_size = _check_world(world_size, sharding)
     spec = get_spec(name)
     given = dict(options or {}, **({"backend": backend} if backend else {}))
-    opts = parse_options(spec.name, spec.options, given, source="estimate_memory")
+    opts = parse_options(spec.name, spec.accepted, given, source="estimate_memory")
     opts["compensation"] = compensation_of(spec, opts["compensation"])
     low = any(t.dtype in LOW_PRECISION for t in tensors if t.trainable)
     res = resolve(spec.name, device, opts["backend"], log=False, compensated=low and opts["compensation"] != "none")
     if res.spec is not spec:  # a fallback (paged off CUDA): the options belong to the name that runs
-        opts = parse_options(res.spec.name, res.spec.options, {k: v for k, v in opts.items() if k in res.spec.options},
+        opts = parse_options(res.spec.name, res.spec.accepted, {k: v for k, v in opts.items() if k in res.spec.options},
                              source="estimate_memory")
     sharding = sharding if world_size > 1 or sharding == "fsdp2" else None  # ZeRO on one rank: nothing split
     _check_runs_sharded(res, sharding)
@@ -356,8 +322,8 @@ class Described(NamedTuple):
 
 def describe_params(model, param_dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None) -> Described:
-    """``model`` (anything :func:`estimate_memory` takes) as one :class:`ParamShape` per parameter, for
-    :func:`predict`; ``param_dtype`` and ``device`` as :func:`estimate_memory` takes them."""
+    """``model`` (anything :func:`~hf_efficient.estimate_memory` takes) as one :class:`ParamShape` per parameter, for
+    :func:`predict`; ``param_dtype`` and ``device`` as :func:`~hf_efficient.estimate_memory` takes them."""
     tensors, assumption, model_device, resident, mesh = _read_params(model, param_dtype)
     dev = torch.device(device) if device is not None else model_device
     return Described(tensors, assumption, dev, resident and dev == model_device and param_dtype is None,
@@ -366,18 +332,19 @@ def describe_params(model, param_dtype: torch.dtype | str | None = None,
 
 def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torch.device, bool, int]:
     """``model``'s parameters (global shapes), the shape assumption made (if any), its device, whether the
-    parameters really occupy that device (False for a count, a config, a meta model), and the size of the mesh its
+    parameters really occupy that device (False for a count or a meta model), and the size of the mesh its
     DTensor parameters are sharded over (0: none; 1: a mesh of one rank, whose optimizer still steps shards and
     decides 8-bit state as under any mesh)."""
     dtype = _as_dtype(param_dtype)
     default_dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, bool) or (isinstance(model, float) and not model.is_integer()):
-        raise TypeError(f"model={model!r}: pass a module, parameters, a config or an integer parameter count")
+        raise TypeError(f"model={model!r}: pass a module, parameters or an integer parameter count")
     if isinstance(model, str):
-        raise TypeError(f"model={model!r} is a string: estimate_memory takes a module, its parameters, a transformers "
-                        f"config or a parameter count. For a hub name or a directory with config.json run "
+        raise TypeError(f"model={model!r} is a string: estimate_memory takes a module, its parameters or a parameter "
+                        f"count. For a hub name or a directory with config.json run "
                         f"`hf-efficient estimate {model}`, or pass "
-                        f"model_from_config(AutoConfig.from_pretrained({model!r}))")
+                        f"model_from_config(AutoConfig.from_pretrained({model!r})) "
+                        "(hf_efficient.integrations.transformers)")
     if isinstance(model, (int, float)):
         n = int(model)
         if n <= 0 or n > MAX_PARAMS:
@@ -390,7 +357,10 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
                       f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
         return tensors, assumption, default_dev, False, 0
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
-        model = model_from_config(model)
+        raise TypeError(f"model is a transformers config ({type(model).__name__}): the core builds no transformers "
+                        "model. Pass the model it describes, built on the meta device (no memory): "
+                        "from hf_efficient.integrations.transformers import model_from_config; "
+                        "estimate_memory(model_from_config(config), ...)")
     if isinstance(model, nn.Module):
         split = split_parameters(model)
         embeddings = set(split.embeddings)
@@ -421,19 +391,3 @@ def _as_dtype(dtype) -> torch.dtype | None:
     if str(dtype).removeprefix("torch.") not in names:
         raise ValueError(f"param_dtype={dtype!r}: use one of {', '.join(names)} or a torch.dtype")
     return names[str(dtype).removeprefix("torch.")]
-
-
-def model_from_config(config, auto_class: str | None = None, device: torch.device | str = "meta") -> nn.Module:
-    """A transformers model for ``config``, by default on the meta device: shapes and dtypes, no memory.
-
-    The class is ``auto_class`` (e.g. ``"AutoModelForSequenceClassification"``), else the config's first
-    ``architectures`` entry, else ``AutoModel``. Imports transformers lazily (only a config leads here).
-    """
-    import transformers
-
-    cls_name = auto_class or (getattr(config, "architectures", None) or ["AutoModel"])[0]
-    cls = getattr(transformers, cls_name, None)
-    if cls is None:
-        raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
-    with torch.device(device):
-        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)

@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 from functools import lru_cache
 
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 __all__ = ["version_of", "require", "install_hint"]
@@ -27,9 +28,23 @@ def version_of(package: str) -> Version | None:
 
 
 def install_hint(package: str) -> str:
-    """The pip command that installs ``package`` the way this project declares it."""
+    """The pip command that installs ``package`` as this project's extra declares it (its version bound, read from the
+    installed metadata), by the package's own name: hf_efficient is not on PyPI (it is installed from a checkout or
+    a wheel built there), so an extra named through it would not be found."""
     extra = _EXTRAS.get(package)
-    return f'pip install "hf_efficient[{extra}]"' if extra else f"pip install {package}"
+    for req in _declared() if extra else ():
+        if req.name == package and req.marker is not None and req.marker.evaluate({"extra": extra}):
+            return f'pip install "{package}{req.specifier}" (the [{extra}] extra of hf_efficient)'
+    return f"pip install {package}"
+
+
+@lru_cache(maxsize=None)
+def _declared() -> tuple[Requirement, ...]:
+    """hf_efficient's requirements, extras included, from its installed metadata."""
+    try:
+        return tuple(Requirement(r) for r in importlib.metadata.requires("hf_efficient") or ())
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return ()
 
 
 def require(package: str, why: str):

@@ -31,12 +31,14 @@ class Option:
     optional: bool = False  # None is a valid value
     check: Callable[[Any], bool] | None = None
     check_text: str = ""
+    none_words: tuple[str, ...] = ("none",)  # text that means None, where None is valid
+    help_none: str = "unset"  # what None means, in messages
 
     def coerce(self, value: Any, source: str) -> Any:
         """Convert ``value`` (text from optim_args, or a Python value) to this option's type, or raise."""
         where = f"{source}: option {self.name!r}"
         # "none" is None only where None is allowed; elsewhere it may be a choice (compensation=none)
-        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() == "none"):
+        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() in self.none_words):
             if self.optional:
                 return None
             raise ValueError(f"{where} cannot be None")
@@ -61,10 +63,26 @@ class Option:
         else:
             out = str(value).strip()
         if self.choices and out not in self.choices:
-            raise ValueError(f"{where} must be one of {list(self.choices)}, got {value!r}")
+            nothing = f" (or {' / '.join(map(repr, self.none_words))}: {self.help_none})" if self.optional else ""
+            raise ValueError(f"{where} must be one of {list(self.choices)}{nothing}, got {value!r}")
         if self.check is not None and not self.check(out):
             raise ValueError(f"{where} {self.check_text}, got {value!r}")
         return out
+
+    def check_value(self, value: Any, where: str) -> None:
+        """Refuse ``value`` as this option's value in a param group (a Python value: text is not converted there),
+        naming the value and what is valid."""
+        number = self.type is float and isinstance(value, (int, float))
+        fits = isinstance(value, bool) == (self.type is bool) and (isinstance(value, self.type) or number or (
+            value is None and self.optional))
+        try:
+            fits = fits and self.coerce(value, where) == value
+        except ValueError:
+            fits = False
+        if not fits:
+            kind = f"one of {list(self.choices)}" if self.choices else f"a {self.type.__name__}"
+            raise ValueError(f"{where}: invalid {self.name}={value!r}: expected {kind}"
+                             f"{' or None' if self.optional else ''}{'; it ' + self.check_text if self.check_text else ''}")
 
 
 def _positive(x) -> bool:
@@ -74,18 +92,15 @@ def _positive(x) -> bool:
 OPTIONS: dict[str, Option] = {
     o.name: o
     for o in [
-        Option("backend", str, None, "force a backend instead of the registry's choice", ("bnb", "torchao", "torch"), optional=True),
+        # "auto" as the accelerate plugin always took it, so that every entry point gives one verdict
+        Option("backend", str, None, "force a backend instead of the registry's choice", ("bnb", "torchao", "torch"),
+               optional=True, none_words=("none", "auto"), help_none="the registry's choice"),
         Option("decay_embeddings", bool, True, "apply weight decay to embedding matrices (transformers does)"),
         Option("nonfinite", str, "raise", "what a step does with an inf/NaN gradient", ("raise", "skip", "ignore")),
         Option("embedding_state", str, "32bit", "state precision of embedding matrices under 8-bit", ("32bit", "8bit")),
         Option("min_8bit_size", int, 4096, "tensors with fewer elements keep 32-bit state", check=_positive, check_text="must be > 0"),
         Option("compensation", str, "auto", "how an update reaches bf16/fp16 weights (auto: the name's default, "
                "measured per family; no-op on fp32 weights)", ("auto", "kahan", "stochastic", "none")),
-        Option("beta1", float, None, "Adafactor first-moment decay (None: no first moment, least memory)", optional=True,
-               check=lambda b: 0.0 <= b < 1.0, check_text="must be in [0, 1)"),
-        Option("decay_rate", float, -0.8, "Adafactor second-moment decay exponent: beta2_t = 1 - t**decay_rate",
-               check=lambda d: d < 0, check_text="must be negative"),
-        Option("clip_threshold", float, 1.0, "Adafactor update clipping (RMS)", check=_positive, check_text="must be > 0"),
         Option("gradient_release", bool, False, "step each tensor inside backward and free its gradient "
                "(hf_efficient.release: one gradient alive at a time; no accumulation, clipping or fp16 scaler)"),
         Option("budget_gb", float, None, "hf_eff_auto: memory budget instead of the device's free memory", optional=True,
@@ -100,20 +115,23 @@ def _unknown_key_error(key: str, accepted: list[str], source: str, name: str) ->
     return ValueError(f"{source}: unknown option {key!r} for {name!r}.{hint} Accepted: {', '.join(sorted(accepted))}")
 
 
-def parse_options(name: str, accepted: tuple[str, ...], given: Mapping[str, Any], source: str = "options") -> dict:
+def parse_options(name: str, accepted: tuple[str, ...] | Mapping[str, Option], given: Mapping[str, Any],
+                  source: str = "options") -> dict:
     """Validate ``given`` against the options ``accepted`` by optimizer ``name``; fill in defaults.
 
     Args:
         name: optimizer short name, for messages.
-        accepted: option keys this optimizer takes.
+        accepted: option keys this optimizer takes (in :data:`OPTIONS`), or key -> Option (a spec's ``accepted``,
+            its family's own options included).
         given: raw values (text from optim_args or Python values).
         source: where the values came from, named in errors (``optim_args``, ``create_optimizer``, a file).
     """
-    out = {k: OPTIONS[k].default for k in accepted}
+    table = accepted if isinstance(accepted, Mapping) else {k: OPTIONS[k] for k in accepted}
+    out = {k: o.default for k, o in table.items()}
     for key, value in given.items():
-        if key not in accepted:
-            raise _unknown_key_error(key, list(accepted), source, name)
-        out[key] = OPTIONS[key].coerce(value, source)
+        if key not in table:
+            raise _unknown_key_error(key, list(table), source, name)
+        out[key] = table[key].coerce(value, source)
     return out
 
 

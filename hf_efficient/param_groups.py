@@ -1,14 +1,19 @@
-"""Weight-decay groups decided per parameter, by the module that owns it.
+"""Weight-decay groups decided per parameter, by the module that owns it; and Muon's share of them.
 
 Decay shrinks weights toward zero; that regularises matrices but only harms normalisation gains and
 biases, which set a scale or an offset. So: no decay for every parameter of a normalisation layer
 (torch's, transformers' ``LlamaRMSNorm`` / ``T5LayerNorm`` / ..., a user's ``MyNorm``) and for biases;
 embeddings are decayed unless ``decay_embeddings=False``. Frozen parameters are left out, and a tied
 weight appears once.
+
+Muon orthogonalises the updates of hidden matrices; the input embeddings, the output head, gains and biases go to
+AdamW (Keller Jordan's guidance, Moonlight's practice). :func:`split_muon` decides which is which, by module as well
+(see there), and :func:`build_muon_param_groups` cuts the decay groups along it.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import re
 from dataclasses import dataclass, field
@@ -16,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["DecaySplit", "split_parameters", "build_param_groups", "is_norm_module", "group_names", "named_params"]
+__all__ = ["DecaySplit", "split_parameters", "build_param_groups", "is_norm_module", "group_names", "named_params",
+           "MuonSplit", "split_muon", "build_muon_param_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +55,18 @@ class DecaySplit:
                 f"no decay: {len(self.no_decay)} tensors / {self.numel(self.no_decay):,} params")
 
 
-def split_parameters(model: nn.Module, decay_embeddings: bool = True) -> DecaySplit:
-    """Classify every trainable parameter of ``model`` once (tied weights by their first name)."""
+def _owners(model: nn.Module) -> dict[int, list[tuple[str, str, nn.Module]]]:
+    """``id(parameter)`` -> every ``(module name, attribute, module)`` holding it (a tied weight has several)."""
     owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((mod_name, attr, module))
+    return owners
+
+
+def split_parameters(model: nn.Module, decay_embeddings: bool = True) -> DecaySplit:
+    """Classify every trainable parameter of ``model`` once (tied weights by their first name)."""
+    owners = _owners(model)
     split = DecaySplit()
     for name, p in model.named_parameters():  # remove_duplicate=True: a tied weight once
         if not p.requires_grad:
@@ -101,6 +113,174 @@ def build_param_groups(model: nn.Module, weight_decay: float = 0.0, decay_embedd
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters (all are frozen or it has none)")
     return groups
+
+
+# Muon's share ---------------------------------------------------------------------------------------------------
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+# AdamW's reasons, in the order they are decided (the first that applies is recorded)
+MUON_REASONS = ("muon_exclude", "embedding", "output head", "norm", "bias", "not 2-D", "not a linear layer in a block")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` (and its subclasses), or transformers' ``Conv1D`` (GPT-2), known by its class name: the core
+    never imports transformers. ``Conv1D`` keeps its weight as ``(in, out)``, the transpose of ``nn.Linear``'s."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return any(c.__name__ == "Conv1D" for c in type(module).__mro__[:-2])  # torch's nn.Conv1d: another name
+
+
+def _inside_blocks(model: nn.Module) -> set[str]:
+    """Names of the modules strictly inside an element of an ``nn.ModuleList`` / ``nn.Sequential``: the repeated
+    blocks of every transformers model (``model.layers``, ``transformer.h``, ``encoder.layer``, T5's ``block``). An
+    element itself (a ``Linear`` directly in a ``Sequential``: an MLP's input or output layer) is not inside one."""
+    inside = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, _CONTAINERS):
+            for child_name, child in module.named_children():
+                prefix = f"{name}.{child_name}" if name else child_name
+                inside.update(f"{prefix}.{sub}" for sub, _ in child.named_modules(remove_duplicate=False) if sub)
+    return inside
+
+
+def _output_head(model: nn.Module) -> set[int]:
+    """``id`` of the output head's parameters (``get_output_embeddings()``, where the model has it)."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):  # transformers' base class raised where a model has no head
+        head = None
+    return {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+
+
+def _patterns(value, option: str) -> list[str]:
+    """``muon_include`` / ``muon_exclude``: None, fnmatch patterns separated by ``|`` (``optim_args`` text, whose
+    options are separated by commas), or a sequence of patterns."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = value.split("|")
+    patterns = [str(v).strip() for v in value]
+    if any(not p for p in patterns):
+        raise ValueError(f"{option}={value!r}: an empty pattern; give fnmatch patterns of parameter names separated "
+                         "by '|', e.g. '*.q_proj.weight|*.k_proj.weight'")
+    return patterns
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class MuonSplit:
+    """Which trainable parameters Muon steps, by name; the rest go to AdamW, each with its reason
+    (:data:`MUON_REASONS`)."""
+
+    muon: list[str] = field(default_factory=list)
+    adamw: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)  # AdamW name -> reason
+    transposed: list[str] = field(default_factory=list)  # Muon names stored (in, out): transformers' Conv1D
+    params: dict[str, nn.Parameter] = field(default_factory=dict, repr=False)
+
+    def bytes(self, names: list[str]) -> int:
+        return sum(self.params[n].numel() * self.params[n].element_size() for n in names)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for reason in self.reasons.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        why = ", ".join(f"{r} {counts[r]}" for r in MUON_REASONS if r in counts)
+        numel = lambda names: sum(self.params[n].numel() for n in names)  # noqa: E731
+        return (f"Muon: {len(self.muon)} matrices / {numel(self.muon):,} params ({_mib(self.bytes(self.muon))}); "
+                f"AdamW: {len(self.adamw)} tensors / {numel(self.adamw):,} params ({_mib(self.bytes(self.adamw))})"
+                + (f" ({why})" if why else ""))
+
+
+def split_muon(model: nn.Module, muon_include=None, muon_exclude=None, decay: DecaySplit | None = None) -> MuonSplit:
+    """Muon's parameters and AdamW's, decided by the module that owns each trainable parameter.
+
+    Muon takes the 2-D ``weight`` of every ``nn.Linear`` (or transformers' ``Conv1D``, whose ``(in, out)`` weight is
+    the transpose: orthogonalisation commutes with transposition, so it is stepped as stored) that lies inside a
+    block: strictly inside an element of an ``nn.ModuleList`` or ``nn.Sequential``. AdamW takes the rest: the input
+    embeddings (any parameter an ``nn.Embedding`` holds, a tied head included), the output head
+    (``get_output_embeddings()``; heads outside the blocks, such as a classifier or pooler, are not in a block
+    either), norm gains, biases, anything not 2-D. A model without such containers (a plain ``nn.Sequential`` of
+    ``Linear`` layers: its elements are its input and output layers) gives Muon nothing unless told.
+
+    Args:
+        muon_include: fnmatch patterns of parameter names (``"*.mlp.*|blocks.*.weight"``, or a list) whose 2-D
+            parameters Muon takes whatever the rule says; each must match a 2-D trainable parameter.
+        muon_exclude: patterns of names AdamW takes; each must match a trainable parameter. Exclusion wins.
+        decay: the model's :func:`split_parameters` (its embeddings, norms and biases), if already made.
+
+    Raises:
+        ValueError: a pattern that matches nothing it could apply to (a misspelt name), naming a few names.
+    """
+    include, exclude = _patterns(muon_include, "muon_include"), _patterns(muon_exclude, "muon_exclude")
+    decay = decay or split_parameters(model)
+    owners, inside, head = _owners(model), _inside_blocks(model), _output_head(model)
+    named = list(decay.params.items())  # trainable, a tied weight once (by its first name)
+    embeddings = set(decay.embeddings)
+    for option, patterns, matrices_only in (("muon_include", include, True), ("muon_exclude", exclude, False)):
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n, p in named if p.ndim == 2 or not matrices_only):
+                what = "2-D trainable parameter" if matrices_only else "trainable parameter"
+                sample = ", ".join(n for n, p in named if p.ndim == 2 or not matrices_only)
+                raise ValueError(f"{option}: pattern {pattern!r} matches no {what} of {type(model).__name__} "
+                                 f"(fnmatch on full names such as: {sample[:300]}{'...' if len(sample) > 300 else ''})")
+    split = MuonSplit()
+    for name, p in named:
+        split.params[name] = p
+        uses = owners.get(id(p), [])
+        if any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+            reason = "muon_exclude"
+        elif p.ndim == 2 and any(fnmatch.fnmatchcase(name, pat) for pat in include):
+            reason = None
+        elif name in embeddings:
+            reason = "embedding"
+        elif id(p) in head:
+            reason = "output head"
+        elif decay.reasons.get(name) in ("norm", "bias"):
+            reason = decay.reasons[name]
+        elif p.ndim != 2:
+            reason = "not 2-D"
+        elif not any(attr == "weight" and _is_linear(m) and m_name in inside for m_name, attr, m in uses):
+            reason = "not a linear layer in a block"
+        else:
+            reason = None
+        if reason is None:
+            split.muon.append(name)
+            if any(attr == "weight" and _is_conv1d(m) for _, attr, m in uses):
+                split.transposed.append(name)
+        else:
+            split.adamw.append(name)
+            split.reasons[name] = reason
+    return split
+
+
+def build_muon_param_groups(model: nn.Module, weight_decay: float = 0.0, decay_embeddings: bool = True,
+                            muon_include=None, muon_exclude=None) -> list[dict]:
+    """:func:`build_param_groups`' decay groups, each cut in two along :func:`split_muon`: the Muon groups first
+    (``"muon": True``), then AdamW's (``"muon": False``), empty ones dropped; each with ``param_names`` and its
+    ``weight_decay``. The split is logged once (counts and bytes), and a warning says when Muon gets nothing."""
+    decay = split_parameters(model, decay_embeddings)
+    muon = split_muon(model, muon_include, muon_exclude, decay)
+    (logger.warning if not muon.muon else logger.info)(
+        "hf_efficient Muon split: %s%s", muon.summary(),
+        "" if muon.muon else ": Muon steps nothing; it takes the linear layers inside blocks (elements of an "
+        "nn.ModuleList / nn.Sequential) and what muon_include names")
+    groups = build_param_groups(model, weight_decay, decay_embeddings, split=decay)
+    chosen = set(muon.muon)
+    out = []
+    for use_muon in (True, False):
+        for g in groups:
+            names = [n for n in g["param_names"] if (n in chosen) == use_muon]
+            if names:
+                out.append({"params": [muon.params[n] for n in names], "param_names": names,
+                            "weight_decay": g["weight_decay"], "muon": use_muon})
+    return out
 
 
 def param_device(params) -> torch.device:

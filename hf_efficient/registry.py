@@ -1,11 +1,11 @@
 """The one table of optimizer names, and :func:`resolve`, which picks a backend for a device.
 
-Every fact about a family lives here: in its :class:`~hf_efficient.families.Family` (state keys and formats, its
-8-bit moments, which families convert into each other, distributed support and why not, its compensation default;
-declared in :mod:`hf_efficient.families`, which the optimizer classes read too) and in its names' backends (build,
-checkpoint layout, memory rule, 8-bit rule, FSDP2 support). checkpoint, memory, cli, the distributed checks, the
-scripts and the cross-cutting tests (tests/cases.py) iterate this table: a new family is one optimizer module, its
-kernel(s), its Family and its names here, its own tests and one docs line.
+Every fact about a family lives here: in its :class:`~hf_efficient.optim.facts.Family` (state keys, formats and
+codecs, its quantized moments, which families convert into each other, its options, distributed support and why
+not, its compensation default; declared in the family's module in ``optim/``, which its class reads) and in its
+names' backends (build, checkpoint layout, memory rule, quantized-state rule, FSDP2 support). checkpoint, memory,
+cli, the distributed checks, the scripts and the cross-cutting tests (tests/cases.py) iterate this table: a new
+family is one optimizer module (its math, its Family, its class), its entry here (:func:`family_spec`) and its test.
 
 Rule: a name lists its backends; each backend says which device types it serves from which package
 version. For a device, the first backend in the name's preference order for that device type that is
@@ -22,12 +22,19 @@ from typing import Callable
 import torch
 
 from . import backends
-from .families import (ADAFACTOR, ADAMW, ADAMW8BIT, ADAMW_BF16, AUTO, FAMILIES, LION8BIT, PLAIN,  # noqa: F401
-                       PREFIX, Family, StateKey, _family)
+from .backends import takes
+from .optim.adafactor import Adafactor
+from .optim.adamw import ADAMW
+from .optim.adamw8bit import ADAMW8BIT, AdamW8bit
+from .optim.adamw_bf16 import AdamWBF16
+from .optim.facts import PREFIX, Family, StateKey
+from .optim.lion8bit import LION8BIT, Lion8bit
+from .options import OPTIONS, Option
 from .optional import install_hint, version_of
 
-__all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "FAMILIES", "SPECS", "PREFIX",
-           "PICKERS", "get_spec", "resolve", "available_optimizers", "compensation_of"]
+__all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "SPECS", "PREFIX", "PLAIN",
+           "families", "torch_backend", "bnb_backend", "family_spec", "get_spec", "resolve",
+           "available_optimizers", "compensation_of", "all_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +110,13 @@ class OptimizerSpec:
         return self.facts.name
 
     @property
+    def accepted(self) -> dict[str, Option]:
+        """The options it takes, by key: the shared ones (:data:`..options.OPTIONS`) and families' own (its family's;
+        ``hf_eff_auto``'s: those of the names it picks from)."""
+        known = all_options()
+        return {k: self.facts.option(k) or known[k] for k in self.options}
+
+    @property
     def trainer_name(self) -> str:
         return PREFIX + self.name
 
@@ -137,33 +151,67 @@ _ANY = {"*": None}
 TORCHAO_FLAW = ("torchao's AdamW8bit stores small second moments as exactly 0, so a later zero gradient (dead "
                 "units, masked tokens, unused embedding rows) moves those weights by lr * exp_avg / eps, thousands of "
                 "times too far")
-_ADAM_MOMENTS, _LION_MOMENTS = ADAMW8BIT.moments, LION8BIT.moments  # (key, signed) in bitsandbytes' state1, 2 order
-_NA, _NL = len(_ADAM_MOMENTS), len(_LION_MOMENTS)
 _BNB_NO_DTENSOR = "bitsandbytes' 8-bit kernels have no DTensor sharding rule"
-_TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.torch_adamw_memory, compensates=True)
-_BNB_8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"}, backends.build_bnb_adamw8bit,
-                    backends.bnb_memory(_NA), layout=backends.bnb_layout("AdamW", *_ADAM_MOMENTS),
-                    keeps_8bit=backends.bnb_keeps_8bit, fsdp2=_BNB_NO_DTENSOR)
-_BNB_PAGED = Backend("bnb", "bitsandbytes", {"cuda": "0.50"}, backends.build_bnb_paged_adamw8bit,
-                     backends.bnb_memory(_NA), layout=_BNB_8BIT.layout, keeps_8bit=backends.bnb_keeps_8bit,
-                     fsdp2=_BNB_NO_DTENSOR)
-_TORCH_8BIT = Backend("torch", None, _ANY, backends.build_torch_adamw8bit, backends.torch_8bit_memory(_NA),
-                      needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True)
-_TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit,
-                        backends.torchao_memory(_NA), layout=backends.torchao_layout(*_ADAM_MOMENTS),
-                        keeps_8bit=backends.torchao_keeps_8bit, flaw=TORCHAO_FLAW)
-_TORCH_ADAFACTOR = Backend("torch", None, _ANY, backends.build_adafactor, backends.adafactor_memory, compensates=True)
-_TORCH_BF16 = Backend("torch", None, _ANY, backends.build_adamw_bf16, backends.adamw_bf16_memory, compensates=True)
-_TORCH_LION8BIT = Backend("torch", None, _ANY, backends.build_torch_lion8bit, backends.torch_8bit_memory(_NL),
-                          needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True)
-_BNB_LION8BIT = Backend("bnb", "bitsandbytes", {"cuda": "0.50", "cpu": "0.50"},
-                        backends.bnb_builder("Lion8bit", uses_eps=LION8BIT.uses_eps), backends.bnb_memory(_NL),
-                        layout=backends.bnb_layout("Lion", *_LION_MOMENTS), keeps_8bit=backends.bnb_keeps_8bit,
-                        fsdp2=_BNB_NO_DTENSOR)
+
+
+def torch_backend(cls: type, memory: Callable | None = None) -> Backend:
+    """This package's optimizer class ``cls`` (it declares ``FACTS``, its Family) as a name's ``torch`` backend:
+    built by passing what its signature takes (:func:`.backends.class_builder`); ``memory``: its memory rule, derived
+    from its Family where it keeps quantized state (which then also needs a compiler for its kernels, else the
+    registry prefers another backend)."""
+    facts = cls.FACTS
+    if facts.quantized:
+        return Backend("torch", None, _ANY, backends.class_builder(cls), backends.torch_8bit_memory(facts),
+                       needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True)
+    return Backend("torch", None, _ANY, backends.class_builder(cls), memory, compensates=True)
+
+
+def bnb_backend(facts: Family, bnb_class: str, what: str, cuda_only: bool = False) -> Backend:
+    """bitsandbytes' ``bnb.optim.<bnb_class>`` as a backend of the 8-bit ``facts`` (its moments are bnb's
+    ``state1``, ``state2``... in order; ``what`` names bnb's layout in messages: ``"AdamW"``)."""
+    return Backend("bnb", "bitsandbytes", {"cuda": "0.50"} if cuda_only else {"cuda": "0.50", "cpu": "0.50"},
+                   backends.bnb_builder(bnb_class, uses_eps=facts.uses_eps), backends.bnb_memory(len(facts.moments)),
+                   layout=backends.bnb_layout(what, *facts.moments), keeps_8bit=backends.bnb_keeps_8bit,
+                   fsdp2=_BNB_NO_DTENSOR)
+
+
 _COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release", "compensation")
+_QUANTIZED = ("embedding_state", "min_8bit_size")  # the options every quantized family takes
 # hf-efficient estimate: each name on bf16 weights too (its default compensation: Kahan's buffer counted there)
 _BF16_ROWS = (EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)
-_8BIT = _COMMON + ("embedding_state", "min_8bit_size")
+_QUANTIZED_ROWS = (EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
+                   EstimateRow(" (default: 32-bit embeddings)"), *_BF16_ROWS)
+
+
+def family_spec(cls: type, notes: str, *, name: str | None = None, backends: dict[str, Backend] | None = None,
+                prefer: dict[str, tuple[str, ...]] | None = None, **kw) -> OptimizerSpec:
+    """A name for the family of ``cls`` (this package's class; it declares ``FACTS``): ``name`` (default: the
+    family's), its backends (default: ``cls`` as the torch backend), options (the shared ones, the quantized families'
+    and the family's own), its state bytes per parameter where they are a constant (quantized families: the codec's),
+    whether it takes betas (its class's signature says), and ``hf-efficient estimate``'s rows. ``kw``: any other
+    :class:`OptimizerSpec` field, given rather than derived."""
+    facts = cls.FACTS
+    clash = sorted({o.name for o in facts.options} & set(OPTIONS))
+    if clash:
+        raise ValueError(f"family {facts.name} declares options {clash}, which every name already takes "
+                         "(options.OPTIONS): name its own otherwise")
+    backends = backends or {"torch": torch_backend(cls)}
+    derived = dict(options=_COMMON + (_QUANTIZED if facts.quantized else ()) + tuple(o.name for o in facts.options),
+                   uses_betas="betas" in takes(cls),
+                   estimate_rows=_QUANTIZED_ROWS if facts.quantized else (EstimateRow(), *_BF16_ROWS))
+    if facts.quantized:
+        derived.update(state_bytes=round(facts.quantized_bytes, 2), bytes_label=f"~{facts.quantized_bytes:.2f}")
+    return OptimizerSpec(name or facts.name, facts, **{**derived, **kw, "notes": notes, "backends": backends,
+                                                       "prefer": prefer or {"default": tuple(backends)}})
+
+
+_TORCH_ADAMW = Backend("torch", None, _ANY, backends.build_torch_adamw, backends.torch_adamw_memory, compensates=True)
+_TORCH_8BIT = torch_backend(AdamW8bit)
+_BNB_8BIT = bnb_backend(ADAMW8BIT, "AdamW8bit", "AdamW")
+_TORCHAO_8BIT = Backend("torchao", "torchao", {"cuda": "0.10", "cpu": "0.10"}, backends.build_torchao_adamw8bit,
+                        backends.torchao_memory(len(ADAMW8BIT.moments)),
+                        layout=backends.torchao_layout(*ADAMW8BIT.moments), keeps_8bit=backends.torchao_keeps_8bit,
+                        flaw=TORCHAO_FLAW)
 
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
@@ -174,54 +222,52 @@ SPECS: dict[str, OptimizerSpec] = {
                       {"torch": _TORCH_ADAMW}, {"default": ("torch",)}, _COMMON,
                       dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
                       estimate_rows=(EstimateRow(), *_BF16_ROWS)),
-        OptimizerSpec("adam8bit", ADAMW8BIT, 2.03, "~2.03",
-                      "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit state",
-                      {"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
-                      # on CPU our C kernel, which outpaces bitsandbytes' CPU kernel (docs/results/bench_step.md).
-                      # On CUDA our Triton kernel (one pass per tensor, no host sync; bnb's
-                      # synchronises per tensor) where Triton imports; without it the torch backend's `needs` skips
-                      # it, and the reason names Triton. torchao is never chosen automatically: see TORCHAO_FLAW
-                      {"default": ("torch", "bnb")}, _8BIT,
-                      estimate_rows=(
-                          EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-                          EstimateRow(" (default: 32-bit embeddings)"),
-                          *_BF16_ROWS, EstimateRow(" (bf16 params, stochastic rounding, every tensor 8-bit)", {
-                              "compensation": "stochastic", "embedding_state": "8bit", "min_8bit_size": 1},
-                              torch.bfloat16))),
-        OptimizerSpec("paged_adam8bit", ADAMW8BIT, 2.03, "~2.03", "as adam8bit, state paged to host memory (CUDA)",
-                      {"bnb": _BNB_PAGED}, {"default": ("bnb",)}, _8BIT, fallback=("cuda", "adam8bit")),
-        OptimizerSpec("lion8bit", LION8BIT, 1.02, "~1.02",
-                      "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit momentum; "
-                      "the paper advises lr 3-10x below AdamW's (in our fine-tuning run AdamW's own lr did best: "
-                      "see the convergence results); "
-                      "embeddings and tensors < min_8bit_size keep 32-bit state",
-                      {"torch": _TORCH_LION8BIT, "bnb": _BNB_LION8BIT},
-                      # as adam8bit: our C kernel on CPU, our Triton kernel on CUDA (else bitsandbytes')
-                      {"default": ("torch", "bnb")}, _8BIT,
-                      estimate_rows=(
-                          EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-                          EstimateRow(" (default: 32-bit embeddings)"), *_BF16_ROWS)),
-        OptimizerSpec("adafactor", ADAFACTOR, 0.0, "<< 1",
-                      "factored second moment (row + column statistics); lr is the step size",
-                      {"torch": _TORCH_ADAFACTOR}, {"default": ("torch",)},
-                      _COMMON + ("beta1", "decay_rate", "clip_threshold"), uses_betas=False,
-                      estimate_rows=(EstimateRow(), *_BF16_ROWS)),
-        OptimizerSpec("adamw_bf16", ADAMW_BF16, 6.0, "6",
-                      "AdamW on bf16 params: bf16 m, v and Kahan compensation; no fp32 master copy",
-                      {"torch": _TORCH_BF16}, {"default": ("torch",)}, _COMMON,
-                      estimate_rows=(EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)),
+        family_spec(AdamW8bit, "AdamW math, blockwise 8-bit state; embeddings and tensors < min_8bit_size keep 32-bit "
+                    "state", name="adam8bit", backends={"torch": _TORCH_8BIT, "bnb": _BNB_8BIT, "torchao": _TORCHAO_8BIT},
+                    # on CPU our C kernel, which outpaces bitsandbytes' CPU kernel (docs/results/bench_step.md).
+                    # On CUDA our Triton kernel (one pass per tensor, no host sync; bnb's
+                    # synchronises per tensor) where Triton imports; without it the torch backend's `needs` skips
+                    # it, and the reason names Triton. torchao is never chosen automatically: see TORCHAO_FLAW
+                    prefer={"default": ("torch", "bnb")},
+                    estimate_rows=(*_QUANTIZED_ROWS, EstimateRow(
+                        " (bf16 params, stochastic rounding, every tensor 8-bit)",
+                        {"compensation": "stochastic", "embedding_state": "8bit", "min_8bit_size": 1},
+                        torch.bfloat16))),
+        family_spec(AdamW8bit, "as adam8bit, state paged to host memory (CUDA)", name="paged_adam8bit",
+                    backends={"bnb": bnb_backend(ADAMW8BIT, "PagedAdamW8bit", "AdamW", cuda_only=True)},
+                    fallback=("cuda", "adam8bit"), estimate_rows=(EstimateRow(),)),
+        family_spec(Lion8bit, "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit "
+                    "momentum; the paper advises lr 3-10x below AdamW's (in our fine-tuning run AdamW's own lr did "
+                    "best: see the convergence results); embeddings and tensors < min_8bit_size keep 32-bit state",
+                    # as adam8bit: our C kernel on CPU, our Triton kernel on CUDA (else bitsandbytes')
+                    backends={"torch": torch_backend(Lion8bit), "bnb": bnb_backend(LION8BIT, "Lion8bit", "Lion")}),
+        family_spec(Adafactor, "factored second moment (row + column statistics); lr is the step size",
+                    backends={"torch": torch_backend(Adafactor, backends.adafactor_memory)},
+                    state_bytes=0.0, bytes_label="<< 1"),
+        family_spec(AdamWBF16, "AdamW on bf16 params: bf16 m, v and Kahan compensation; no fp32 master copy",
+                    backends={"torch": torch_backend(AdamWBF16, backends.adamw_bf16_memory)},
+                    state_bytes=6.0, bytes_label="6",
+                    estimate_rows=(EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)),
     ]
 }
 # hf_eff_auto is no optimizer of its own: create_optimizer picks one of the above from the model's predicted
 # footprint (auto.choose_auto) and passes on the options that name takes.
+AUTO = Family("auto", {}, "auto", lambda p, group: set())
 SPECS["auto"] = OptimizerSpec(
     "auto", AUTO, float("nan"), "that of the name picked", "the most accurate of adamw > adamw_bf16 (bf16 models) > "
     "adam8bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
     tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",), estimate_rows=())
-# How a name that picks another per model answers memory.estimate_memory: (memory.Described, options) -> the
-# MemoryEstimate of the name it picks. Filled by the module that picks (auto.py, imported with the package): it is
-# built on memory's predictions, which read this table, so neither this table nor memory imports it.
-PICKERS: dict[str, Callable] = {}
+PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state without marks is read as
+
+
+def families() -> dict[str, Family]:
+    """Every registered name's family, by family name (read at each call: a name registered later counts)."""
+    return {s.facts.name: s.facts for s in SPECS.values() if s.backends}
+
+
+def all_options() -> dict[str, Option]:
+    """Every option any registered name takes: the shared ones and each family's own."""
+    return {**OPTIONS, **{o.name: o for s in SPECS.values() for o in s.facts.options}}
 
 
 def available_optimizers() -> list[str]:
@@ -265,7 +311,8 @@ _NO_COMPENSATION = "writes bf16/fp16 weights rounded to nearest (no compensated 
 
 def resolve(name: str, device: str | torch.device = "cpu", backend: str | None = None, *,
             log: bool = True, compensated: bool = False) -> Resolution:
-    """Pick the backend that runs ``name`` on ``device``, by the table above, and log the choice once.
+    """Pick the backend that runs ``name`` on ``device``: the first of its backends, in the registry's preference
+    order for the device (the guide's names table), that is installed and serves it; log the choice once.
 
     ``compensated``: the parameters include bf16/fp16 weights and the compensation is not ``none``: only backends
     that compensate qualify (a forced one that does not is refused, saying what to do instead).

@@ -68,7 +68,12 @@ Decided, and refused or checked where it cannot hold (never silent):
   gradients: refused by the checks, and in a hand-written loop at the first hook of a backward whose loss is a product
   while an enabled GradScaler is alive (before anything is stepped). bf16 autocast and bf16 weights need no scaler.
 - Distributed (DDP, FSDP, DeepSpeed): the hooks would see local gradients before their reduction: refused by the
-  checks, and by :func:`attach` when a process group of more than one process is up or a parameter is a DTensor.
+  checks, by :func:`attach` and at each backward's first hook when a process group of more than one process is up or a
+  parameter is a DTensor. DistributedDataParallel in any number of processes (one too: ``torchrun --nproc-per-node
+  1``): its reducer writes the reduced gradients back when backward ends, after the hooks stepped and freed them, so
+  ``step()`` would step them again: refused at the first backward after :func:`attach` that finds a process group up
+  (before anything is stepped); a gradient written back later anyway (a DDP made after that) is refused at ``step()``,
+  which then drops it and steps nothing.
 - Reentrant activation checkpointing (``use_reentrant=True``) runs one nested backward per segment, each adding to a
   weight's gradient once per segment that uses it: no hook can tell when a gradient is complete. Refused by the
   Trainer check, on each transformers version's default (4.x: reentrant; 5.x: not), and in any loop at the first hook
@@ -77,7 +82,9 @@ Decided, and refused or checked where it cannot hold (never silent):
 - A backward refused at its first hook drops the gradients it produced, so neither ``step()`` nor the next backward
   applies them.
 - A parameter that did not require a gradient when ``attach`` ran has no hook: if it gets one later, the next backward
-  refuses to start (call ``attach`` again after unfreezing it). Gradients present at ``attach`` are refused.
+  refuses to start and drops what it produced (call ``attach`` again after unfreezing it; it works at once). Gradients
+  present at ``attach`` are refused; a gradient present at a backward's start (set by hand, left by a backward that
+  raised) refuses that backward, which drops its own gradients and leaves that one for ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -196,6 +203,7 @@ def attach(optimizer, *, bucket_bytes: int | None = None) -> None:
         opt.__class__ = _attached_class(type(opt))
         nonfinite.defer_scans(opt, True)  # each tensor is checked here, in the release's hook
     rel.bucket_bytes = bucket_bytes
+    rel.check_ddp = True
     rel.hook(named)
 
 
@@ -224,6 +232,28 @@ def _refuse_distributed(named) -> None:
                            f"{dist.get_world_size()}, where each hook would step a local gradient before DDP / "
                            "DeepSpeed reduce it, and the replicas would diverge. Launch one process, "
                            + _OFF)
+
+
+def _group_up() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _refuse_ddp(named) -> None:
+    """Refuse a live DistributedDataParallel over these parameters, whatever its number of processes: its reducer
+    writes the reduced gradients back when backward ends, after the hooks stepped and freed them (step() would step
+    them again), and with more than one process the hooks would step local gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for _, p in named}
+    for ddp in _live(DistributedDataParallel):
+        if any(id(q) in ids for q in ddp.module.parameters()):
+            raise RuntimeError(
+                "gradient release cannot run under DistributedDataParallel (here over a process group of "
+                f"{ddp.process_group.size()}): DDP reduces the gradients in its own hooks and writes them back when "
+                "backward ends, after release stepped and freed them, so step() would step every tensor again; "
+                "nothing of this backward was stepped. Train the unwrapped model (one process needs no DDP), " + _OFF)
 
 
 class _Attached:
@@ -279,6 +309,8 @@ class _Release:
         self.backward_done = False  # a backward completed since the last step(): a second one is refused
         self.warned_zero = False
         self.check_scaler = True  # until a backward whose loss is a product found no GradScaler (see _open)
+        self.check_ddp = True  # until a backward with a process group up found no DistributedDataParallel (_open)
+        self.released: set[int] = set()  # ids stepped inside backward since the last step() (see _on_step)
         # The buckets' checks on the device (see "inf/NaN on CUDA" in the module docstring): per bucket checked there
         # (kernel flag, per-gradient flags, names, tensors), the sticky flag under "raise", the scan's pointer tables
         # per bucket (kept between steps: a bucket is the same tensors each step), and the counts left for a read.
@@ -318,8 +350,17 @@ class _Release:
             self._drop(p)
             raise
         self._fold(opt, wait=False)
+        named = named_params(opt.param_groups)
+        try:
+            _refuse_distributed(named)  # a process group started since attach
+            if self.check_ddp and _group_up():
+                self.check_ddp = False  # one pass over gc's objects; a DDP made later is caught at step()
+                _refuse_ddp(named)
+        except RuntimeError:
+            self._drop(p)
+            raise
         self.limit = self.bucket_bytes if self.bucket_bytes is not None else default_bucket_bytes(
-            q for g in opt.param_groups for q in g["params"])
+            q for _, q in named)
         nested, roots = _backward_context()
         if nested:
             self._drop(p)
@@ -347,25 +388,30 @@ class _Release:
                     "overflowing steps; nothing was stepped. Train in bf16 (torch.autocast(dtype=torch.bfloat16), "
                     "no scaler) or fp32, " + _OFF)
             self.check_scaler = False  # scanned once (it reads every object gc tracks); a loop starts with its scaler
-        for name, q in named_params(opt.param_groups):
-            if q is not p and q.grad is not None:
-                raise RuntimeError(
-                    f"gradient release: parameter {name!r} holds a gradient from before this backward (set by hand, or "
-                    "left by an earlier backward that raised); the per-tensor steps would apply it with this "
-                    "backward's. Call optimizer.zero_grad(set_to_none=True) before backward")
-            if q.requires_grad and id(q) not in self.handles:
-                raise RuntimeError(f"gradient release: parameter {name!r} requires a gradient but has no release hook "
-                                   "(it was frozen when attach ran). Call hf_efficient.release.attach(optimizer) "
-                                   "again after unfreezing parameters")
+        unhooked = [(name, q) for name, q in named if q.requires_grad and id(q) not in self.handles]
+        if unhooked:  # their gradients, if any, come from this backward (no hook to step them): dropped with p's
+            self._drop(p, *(q for _, q in unhooked))
+            raise RuntimeError(f"gradient release: parameter {unhooked[0][0]!r} requires a gradient but has no "
+                               "release hook (it was frozen when attach ran); nothing of this backward was stepped or "
+                               "kept. Call hf_efficient.release.attach(optimizer) again after unfreezing parameters, "
+                               "then run the backward again")
+        stale = [name for name, q in named if q is not p and q.grad is not None]
+        if stale:
+            self._drop(p)
+            raise RuntimeError(
+                f"gradient release: parameter {stale[0]!r} holds a gradient from before this backward (set by hand, or "
+                "left by an earlier backward that raised); the per-tensor steps would apply it with this backward's, "
+                "so nothing of this backward was stepped or kept. Call optimizer.zero_grad(set_to_none=True) before "
+                "backward")
         self.task, self.stepped, self.skipped = torch._C._current_graph_task_id(), 0, []
         self.pending, self.pending_bytes = [], 0  # left by a backward that raised: zero_grad() cleared them
         task = self.task
         Variable._execution_engine.queue_callback(lambda: self._close(task))
 
-    def _drop(self, p) -> None:
-        """A refused backward leaves nothing: its gradients so far (``p``'s, the window's pending ones) are dropped,
-        so that neither step() nor the next backward applies them."""
-        for q in [p, *self.pending]:
+    def _drop(self, *params) -> None:
+        """A refused backward leaves nothing: its gradients so far (``params``', the window's pending ones) are
+        dropped, so that neither step() nor the next backward applies them."""
+        for q in [*params, *self.pending]:
             q.grad = None
         self.pending, self.pending_bytes = [], 0
 
@@ -424,12 +470,25 @@ class _Release:
         weight decay, step count move): step those with zeros, a bucket at a time, so release equals it."""
         self.backward_done = False
         self.pending, self.pending_bytes = [], 0  # left by a backward that raised; their gradients stay in .grad
-        for _, q in named_params(opt.param_groups):
+        named = named_params(opt.param_groups)
+        again = [(name, q) for name, q in named if id(q) in self.released and q.grad is not None]
+        self.released = set()
+        if again:  # written after the hooks stepped them: the step would apply them a second time
+            for _, q in again:
+                q.grad = None
+            raise RuntimeError(
+                f"gradient release: parameter(s) {[n for n, _ in again[:3]]} hold a gradient again after release "
+                "stepped them inside backward, written after its hooks (DistributedDataParallel writes its reduced "
+                "gradients back when backward ends, in any number of processes); step() would apply them a second "
+                "time, so they were dropped and nothing was stepped. Train without DDP: one process needs none, "
+                + _OFF)
+        for _, q in named:
             if id(q) in self.zeros and q.grad is None:
                 q.grad = torch.zeros_like(q)
                 self._add(opt, q)
         self._flush(opt)
-        self._leave_record(opt)
+        self.released = set()  # stepped by this step(), as the ordinary step steps them
+        self._leave_record(opt, counted=True)
 
     def _flush(self, opt) -> None:
         """Step the pending parameters (the only ones holding gradients) in one call of the backend's step, after
@@ -486,14 +545,17 @@ class _Release:
                     del opt.found_inf
         for q in self.pending:
             q.grad = None
+            self.released.add(id(q))
         self.stepped += len(self.pending)
         self.info.stepped_tensors += len(self.pending)
         self.pending, self.pending_bytes = [], 0
 
-    def _leave_record(self, opt) -> None:
+    def _leave_record(self, opt, counted: bool = False) -> None:
         """What this backward's device checks found, for the host to read later (queued copies, nothing read now):
         under "raise" the guard's record (:func:`.guard.void_later`: the next backward's first hook, ``step()``,
-        ``state_dict()`` or ``raise_if_voided`` raises); under "skip" the counts :meth:`_fold` reads."""
+        ``state_dict()`` or ``raise_if_voided`` raises), and where ``counted`` (left by the ``step()`` the guard is
+        about to count) that step is taken back when the flag is read, as the guard's own device check takes back
+        the step it voids; under "skip" the counts :meth:`_fold` reads."""
         checks, void, self.checks, self.void = self.checks, self.void, [], None
         if not checks:
             return
@@ -504,6 +566,8 @@ class _Release:
             guard.void_later(opt, void, flags, names, "under gradient release, the buckets stepped before the one "
                              "holding it were applied; that bucket and every later one of that backward were not "
                              "(nothing updated by them, step counts included)")
+            if counted:
+                info.count_voids(void)
             return
         found = torch.cat([torch.stack([c[0].reshape(()).float() for c in checks]), flags])
         cuda = found.device.type == "cuda"
@@ -585,15 +649,20 @@ def _mul_root(roots) -> bool:
 
 
 def _enabled_scaler() -> bool:
-    """An enabled GradScaler (or subclass) whose scale() ran is alive. gc finds instances by the class they refer
-    to: one pass over the objects gc tracks, so :meth:`_Release._open` runs it once."""
-    classes, todo = set(), [torch.amp.GradScaler]
+    """An enabled GradScaler (or subclass) whose scale() ran is alive (:func:`_live`: :meth:`_Release._open` runs it
+    once)."""
+    return any(r.is_enabled() and getattr(r, "_scale", None) is not None for r in _live(torch.amp.GradScaler))
+
+
+def _live(base: type) -> list:
+    """The live instances of ``base`` and its subclasses. gc finds them by the class they refer to: one pass over the
+    objects gc tracks."""
+    classes, todo = set(), [base]
     while todo:
         cls = todo.pop()
         classes.add(cls)
         todo.extend(cls.__subclasses__())
-    return any(isinstance(r, torch.amp.GradScaler) and r.is_enabled() and getattr(r, "_scale", None) is not None
-               for r in gc.get_referrers(*classes))
+    return [r for r in gc.get_referrers(*classes) if isinstance(r, base)]
 
 
 def _remove_handles(handles: dict) -> None:
@@ -630,10 +699,16 @@ def check_trainer_args(args) -> None:
                         "the release already stepped scaled gradients. Use bf16=True (no scaler) " + _OFF)
     dist = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
     world = getattr(args, "world_size", 1)
+    mode = getattr(getattr(args, "parallel_mode", None), "value", "")
     if dist or world > 1:
         what = f"{' and '.join(dist)} set" if dist else f"world_size={world}"
         problems.append(f"{what}: each hook would step a local gradient before it is reduced across processes. "
                         "Train in one process " + _OFF)
+    elif mode == "distributed":  # torchrun with one process: the Trainer still wraps the model in DDP
+        problems.append("a distributed launch (parallel_mode=distributed, here of 1 process): the Trainer wraps the "
+                        "model in DistributedDataParallel, which writes the reduced gradients back after release "
+                        "stepped them, so each would be stepped twice. Launch with python, not torchrun / accelerate "
+                        "launch, " + _OFF)
     if _trainer_reentrant(args):
         problems.append("activation (gradient) checkpointing with use_reentrant=True (transformers < 5 and torch "
                         "default to it when gradient_checkpointing_kwargs does not say): each checkpointed segment "

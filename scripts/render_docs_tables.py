@@ -4,9 +4,10 @@
     python scripts/render_docs_tables.py --check   # exit 1, naming each stale block, and change nothing
 
 A generated block is the text between ``<!-- BEGIN generated: KEY -->`` and ``<!-- END generated: KEY -->``;
-KEY is one of :data:`TABLES`: ``names`` (the registry's specs), ``options`` (the one options table,
-``hf_efficient.options.OPTIONS``, crossed with the names that take each option) and ``distributed`` (what each
-name and backend does under DDP, FSDP and DeepSpeed: the registry facts the distributed checks refuse by) and
+KEY is one of :data:`TABLES`: ``names`` (the registry's specs), ``options`` (every option: the shared ones and each
+family's own, ``hf_efficient.registry.all_options()``, crossed with the names that take each option) and ``distributed`` (what each
+name and backend does under DDP, FSDP and DeepSpeed: the registry facts the distributed checks refuse by; FSDP2
+"yes" only where the FSDP2 tests run the name) and
 ``plugin`` (the accelerate plugin's fields, from the dataclass).
 tests/test_docs.py runs the check.
 """
@@ -21,8 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hf_efficient.options import OPTIONS  # noqa: E402
-from hf_efficient.registry import PREFIX, SPECS  # noqa: E402
+from hf_efficient.registry import PREFIX, SPECS, all_options  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- BEGIN generated: (\w+) -->\n)(.*?)(<!-- END generated: \2 -->)", re.S)
 _DEVICE = {"cuda": "CUDA", "default": "other devices"}
@@ -92,14 +92,24 @@ def _values(option) -> str:
 
 def options_table() -> str:
     rows = ["| key | names | values | default | what it does |", "|---|---|---|---|---|"]
-    for option in OPTIONS.values():
+    for option in all_options().values():
         rows.append(f"| `{option.name}` | {_takers(option.name)} | {_values(option)} | `{_shown(option.default)}` | "
                     f"{_cell(option.help)} |")
     return "\n".join(rows)
 
 
+def fsdp2_tested() -> set[tuple[str, str]]:
+    """(name, backend) of what the FSDP2 tests run: the names tests/cases.py's ``shardable`` query gives them (they
+    parametrize over it: tests/test_docs.py checks), each on its torch backend (what they resolve on CPU)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cases
+
+    return {(name, "torch") for name in cases.plain(cases.names(cases.shardable))}
+
+
 def distributed_table() -> str:
     rows = ["| name (backend) | DDP | FSDP2 | FSDP1 | DeepSpeed ZeRO 1, 2, 3 |", "|---|---|---|---|---|"]
+    tested = fsdp2_tested()
     fsdp1 = "refused: use FSDP2"  # FSDP1 hands the optimizer flattened parameters: no shapes, names or groups
     for spec in SPECS.values():
         if not spec.backends:  # auto: sized per rank under FSDP2; ZeRO steps flat partitions, so it is refused there
@@ -116,8 +126,9 @@ def distributed_table() -> str:
         for name, backend in spec.backends.items():
             if backend.fsdp2:
                 fsdp2 = f"refused: {backend.fsdp2}"
-            elif backend.flaw:
-                fsdp2 = "yes, only when forced (never chosen automatically: see Reliability)"
+            elif (spec.name, name) not in tested:
+                forced = " only when forced (never chosen automatically: see Reliability)," if backend.flaw else ""
+                fsdp2 = f"not refused,{forced} but no FSDP2 test runs it"
             else:
                 fsdp2 = ("yes: steps Shard(0) shards on a 1-D mesh, state as DTensors (shown by "
                          "tests/test_fsdp2_integrations.py, which trains every name marked yes here in the Trainer and "

@@ -41,6 +41,11 @@ def machine_md(info: dict, load_after: list[float] | None = None) -> str:
             f"- Date: {info['date']}")
 
 
+def figure(page: str, alt: str) -> str:
+    """The page's own plot (``<page>.png``, written beside it by :func:`render`), shown where the line stands."""
+    return f"![{alt}]({page}.png)"
+
+
 def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
@@ -90,6 +95,8 @@ def bench_step_md(doc: dict) -> str:
             "only the scan of the small ones; the check's time in backward is in the forward + backward + step "
             "section below. Still vouched for by the backward scan after the last timed step (no step changed a "
             f"gradient): {'yes' if doc['vouched'] else 'NO: the rows with the check rescanned them'}\n",
+            figure("bench_step", "Median step time of each row (log scale; the tick: the bandwidth limit of its bytes) "
+                   "and its optimizer state in bytes per parameter, coloured by state format") + "\n",
             md_table(headers, table), "\n## The registry's picks against the other options of their format\n",
             *(_bench_picks(rows) or ["- no rows ran"])]
     if doc["backward"]:
@@ -310,7 +317,9 @@ def memory_release_md(doc: dict) -> str:
             "Peak of live weights + gradients + optimizer state during the measured step (see the script's docstring "
             "for the method), bytes per parameter. Peak RSS is the whole process's (model creation, the forward's "
             "activations, the step's temporaries, memory the allocator keeps): it does not follow the live total, "
-            "and on CPU, where the activations of the forward set it, release need not lower it.", ""]
+            "and on CPU, where the activations of the forward set it, release need not lower it.", "",
+            figure("memory_release", "Peak live bytes per parameter of each arm, weights + gradients + optimizer state, "
+                   "with and without release, one panel per model"), ""]
     for model in models:
         text += _memory_model(model, [r for r in rows if r["model"] == model], cfg)
     speeds = doc["speed"]
@@ -454,7 +463,10 @@ def convergence_md(doc: dict) -> str:
                     "not traced to the optimizer (the live peak counts weights, gradients and state exactly). "
                     "Compare RSS among bf16 runs only")
     text += [f"- {n}" for n in doc["notes"]]
-    text += ["", md_table(headers, rows), *_compensation_summary(doc, by_label), *_lowest_memory(doc, by_label),
+    text += ["", figure("convergence", "Eval loss and masked-token accuracy over the steps of each run on fp32 weights; "
+                        "on the bf16 model, eval loss under each compensation mode, and each run's final eval loss "
+                        "against fp32 AdamW's"),
+             "", md_table(headers, rows), *_compensation_summary(doc, by_label), *_lowest_memory(doc, by_label),
              *_other_seeds(doc, by_label), *_lr_summary(doc, base)]
     return "\n".join(text) + "\n"
 

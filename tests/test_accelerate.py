@@ -104,6 +104,45 @@ def test_backend_and_decay_embeddings_inside_optim_args(monkeypatch):
         EfficientOptimPlugin(optim="adam8bit")
 
 
+def _with_backend(entry: str, name: str, value: str, monkeypatch, tmp_path):
+    """Optimizer ``name`` built for a small model with ``backend=value`` given through ``entry``."""
+    import hf_efficient as hfe
+    from hf_efficient.integrations.transformers import TrainerOptimizer
+
+    model = torch.nn.Linear(8, 8)
+    if entry == "create_optimizer":
+        return hfe.create_optimizer(model, name, backend=value)
+    if entry == "TrainingArguments":
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(str(tmp_path), optim="hf_eff_" + name, optim_args=f"backend={value}", report_to=[],
+                                 use_cpu=True)
+        return TrainerOptimizer(model, hf_eff_name=args.optim, optim_args=args.optim_args, lr=1e-3,
+                                betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    if entry == "HF_EFF_OPTIM_ARGS":
+        monkeypatch.setenv("HF_EFF_OPTIM_ARGS", f"backend={value}")
+        return EfficientOptimPlugin(optim=name).create_optimizer(model)
+    return EfficientOptimPlugin(optim=name, backend=value).create_optimizer(model)
+
+
+BACKEND_ENTRIES = ("create_optimizer", "TrainingArguments", "EfficientOptimPlugin", "HF_EFF_OPTIM_ARGS")
+
+
+@pytest.mark.parametrize("name", [s.name for s in SPECS.values() if "backend" in s.options])
+def test_every_entry_point_gives_backend_auto_one_verdict(name, monkeypatch, tmp_path):
+    """backend=auto is the registry's choice wherever it is given (issue 30: the plugin and HF_EFF_OPTIM_ARGS took it,
+    TrainingArguments and create_optimizer refused it); a backend that is none is refused by all four alike."""
+    import hf_efficient as hfe
+
+    for entry in BACKEND_ENTRIES:
+        with monkeypatch.context() as m:
+            assert optimizer_info(_with_backend(entry, name, "auto", m, tmp_path)).resolution.backend == \
+                hfe.resolve(name, device="cpu").backend, entry
+            with pytest.raises(ValueError, match=r"option 'backend' must be one of \['bnb', 'torchao', 'torch'\] "
+                                                 r"\(or 'none' / 'auto': the registry's choice\), got 'fast'"):
+                _with_backend(entry, name, "fast", m, tmp_path)
+
+
 @pytest.mark.parametrize("var, value, message", [
     ("HF_EFF_LR", "fast", "HF_EFF_LR: expected a number, got 'fast'"),
     ("HF_EFF_LR", "-1", "HF_EFF_LR: Invalid learning rate lr=-1.0"),
@@ -455,8 +494,6 @@ def test_plugin_with_auto_creates_an_accelerator():
 def test_deepspeed_rules():
     check_distributed_support("adamw", None, {}, _deepspeed(zero_stage=2))
     check_distributed_support("adam8bit", "bnb", {"embedding_state": "8bit"}, _deepspeed(zero_stage=3))
-    with pytest.raises(ValueError, match="cannot keep 32-bit state.*embedding_state=8bit"):
-        check_distributed_support("adam8bit", "torchao", {}, _deepspeed(zero_stage=2))
     with pytest.raises(ValueError, match="hf_eff_adafactor .* not supported with DeepSpeed: ZeRO flattens"):
         check_distributed_support("adafactor", None, {}, _deepspeed(zero_stage=1))
     with pytest.raises(ValueError, match="hf_eff_adamw_bf16 .* not supported with DeepSpeed: ZeRO keeps fp32 master"):
@@ -473,11 +510,23 @@ def test_deepspeed_rules():
         check_distributed_support("adamw", None, {}, ds)
 
 
-def test_fp32_state_ids_follow_a_parameter_swap():
+@pytest.mark.parametrize("backend", sorted(SPECS["adam8bit"].backends))
+def test_deepspeed_refuses_32bit_embedding_state_on_every_backend(backend):
+    """ZeRO hands the optimizer one flat partition, so no backend can keep embeddings' state in 32 bits."""
+    if backend == "torchao":
+        pytest.importorskip("torchao", reason="torchao is its own extra: pip install -e \".[torchao]\"")
+    with pytest.raises(ValueError, match="cannot keep 32-bit state.*embedding_state=8bit"):
+        check_distributed_support("adam8bit", backend, {}, _deepspeed(zero_stage=2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchao"])
+def test_fp32_state_ids_follow_a_parameter_swap(backend):
     """FSDP2 preparation replaces every parameter in place; the 32-bit-state choice must follow by position."""
     from hf_efficient.integrations.accelerator_checks import fp32_state_flags, restore_fp32_state_ids
 
-    plugin = EfficientOptimPlugin(optim="adam8bit", backend="torchao")
+    if backend == "torchao":
+        pytest.importorskip("torchao", reason="torchao is its own extra: pip install -e \".[torchao]\"")
+    plugin = EfficientOptimPlugin(optim="adam8bit", backend=backend)
     optimizer = plugin.create_optimizer(tiny_mlm())
     flags = fp32_state_flags(optimizer)
     assert sum(map(sum, flags)) == 3  # word, position and token-type embeddings

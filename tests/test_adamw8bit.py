@@ -214,7 +214,9 @@ def test_agrees_with_bitsandbytes_adamw8bit():
 
 def test_fp32_state_params_are_torch_adamw():
     ps = _params()
-    ref_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    # torch's fused kernel on row-major copies: on CPU it walks a transposed weight's memory beside a row-major
+    # gradient flat, pairing elements wrongly (issue 30, item 9); ours steps such a weight right
+    ref_ps = [torch.nn.Parameter(p.detach().contiguous().clone()) for p in ps]
     opt = _run(ps, 5, fp32_state_params=[ps[0], id(ps[1])], min_8bit_size=10**6, compile=False)
     ref = _run(ref_ps, 5, opt=torch.optim.AdamW(ref_ps, lr=1e-2, weight_decay=0.1, fused=True))
     for p, r in zip(ps, ref_ps):

@@ -434,7 +434,9 @@ def test_fp32_parameters_get_plain_adamw_and_say_so(caplog):
                                           ({"foreach": False}, {"foreach": False})],
                          ids=["default-fused", "foreach", "single-tensor"])
 def test_fp32_parameters_equal_torch_adamw(ours, theirs):
-    """fp32 tensors, alone or beside bf16 ones, get exactly torch.optim.AdamW (fused / foreach / for-loop)."""
+    """fp32 tensors, alone or beside bf16 ones, get exactly torch.optim.AdamW (fused / foreach / for-loop), each
+    gradient in its weight's layout as autograd gives it (torch's fused kernel steps a transposed weight with a
+    row-major gradient wrong, walking both flat: AdamWBF16 then takes the foreach path, tests/test_layouts.py)."""
     bf16 = _params()[:2]
     mine = _params(torch.float32)
     opt = AdamWBF16([{"params": mine}, {"params": bf16, "lr": 2e-3}], lr=1e-3, weight_decay=0.1, **ours)
@@ -443,7 +445,7 @@ def test_fp32_parameters_equal_torch_adamw(ours, theirs):
     g = torch.Generator().manual_seed(3)
     for _ in range(5):
         for p, q in zip(mine, reference):
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
             q.grad = p.grad.clone()
         for p in bf16:
             p.grad = torch.randn(p.shape, generator=g).bfloat16()

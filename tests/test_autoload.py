@@ -8,6 +8,7 @@ served it is the one of the environment under test (not the checkout's own edita
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import shutil
@@ -72,7 +73,7 @@ print(json.dumps({"loaded": sorted(m for m in ("torch", "hf_efficient", "transfo
 
 def _copy_source(dest: Path) -> Path:
     dest.mkdir()
-    for name in ("setup.py", "setup.cfg", "README.md", "_hf_efficient_autoload.py"):
+    for name in ("setup.py", "setup.cfg", "README.md", "_hf_efficient_autoload.py", "_hf_efficient_cli.py"):
         shutil.copy(REPO / name, dest / name)
     shutil.copytree(REPO / "hf_efficient", dest / "hf_efficient",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.o"))
@@ -154,6 +155,20 @@ def test_plain_python_script(installs, kind, tmp_path):
     out = _last_json(_run([python, _script(installs, "plain"), tmp_path], cwd=tmp_path))
     assert out["optim"] == "hf_eff_adam8bit"
     _assert_served_by(installs, kind, out["hook"])
+
+
+@pytest.mark.parametrize("kind", ["wheel", "editable"])
+def test_console_script_answers_without_torch(installs, kind, tmp_path):
+    """The installed ``hf-efficient`` finds cli.py beside its entry module (site-packages, or the checkout) and
+    answers --version without importing the package; a command that runs imports it."""
+    script = installs[kind].parent / "hf-efficient"
+    proc = _run([script, "--version"], cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    assert proc.stdout.strip() == f"hf-efficient {cfg['metadata']['version']}", proc.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "_hf_efficient_cli" in imported and not {"torch", "hf_efficient"} & imported, sorted(imported)
+    assert "hf_eff_adam8bit" in _run([script, "list"], cwd=tmp_path).stdout
 
 
 def test_unrelated_program_imports_nothing_of_ours(installs, tmp_path):

@@ -14,7 +14,7 @@ from torch import nn
 
 import hf_efficient as hfe
 from hf_efficient import checkpoint
-from hf_efficient.registry import FAMILIES, SPECS
+from hf_efficient.registry import SPECS, families, get_spec
 from cases import CASES
 from helpers import Net, assert_unchanged, make, snapshot, train
 
@@ -89,7 +89,7 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         src = (lib.optim.AdamW8bit)(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
         train(src_model, src, 2)
         sd = src.state_dict()
-        canonical = {n: checkpoint._any_to_canonical(st, FAMILIES["adamw"])[0] for n, st in _by_name(sd).items()}
+        canonical = {n: checkpoint._any_to_canonical(st, families()["adamw"])[0] for n, st in _by_name(sd).items()}
     else:
         src_model, src = make("adam8bit", backend, torch.float32)
         train(src_model, src, 2)
@@ -104,6 +104,26 @@ def test_8bit_state_into_adamw_is_dequantized(backend, caplog):
         for a, b in zip((st["exp_avg"], st["exp_avg_sq"]), _moments(canonical[name])):
             assert torch.equal(a, b), name
         assert st["step"].item() == 2
+    train(model, opt, 1, start=2)
+
+
+def test_bare_bitsandbytes_state_into_adam8bit_says_what_it_converted(caplog):
+    """Untagged bitsandbytes AdamW8bit state into the family it belongs to: relabelled to the canonical layout
+    (the same codes and scales), with the warning every conversion of an untagged state gives."""
+    bnb = pytest.importorskip("bitsandbytes")
+    src_model = Net()
+    src = bnb.optim.AdamW8bit(hfe.build_param_groups(src_model, weight_decay=0.01), lr=1e-2)
+    train(src_model, src, 2)
+    sd = src.state_dict()
+    model, opt = make("adam8bit", "torch", torch.float32)
+    with caplog.at_level(logging.WARNING, logger="hf_efficient.checkpoint"):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert "written by an untagged bitsandbytes adamw8bit state" in caplog.text, caplog.text
+    assert "layout relabelled" in caplog.text and "fc.weight" in caplog.text, caplog.text
+    saved = checkpoint._any_to_canonical(_by_name(sd)["fc.weight"], families()["adamw8bit"])[0]
+    loaded = _by_name(opt.state_dict())["fc.weight"]
+    assert loaded["exp_avg"].dtype == torch.uint8
+    assert all(torch.equal(loaded[k].reshape(-1), saved[k].reshape(-1)) for k in saved if k != "step")
     train(model, opt, 1, start=2)
 
 
@@ -191,10 +211,13 @@ def _fc(sd: dict) -> dict:
 
 def _corrupt_state(name: str, backend):
     """(what to do to a state dict, message expected) for every way a parameter's state can be broken."""
-    fam = SPECS[name].facts
+    fam = get_spec(name).facts
     eight_bit = fam.quantized
     required = fam.required(Net().fc.weight, {})  # a matrix's state, with the default options
-    moment = next(k for k in ("exp_avg_sq_row", "exp_avg_sq", "exp_avg") if k in required)  # the last moment
+    tensors = [k for k, f in fam.state.items() if k in required and f.format in ("param", "codes", "row", "col")]
+    # a moment: unsigned where the family has one (AdamW's second, Adafactor's row statistics), else its only one
+    moment = next((k for k in tensors if not fam.state[k].signed), tensors[-1])
+    first = next((k for k in tensors if fam.state[k].signed), None)  # the first moment (Adafactor: none by default)
     cases = [
         (lambda sd: _fc(sd).pop(moment), rf"'fc.weight' lacks \['{moment}'\].*incomplete"),
         (lambda sd: _fc(sd).pop("step"), r"'fc.weight' lacks \['step'\]"),
@@ -202,9 +225,7 @@ def _corrupt_state(name: str, backend):
         (lambda sd: _fc(sd).__setitem__("step", "x"), r"'fc.weight' has step 'x'"),
         (lambda sd: _fc(sd).__setitem__("step", torch.ones(3)), r"step a tensor of shape \(3,\)"),
         (lambda sd: _fc(sd).__setitem__(moment, _fc(sd)[moment][:3]), rf"{moment} of shape \(3,"),
-        (lambda sd: _fc(sd).__setitem__("exp_avg_sq_col" if name == "adafactor" else "exp_avg",
-                                        torch.zeros_like(_fc(sd)["exp_avg_sq_col" if name == "adafactor" else
-                                                                 "exp_avg"], dtype=torch.int64)),
+        (lambda sd: _fc(sd).__setitem__(tensors[-1], torch.zeros_like(_fc(sd)[tensors[-1]], dtype=torch.int64)),
          r"of dtype torch.int64, but"),
     ]
     absmaxes = [f"{k}_absmax" for k, _ in fam.moments]
@@ -214,22 +235,22 @@ def _corrupt_state(name: str, backend):
         (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0), rf"{nonfinite} holding negative values"),
         (lambda sd: _fc(sd).__setitem__("step", torch.tensor(2.5)), r"has step 2\.5: .*whole number"),
     ]
-    first = "exp_avg_absmax" if eight_bit else None if name == "adafactor" else "exp_avg"  # Adafactor: no beta1
+    first = f"{first}_absmax" if eight_bit else first
     if first:  # finite, but beyond any first moment: the first step would move weights ~1e27
         cases.append((lambda sd: _fc(sd)[first].mul_(1e30), rf"{first} holding values of magnitude .* beyond what "
                                                              "any first moment reaches"))
     if eight_bit:  # the 8-bit layout: codes need their absmaxes (torchao read bare codes as fp32 moments)
         cases += [
-            (lambda sd: _fc(sd).pop("exp_avg_absmax"), r"'fc.weight' lacks \['exp_avg_absmax'\]"),
+            (lambda sd: _fc(sd).pop(first), rf"'fc.weight' lacks \['{first}'\]"),
             (lambda sd: [_fc(sd).pop(k) for k in absmaxes], r"lacks \[" + ", ".join(f"'{k}'" for k in absmaxes)),
             (lambda sd: _fc(sd).__setitem__(moment, _fc(sd)[moment].float()),
              # its family's other moments still codes: named as such; its only moment: the absmax is left over
              rf"{moment} of dtype torch.float32, but {fam.name} state keeps it in uint8 codes" if len(absmaxes) > 1
              else rf"\['{moment}_absmax'\] beside torch.float32 moments: absmaxes belong to uint8 codes"),
-            (lambda sd: _fc(sd).__setitem__("exp_avg_absmax", _fc(sd)["exp_avg_absmax"].half()),
-             r"exp_avg_absmax of dtype torch.float16.*float32"),
-            (lambda sd: _fc(sd).__setitem__("exp_avg_absmax", _fc(sd)["exp_avg_absmax"][:-1]),
-             r"exp_avg_absmax of shape \(31,\).*\(32,\)"),
+            (lambda sd: _fc(sd).__setitem__(first, _fc(sd)[first].half()),
+             rf"{first} of dtype torch.float16.*float32"),
+            (lambda sd: _fc(sd).__setitem__(first, _fc(sd)[first][:-1]),
+             rf"{first} of shape \(31,\).*\(32,\)"),
         ]
     return cases
 
@@ -240,9 +261,13 @@ def _corrupt_groups(name: str):
         ("lr", float("nan"), r"param group 0 .*lr=nan"),
         ("weight_decay", -1.0, r"param group 0 .*weight_decay=-1.0"),
     ]
-    spec = SPECS[name]
-    if not spec.uses_betas:  # Adafactor
-        return group_cases + [("beta1", 1.5, r"beta1.*must be in \[0, 1\)"), ("decay_rate", "x", "decay_rate='x'")]
+    spec = get_spec(name)
+    # each of its family's options refused as text, which a group never holds (Adafactor: beta1, decay_rate, ...)
+    group_cases += [(o.name, "x", f"{o.name}='x'") for o in spec.facts.options]
+    if spec.facts.option("beta1"):  # Adafactor's, checked by its option's rule
+        group_cases.append(("beta1", 1.5, r"beta1.*must be in \[0, 1\)"))
+    if not spec.uses_betas:
+        return group_cases
     return group_cases + [("betas", (0.9, 1.5), r"beta2=1.5")] + ([("eps", -1.0, r"eps=-1.0")] if spec.facts.uses_eps
                                                                   else [])
 

@@ -1,9 +1,14 @@
-"""The ``hf-efficient`` console script, run in-process (its import costs as much as the rest of the test)."""
+"""The ``hf-efficient`` console script: run in-process (its import costs as much as the rest of the test), and as the
+installed entry point in a fresh interpreter where what it imports is the point."""
 
 from __future__ import annotations
 
+import configparser
 import importlib.metadata
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +16,12 @@ from hf_efficient import cli
 
 N = 65_783_042  # DistilBERT (cased vocabulary) with a 2-label classification head
 TENSORS = -(-N // 2**20)  # --params assumes tensors of at most 2**20 elements
+
+
+@pytest.fixture(autouse=True)
+def _columns(monkeypatch):
+    """Tables as wide as with no terminal: their width follows COLUMNS or the terminal, which differ per worker."""
+    monkeypatch.setenv("COLUMNS", "100")
 
 
 def run(capsys, *argv):
@@ -25,7 +36,44 @@ def rows_by_label(out: str) -> dict:
 
 def test_console_script_is_declared():
     eps = importlib.metadata.entry_points(group="console_scripts")
-    assert any(ep.name == "hf-efficient" and ep.value == "hf_efficient.cli:main" for ep in eps)
+    assert any(ep.name == "hf-efficient" and ep.value == "_hf_efficient_cli:main" for ep in eps)
+
+
+def _console_script(tmp_path, *argv) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The console script's entry point (as setup.cfg declares it) run in a fresh interpreter: its result, and the
+    modules it imported (``-X importtime``)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    scripts = dict(line.split(" = ") for line in cfg["options.entry_points"]["console_scripts"].strip().splitlines())
+    module, func = scripts["hf-efficient"].split(":")
+    code = f"import sys; from {module} import {func}; sys.exit({func}())"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code, *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    return proc, imported
+
+
+@pytest.mark.parametrize("argv, rc, says", [
+    (["--help"], 0, "usage: hf-efficient"),
+    (["--version"], 0, f"hf-efficient {importlib.metadata.version('hf_efficient')}"),
+    (["estimate", "--params", "banana"], 2, "'banana' is not a whole number of parameters"),
+    (["estimate"], 2, "estimate needs exactly one of MODEL or --params N"),
+    (["estimate", "--params", "1B", "--world-size", "0"], 2, "--world-size 0: the number of processes"),
+    (["nonsense"], 2, "invalid choice: 'nonsense'"),
+])
+def test_help_version_and_refused_arguments_import_neither_torch_nor_transformers(tmp_path, argv, rc, says):
+    """They answer at once: the console script parses before it imports the package (torch: seconds; transformers
+    for a model: more)."""
+    proc, imported = _console_script(tmp_path, *argv)
+    assert proc.returncode == rc and says in proc.stdout + proc.stderr, (proc.stdout, proc.stderr[-2000:])
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "hf_efficient"))
+    assert not heavy, heavy[:10]
+
+
+def test_a_command_that_runs_imports_the_package(tmp_path):
+    proc, imported = _console_script(tmp_path, "estimate", "--params", "1M", "--device", "cpu", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["num_params"] == 10**6, proc.stderr[-2000:]
+    assert {"torch", "hf_efficient.cli_commands"} <= imported
 
 
 def test_list_names_backends_and_reasons(capsys):
@@ -46,11 +94,39 @@ def test_estimate_params_table(capsys):
     assert rc == 0
     assert "assumed: 65,783,042 parameters counted as 2-D matrices of 1024 columns" in out
     lines = {line.split("  ")[0]: line for line in out.splitlines()}
-    adamw, all8 = lines["hf_eff_adamw"], lines["hf_eff_adam8bit, every tensor 8-bit"]
+    adamw, adam8bit = lines["hf_eff_adamw"], lines["hf_eff_adam8bit (default: 32-bit embeddings)"]
     assert "65,783,042 trainable parameters" in out.splitlines()[0]  # one count for every row: in the heading
     assert " 8.000 " in adamw and " 501.9 " in adamw and " 0.0% " in adamw
-    assert " 2.031 " in all8 and " 127.4 " in all8 and " 74.6% " in all8
-    assert "hf_eff_adam8bit (default: 32-bit embeddings)" in lines and "hf_eff_auto here would choose" in out
+    assert " 2.031 " in adam8bit and " 127.4 " in adam8bit and " 74.6% " in adam8bit
+    assert "hf_eff_auto here would choose" in out
+
+
+def test_estimate_params_shows_one_row_where_options_change_nothing(capsys):
+    """A bare count assumes no embeddings and no small tensors, so "every tensor 8-bit" and the default (32-bit
+    embeddings) are the same figures: the table shows the default's row and says why the other is missing (the JSON
+    keeps every row)."""
+    rc, out, _ = run(capsys, "estimate", "--params", "1B", "--device", "cpu")
+    words = " ".join(out.split())
+    labels = [line.split("  ")[0] for line in out.splitlines()]
+    assert rc == 0 and "hf_eff_adam8bit (default: 32-bit embeddings)" in labels
+    assert "hf_eff_adam8bit, every tensor 8-bit" not in labels and "hf_eff_lion8bit, every tensor 8-bit" not in labels
+    assert ("Not shown, the same figures as the row named: hf_eff_adam8bit, every tensor 8-bit = hf_eff_adam8bit "
+            "(default: 32-bit embeddings);") in words and "--params assumes none" in words
+    figures = [line.split()[-5:] for line in out.splitlines() if line.startswith("hf_eff_adam8bit")]
+    assert len(figures) == len({tuple(f) for f in figures}), figures  # no two rows of one name alike
+    rc, out, _ = run(capsys, "estimate", "--params", "1B", "--device", "cpu", "--json")
+    assert "hf_eff_adam8bit, every tensor 8-bit" in rows_by_label(out)
+
+
+def test_a_model_with_embeddings_shows_both_rows(capsys, tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=2, n_positions=64,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    rc, out, _ = run(capsys, "estimate", str(tmp_path), "--device", "cpu")
+    labels = [line.split("  ")[0] for line in out.splitlines()]
+    assert rc == 0 and "Not shown" not in out
+    assert {"hf_eff_adam8bit, every tensor 8-bit", "hf_eff_adam8bit (default: 32-bit embeddings)"} <= set(labels)
 
 
 def test_estimate_params_json(capsys):
@@ -183,15 +259,19 @@ def test_dtype_leaves_no_identical_rows(capsys):
     assert "hf_eff_adamw" in rows_by_label(out) and "hf_eff_adamw (bf16 params)" not in rows_by_label(out)
 
 
-def test_tables_fit_100_columns(capsys, tmp_path):
+@pytest.mark.parametrize("columns", [100, 80])
+def test_tables_fit_the_terminal(capsys, tmp_path, monkeypatch, columns):
+    """COLUMNS (a terminal's width; 100 where the output is no terminal): the tables were 100 wide in any terminal."""
     from transformers import GPT2Config
 
+    monkeypatch.setenv("COLUMNS", str(columns))
     GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=2, n_positions=64,
                architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     for argv in (["list"], ["estimate", "--params", "7B", "--device", "cpu"],
+                 ["estimate", "--params", "7B", "--device", "cpu", "--world-size", "8"],
                  ["estimate", str(tmp_path), "--device", "cpu", "--dtype", "bf16", "--measure"]):
         rc, out, _ = run(capsys, *argv)
-        assert rc == 0 and not [line for line in out.splitlines() if len(line) > 100], (argv, out)
+        assert rc == 0 and not [line for line in out.splitlines() if len(line) > columns], (argv, out)
         assert "MB" not in out.replace("MiB", ""), out  # one unit: MiB / GiB
 
 
@@ -223,3 +303,37 @@ def test_estimate_per_rank(capsys):
     with pytest.raises(SystemExit):
         run(capsys, "estimate", "--params", "1B", "--world-size", "0")
     assert "--world-size 0: the number of processes" in capsys.readouterr().err
+
+
+def test_per_rank_legend_says_what_b_per_param_divides():
+    """Under --world-size 4 the column is this rank's state over the whole model's parameters (a quarter of the
+    one-process figure under FSDP2); the legend said "per parameter"."""
+    import io
+    from contextlib import redirect_stdout
+
+    outs = {}
+    for ranks in ("1", "4"):
+        with redirect_stdout(io.StringIO()) as buf:
+            assert cli.main(["estimate", "--params", "1B", "--device", "cpu", "--world-size", ranks]) == 0
+        outs[ranks] = buf.getvalue()
+    b_per_param = {k: float(next(line for line in v.splitlines() if line.startswith("hf_eff_adamw ")).split()[3])
+                   for k, v in outs.items()}
+    assert b_per_param["4"] == pytest.approx(b_per_param["1"] / 4, rel=0.01)
+    assert "B/param: this rank's state bytes / the model's parameters" in " ".join(outs["4"].split())
+    assert "B/param: state bytes per parameter" in outs["1"]
+
+
+def test_sharding_without_world_size_is_refused(capsys):
+    """--sharding zero2 alone was silently one unsharded process."""
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--params", "1B", "--sharding", "zero2"])
+    assert "--sharding zero2 splits the model among ranks: give their number, --world-size N" in capsys.readouterr().err
+    rc, out, _ = run(capsys, "estimate", "--params", "1B", "--device", "cpu", "--sharding", "none", "--json")
+    assert rc == 0 and json.loads(out)["world_size"] == 1
+
+
+def test_an_unreachable_hub_name_says_so_in_one_sentence(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = run(capsys, "estimate", "hf-efficient-tests/no-such-model")
+    assert rc == 2 and "cannot load a config for 'hf-efficient-tests/no-such-model'" in err, err
+    assert ".." not in err and "\n" not in err.rstrip("\n") and err.rstrip().endswith(". Or give a count: --params N")

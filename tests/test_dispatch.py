@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_efficient import nonfinite
-from hf_efficient.optim import _blockwise, _dispatch, adafactor, adamw, adamw8bit, adamw_bf16, lion8bit  # noqa: F401
+import hf_efficient.optim
+from hf_efficient import nonfinite  # noqa: F401 - declares the scan's C kernel
+from hf_efficient.optim import _blockwise, _dispatch, adafactor, adamw, adamw8bit, adamw_bf16, lion8bit
 from hf_efficient.optim.compensation import C_MODES
+
+# every module of optim/ but the Triton ones (its C kernels are declared as it is imported), whatever the tests run
+# before imported: a new family's module is found here without an edit
+OPTIM_MODULES = [importlib.import_module(f"hf_efficient.optim.{m.name}")
+                 for m in pkgutil.iter_modules(hf_efficient.optim.__path__) if "triton" not in m.name]
 
 OPTIM = Path(_dispatch.__file__).parent
 # the C type each kind stands for: the prototype's parameter, its name dropped and its spacing normalised
@@ -28,10 +36,17 @@ def _own_registry(monkeypatch):
     monkeypatch.setattr(_dispatch, "C_KERNELS", dict(_dispatch.C_KERNELS))
 
 
+def _families(cls=_blockwise.Blockwise8bit) -> list[type]:
+    """Every quantized family class of optim/ (subclasses of subclasses too), from its modules, all imported above."""
+    return [c for sub in cls.__subclasses__() for c in (sub, *_families(sub))
+            if c.__module__.startswith("hf_efficient.optim.")]
+
+
 def _kernels() -> dict:
     kernels = dict(_dispatch.C_KERNELS)
-    for cls in _blockwise.Blockwise8bit.__subclasses__():  # the 8-bit families declare theirs at first use
-        kernels[(cls.c_kernel().source, cls.c_kernel().symbol)] = cls.c_kernel()
+    for cls in _families():  # the quantized families with a C kernel declare it at first use
+        if cls.C_KERNEL:
+            kernels[(cls.c_kernel().source, cls.c_kernel().symbol)] = cls.c_kernel()
     return kernels
 
 

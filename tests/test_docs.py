@@ -40,13 +40,13 @@ def test_every_table_is_somewhere_and_readme_has_names_and_options():
 
 
 def test_tables_list_every_name_and_option():
-    from hf_efficient.options import OPTIONS
+    from hf_efficient.registry import all_options
 
     names, options, distributed = render.names_table(), render.options_table(), render.distributed_table()
     for trainer_name in hf_efficient.available_optimizers():
         assert f"| `{trainer_name}` (" in names
         assert f"| `{trainer_name}`" in distributed  # every family, each of its backends
-    for key in OPTIONS:
+    for key in all_options():
         assert f"| `{key}` |" in options
 
 
@@ -96,3 +96,70 @@ def test_readme_speed_figures_are_the_gpu_results_page():
     assert not missing, f"README's speed figures not on docs/results/bench_cuda.md: {missing}"
     gpu = re.search(r"\(([^)]*NVIDIA[^)]*)\)", page.splitlines()[0]).group(1)
     assert gpu in section, f"README's speed section should name the results page's GPU, {gpu}"
+
+
+def test_nothing_says_to_install_hf_efficient_from_pypi():
+    """hf_efficient is not on PyPI: `pip install hf_efficient` (or an extra of it by that name) finds nothing. Every
+    page, example and message says to install from a checkout or a wheel built there, and names an extra's package."""
+    wrong = re.compile(r"""pip install\s+["']?hf_efficient\b""")
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").iterdir(),
+             *(ROOT / "hf_efficient").rglob("*.py")]
+    said = [f"{p.relative_to(ROOT)}: {m[0]}" for p in files if p.is_file() for m in wrong.finditer(p.read_text("utf-8"))]
+    assert not said, said
+
+
+def _api_objects():
+    """What docs/api.md renders: each ``::: module.name`` and, for a class, its public methods."""
+    import importlib
+    import inspect
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    for path in re.findall(r"^::: ([\w.]+)$", page, re.M):
+        module, name = path.rsplit(".", 1)
+        obj = getattr(importlib.import_module(module), name)
+        yield path, obj
+        if inspect.isclass(obj):
+            yield from ((f"{path}.{n}", m) for n, m in vars(obj).items() if not n.startswith("_") and callable(m))
+
+
+def test_api_docstrings_render_as_written():
+    """The API page is rendered from docstrings (mkdocstrings, Google style): an Args entry naming several parameters
+    ("lr, weight_decay, betas, eps: ...") matches none, so each was listed as required though it has a default; and
+    the page shows no table "above" a docstring (resolve's said "by the table above")."""
+    import inspect
+
+    checked = 0
+    for path, obj in _api_objects():
+        doc = inspect.getdoc(obj) or ""
+        assert not re.search(r"\b(above|below)\b", doc), f"{path}: its docstring points at a place on a page"
+        args = re.search(r"^Args:\n((?:    .*\n?|\n)+)", doc, re.M)
+        if not args:
+            continue
+        params = inspect.signature(obj).parameters
+        for entry in re.findall(r"^    (\S[^:]*?)(?: \([^)]*\))?:(?: |$)", args[1], re.M):
+            assert entry.lstrip("*") in params, f"{path}: Args entry {entry!r} is not one of its parameters"
+            checked += 1
+    assert checked > 20
+
+
+def _parametrized(fn, arg: str) -> set:
+    """The values a test function is parametrized over for ``arg`` (its own marks, as pytest collects them)."""
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name == "parametrize" and mark.args[0] == arg:
+            return {v.values[0] if hasattr(v, "values") else v for v in mark.args[1]}
+    raise AssertionError(f"{fn.__name__} is not parametrized over {arg!r}")
+
+
+def test_fsdp2_yes_is_where_the_fsdp2_tests_run():
+    """docs/distributed.md says FSDP2 "yes" for exactly the names the FSDP2 tests parametrize over (both loops, the
+    checkpoint tests): a name the registry allows but no test runs is not claimed."""
+    import test_fsdp2
+    import test_fsdp2_integrations as integrations
+
+    ran = _parametrized(integrations.test_accelerate_fsdp2_trains_like_one_process, "name")
+    assert ran == _parametrized(integrations.test_trainer_fsdp2_trains_and_logs_per_rank_state, "name")
+    assert ran == _parametrized(test_fsdp2.test_dcp_save_on_two_ranks_resumes_exactly_on_two, "name")
+    assert {(n, "torch") for n in ran} == render.fsdp2_tested()
+    table = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    yes = {m.group(1) for m in re.finditer(r"^\| `hf_eff_(\w+)` \(\w+\) \| [^|]* \| yes", table, re.M)}
+    assert yes == ran and ran

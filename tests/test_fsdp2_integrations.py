@@ -14,19 +14,20 @@ import os
 import pytest
 import torch
 
+from cases import names, plain, shardable
 from fsdp_helpers import full, run_ranks, shard
 from hf_efficient import create_optimizer, estimate_memory, optimizer_state_bytes
 from hf_efficient.info import unwrap
 from hf_efficient.integrations.distributed import FSDP2_UNSUPPORTED, check_fsdp
-from hf_efficient.registry import SPECS, resolve
+from hf_efficient.registry import SPECS, get_spec, resolve
 
 STEPS = 3
-# The names whose backend on CPU steps FSDP2 shards, read from the registry (never a hand-written list)
-SHARDABLE = sorted(s.name for s in SPECS.values() if s.backends and s.name != "paged_adam8bit"
-                   and resolve(s.name, "cpu", log=False).implementation.fsdp2 is None)
+# The names whose backend on CPU steps FSDP2 shards, read from the registry (never a hand-written list); what
+# docs/distributed.md calls "yes" under FSDP2 (tests/test_docs.py checks)
+SHARDABLE = plain(names(shardable))
 RUN = [n for n in ("adafactor", "adamw") if n in SHARDABLE]  # the names whose memory is measured on 2 ranks (time)
 RUN_8BIT = [n for n in ("adam8bit", "lion8bit") if n in SHARDABLE]  # measured on _Blocks: 8-bit state under FSDP2
-LOOPS = [n for n in SHARDABLE if n != "auto"]  # every name that steps shards trains in both loops
+LOOPS = SHARDABLE  # every name that steps shards trains in both loops
 
 
 def _mlp() -> torch.nn.Module:
@@ -441,12 +442,13 @@ def _eligibility(names: list[str]) -> dict:
         opt.step()
         inner = unwrap(opt, until="state")
         stepped = [inner.state[p]["exp_avg"].dtype == torch.uint8 for p in model.parameters()]
-        out[name] = [(_torch_keeps_8bit_shape(t, options), s) for t, s in zip(records, stepped, strict=True)]
+        codec = get_spec(name).facts.codec
+        out[name] = [(_torch_keeps_8bit_shape(t, options, codec), s) for t, s in zip(records, stepped, strict=True)]
     return out
 
 
 def test_estimator_and_optimizer_agree_on_which_tensors_keep_8bit_state():
-    """One rule (families.keeps_8bit_state) decides both: every tensor alike in one process, on a 1-rank FSDP2 mesh
+    """One rule (optim.facts.keeps_quantized_state) decides both: every tensor alike in one process, on a 1-rank FSDP2 mesh
     and on 2 FSDP2 ranks, and the cases differ between plain and sharded (the norm and the 40 x 300 matrix: 8-bit
     whole, fp32 sharded, whatever the mesh size)."""
     one = _eligibility(RUN_8BIT)

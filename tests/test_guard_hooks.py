@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
+from cases import names
 from hf_efficient import nonfinite
+from hf_efficient.registry import get_spec
 
 NAN, INF = float("nan"), float("inf")
 BIG = 256  # nn.Linear(BIG, BIG).weight has 65,536 elements: scanned in backward; its bias (256) is left to step()
@@ -64,10 +66,9 @@ def _named(model, name="adamw", **kw):
 
 # --- the fast path --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adamw_bf16", "lion8bit", "adafactor"])
+@pytest.mark.parametrize("name", names())
 def test_a_gradient_scanned_in_backward_is_not_scanned_again(name, scans):
-    dtype = torch.bfloat16 if name == "adamw_bf16" else torch.float32
-    model = _model().to(dtype)
+    model = _model().to(get_spec(name).facts.param_dtype)
     opt = _named(model, name)
     _backward(model)
     assert scans == [BIG * BIG]  # the weight, in its hook; the bias is small: left to step()

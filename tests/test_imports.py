@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and the core never imports transformers or accelerate at module level.
+"""The package's import graph: its layers (docs/contributing.md states them in one sentence), no cycles, and the core
+never imports transformers or accelerate, not even inside a function.
 
 What is counted: every ``import`` / ``from ... import`` statement in ``hf_efficient/**/*.py`` (read with ``ast``, so
 nothing is imported here), relative ones resolved. ``from pkg import name`` is an edge to ``pkg.name`` where that is a
@@ -10,7 +11,7 @@ start-up hook's patching of transformers, by design).
 
 Cycles are refused in both graphs: the module-level one (an import-time circle fails or half-initialises a module),
 and the one with the function-level imports added (a lazy import is still a dependency; a circle hidden behind one is
-a circle between concerns all the same).
+a circle between concerns all the same). The layers and the transformers / accelerate rule count both kinds too.
 """
 
 from __future__ import annotations
@@ -19,9 +20,18 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "hf_efficient"
-# may import transformers / accelerate at module level (DESIGN.md: the only code that touches them, and the console
-# script); every other module is the core, importable with torch alone
-OUTSIDE_CORE = ("hf_efficient.integrations", "hf_efficient.cli")
+# may import transformers / accelerate (docs/contributing.md: the integrations are the only code that touches them,
+# and the console script); every other module is the core, importable with torch alone
+OUTSIDE_CORE = ("hf_efficient.integrations", "hf_efficient.cli", "hf_efficient.cli_commands")
+# the layers, lowest first: a module imports only from its own layer and those before it (docs/contributing.md)
+LAYERS = (("hf_efficient.options", "hf_efficient.optional", "hf_efficient.param_groups"), ("hf_efficient.optim",),
+          ("hf_efficient",), OUTSIDE_CORE)
+
+
+def layer(module: str) -> int:
+    """The layer of ``module``: that of the longest prefix it has (``hf_efficient.optim.x`` is optim's)."""
+    return max((len(p), i) for i, prefixes in enumerate(LAYERS) for p in prefixes
+               if module == p or module.startswith(p + "."))[1]
 
 
 def _module(path: Path) -> str:
@@ -91,8 +101,13 @@ def _explain(graph, cycles) -> str:
 def test_the_graph_is_read():  # not vacuous: known edges of both kinds are found, and a planted cycle is named
     graph = import_graph()
     assert ("hf_efficient.registry", True) in {(t, top) for t, _, top in graph["hf_efficient.factory"]}
-    assert ("transformers", False) in {(t, top) for t, _, top in graph["hf_efficient.memory"]}
+    assert ("transformers", False) in {(t, top) for t, _, top in graph["hf_efficient.integrations.transformers"]}
+    assert ("hf_efficient.integrations.transformers", False) in {
+        (t, top) for t, _, top in graph["hf_efficient.cli_commands"]}
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert [layer(m) for m in ("hf_efficient.options", "hf_efficient.optim.facts", "hf_efficient.optim",
+                               "hf_efficient.registry", "hf_efficient", "hf_efficient.cli",
+                               "hf_efficient.integrations.plugin")] == [0, 1, 1, 2, 2, 3, 3]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
@@ -109,9 +124,21 @@ def test_no_cycles_with_function_level_imports():
                         "into a module both import):\n" + _explain(graph, cycles))
 
 
-def test_the_core_imports_neither_transformers_nor_accelerate_at_module_level():
-    found = [f"{m} imports {t} at line {line}" for m, deps in import_graph().items()
-             if not m.startswith(OUTSIDE_CORE) for t, line, top in deps
-             if top and t.split(".")[0] in ("transformers", "accelerate")]
-    assert not found, ("the core must import with torch alone (DESIGN.md); import these lazily, inside the "
-                       "function that needs them, or move the code to hf_efficient/integrations:\n" + "\n".join(found))
+def test_the_core_imports_neither_transformers_nor_accelerate():
+    """Not at module level, nor inside a function: code that needs them belongs to hf_efficient/integrations."""
+    found = [f"{m} imports {t} at line {line}{'' if top else ' (in a function)'}" for m, deps in import_graph().items()
+             if not m.startswith(OUTSIDE_CORE) for t, line, top in deps if t.split(".")[0] in ("transformers",
+                                                                                               "accelerate")]
+    assert not found, ("the core must work with torch alone (docs/contributing.md); move the code that needs these "
+                       "to hf_efficient/integrations:\n" + "\n".join(found))
+
+
+def test_each_module_imports_only_its_layer_and_those_before_it():
+    """``options``, ``optional`` and ``param_groups`` import nothing of the package; ``optim/`` imports only them and
+    itself; the rest of the core imports those and itself; ``integrations/`` and the CLI import the core (lazy
+    imports counted)."""
+    graph = import_graph()
+    assert {layer(m) for m in graph} == set(range(len(LAYERS)))  # every layer has modules: the prefixes are right
+    outward = [f"{m} imports {t} at line {line}{'' if top else ' (in a function)'}" for m, deps in graph.items()
+               for t, line, top in deps if t in graph and layer(t) > layer(m)]
+    assert not outward, "imports against the layers (move the shared code down a layer):\n" + "\n".join(outward)

@@ -14,7 +14,7 @@ from torch import nn
 
 import hf_efficient as hfe
 
-from cases import CASES
+from cases import CASES, names, spec_of
 from helpers import INF, NAN, assert_unchanged, loss_of, make, snapshot, train
 
 
@@ -61,8 +61,9 @@ def test_nonfinite_ignore_is_torchs_behaviour():
     assert torch.isnan(model.fc.weight[0, 0])
 
 
-@pytest.mark.parametrize("name,dtype,big", [("adamw", torch.float32, 1.8e19), ("adamw_bf16", torch.bfloat16, 1.8e19),
-                                             ("adamw_bf16", torch.float16, 6e4)])
+@pytest.mark.parametrize("name,dtype,big", [  # every name on the weights it is made for; fp16's largest too
+    pytest.param(p.values[0], spec_of(p.values[0]).facts.param_dtype, 1.8e19, marks=p.marks, id=p.id)
+    for p in names()] + [pytest.param("adamw_bf16", torch.float16, 6e4, id="adamw_bf16-fp16")])
 def test_large_finite_gradients_are_not_mistaken_for_overflow(name, dtype, big):
     """The largest gradients whose square is finite (below 2**64; fp16's largest) train; from 2**64 on (the square
     overflows fp32, the second moment would be inf) a finite gradient is refused like an inf."""

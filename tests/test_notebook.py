@@ -4,6 +4,7 @@ copied alone say what they need."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,36 @@ def test_finetune_notebook_executes(monkeypatch, tmp_path):
     assert any("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", [])), "no loss plot"
     # the backend choice is logged at INFO; the notebook shows hf_efficient's INFO lines
     assert "INFO hf_efficient.registry: hf_efficient: hf_eff_adam8bit on cpu -> backend torch" in text
+    assert "s a step, evaluations included)" in text
+    assert _warnings(nb) == []  # tqdm's "IProgress not found", the DataLoader's pin_memory warning: none
+
+
+WARNING = re.compile(r"\w*Warning\b|^W\d{4} ", re.M)  # warnings.warn's "File:line: SomeWarning: ..."; absl's W0000
+
+
+def _warnings(nb) -> list[str]:
+    """Lines of the notebook's outputs that are a Python (or absl) warning."""
+    return [line for c in nb.cells if c.cell_type == "code" for line in _text(c).splitlines() if WARNING.search(line)]
+
+
+def test_committed_notebook_shows_a_whole_run():
+    """A reader browsing the notebook sees a run of its defaults, top to bottom: every code cell's outputs, the
+    estimate table, the measured memory, the plot and how long the steps took; no warning, and a size a repository
+    keeps (the plot is the one large output)."""
+    path = EXAMPLES / "finetune.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "not run top to bottom in one kernel"
+    assert all(c.outputs for c in code), "a code cell without outputs"
+    text = "\n".join(_text(c) for c in code)
+    assert "60 steps of batch 16" in text and "after 60 steps; training took" in text  # the defaults, timed
+    assert "optimizer state: predicted" in text and any("image/png" in o.get("data", {}) for c in code
+                                                          for o in c.outputs)
+    assert _warnings(nb) == []
+    assert path.stat().st_size < 200_000
+    header = nb.cells[0].source
+    seconds = re.search(r"training took (\d+) s \(([0-9.]+) s a step", text)
+    assert seconds and f"{seconds[1]} s" in header, "the header's timing is not this run's"
 
 
 # --- the examples, copied somewhere without their shared module, say what they need --------------------

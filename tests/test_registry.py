@@ -10,6 +10,7 @@ from torch import nn
 import hf_efficient as hfe
 from hf_efficient import registry
 from hf_efficient.options import parse_optim_args, parse_options
+from cases import names, quantized
 
 
 def test_names_are_listed():
@@ -26,7 +27,7 @@ def test_short_and_long_names_resolve_alike(name):
     assert hfe.resolve(name, device="cuda").backend == "torch"  # our Triton kernel, Triton being installed
 
 
-@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+@pytest.mark.parametrize("name", names(quantized, lambda spec: "bnb" in spec.backends))
 def test_8bit_on_cuda_takes_bnb_where_triton_is_missing(monkeypatch, name):
     import importlib.util
 
@@ -52,7 +53,7 @@ def test_forced_backend():
 def test_missing_backend_names_the_pip_extra(monkeypatch):
     real = registry.version_of
     monkeypatch.setattr(registry, "version_of", lambda pkg: None if pkg == "torchao" else real(pkg))
-    with pytest.raises(ImportError, match=r'pip install "hf_efficient\[torchao\]"'):
+    with pytest.raises(ImportError, match=r'pip install "torchao>=[0-9.]+" \(the \[torchao\] extra'):
         hfe.resolve("adam8bit", "cpu", backend="torchao")
 
 
@@ -63,8 +64,8 @@ def test_no_backend_for_device_says_what_would_work(monkeypatch):
         del spec.backends["torch"]  # leave only the packaged backends
         monkeypatch.setitem(spec.prefer, "default", ("bnb", "torchao"))
         monkeypatch.setattr(registry, "version_of", lambda pkg: None)  # neither bnb nor torchao installed
-        with pytest.raises(RuntimeError, match=r"No backend of hf_eff_adam8bit.*hf_efficient\[bnb\].*What would "
-                           "work"):
+        with pytest.raises(RuntimeError, match=r"No backend of hf_eff_adam8bit.*pip install \"bitsandbytes>=.*"
+                           "What would work"):
             hfe.resolve("adam8bit", "cpu")
         with pytest.raises(RuntimeError, match="runs on: cpu, cuda"):
             hfe.resolve("adam8bit", "mps")
@@ -136,7 +137,7 @@ def test_estimates_do_not_log_a_choice(caplog):
 
 def test_text_values_are_typed():
     spec = registry.get_spec("adam8bit")
-    opts = parse_options(spec.name, spec.options, parse_optim_args("decay_embeddings=false, min_8bit_size=1024"))
+    opts = parse_options(spec.name, spec.accepted, parse_optim_args("decay_embeddings=false, min_8bit_size=1024"))
     assert opts["decay_embeddings"] is False and opts["min_8bit_size"] == 1024 and opts["embedding_state"] == "32bit"
 
 
@@ -152,15 +153,15 @@ def test_text_values_are_typed():
 def test_bad_optim_args(text, match):
     spec = registry.get_spec("adam8bit")
     with pytest.raises(ValueError, match=match):
-        parse_options(spec.name, spec.options, parse_optim_args(text), source="optim_args")
+        parse_options(spec.name, spec.accepted, parse_optim_args(text), source="optim_args")
 
 
 def test_none_is_a_choice_where_it_is_one():
     for name in ("adamw_bf16", "adam8bit", "lion8bit", "adafactor", "adamw"):  # every name takes it
         spec = registry.get_spec(name)
-        assert parse_options(spec.name, spec.options, parse_optim_args("compensation=none"))["compensation"] == "none"
+        assert parse_options(spec.name, spec.accepted, parse_optim_args("compensation=none"))["compensation"] == "none"
     spec = registry.get_spec("adafactor")
-    assert parse_options(spec.name, spec.options, parse_optim_args("beta1=none"))["beta1"] is None
+    assert parse_options(spec.name, spec.accepted, parse_optim_args("beta1=none"))["beta1"] is None
     with pytest.raises(ValueError, match="'compensation' cannot be None"):
         parse_options("adamw_bf16", ("compensation",), {"compensation": None})
 
@@ -226,13 +227,13 @@ def test_8bit_state_policy(backend):
         assert dtype_of(model.emb.weight) == emb_dtype
 
 
-@pytest.mark.parametrize("name", ["adam8bit", "lion8bit"])
+@pytest.mark.parametrize("name", names(quantized))
 def test_torch_backend_s_8bit_rule_is_the_optimizer_s(monkeypatch, name):
     """What checkpoint conversion and memory read (the backend's keeps_8bit) is the rule the step allocates by: one
     rule, so a family that changes it (here: everything fp32) is followed everywhere."""
     model = Tiny()
     opt = hfe.create_optimizer(model, name, lr=1e-3, backend="torch")
-    keeps = registry.SPECS[name].backends["torch"].keeps_8bit
+    keeps = registry.get_spec(name).backends["torch"].keeps_8bit
     assert keeps(opt)(0, 0, model.big.weight) is opt._has_8bit_state(model.big.weight, opt.param_groups[0])
     monkeypatch.setattr(type(opt), "_has_8bit_state", lambda self, p, group: False)
     assert not any(keeps(opt)(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"]))
@@ -274,7 +275,8 @@ def test_torchao_is_never_chosen_automatically_and_warned_when_forced(caplog):
 
 
 def _count_resolves(monkeypatch) -> list:
-    """Record every registry.resolve call, wherever the module that makes it imported it from."""
+    """Record every registry.resolve call, wherever the module that makes it imported it from: (name, log), log
+    False for a question (an estimate) rather than a decision."""
     import hf_efficient.factory
     import hf_efficient.integrations.distributed
     import hf_efficient.memory
@@ -282,7 +284,7 @@ def _count_resolves(monkeypatch) -> list:
     calls, real = [], registry.resolve
 
     def counting(*args, **kwargs):
-        calls.append(args[:1])
+        calls.append((args[0], kwargs.get("log", True)))
         return real(*args, **kwargs)
 
     for module in (registry, hf_efficient.factory, hf_efficient.memory, hf_efficient.integrations.distributed):
@@ -294,7 +296,8 @@ def _count_resolves(monkeypatch) -> list:
 @pytest.mark.parametrize("optim", ["hf_eff_adam8bit", "hf_eff_paged_adam8bit"])
 def test_a_trainer_optimizer_build_resolves_its_name_once(tmp_path, monkeypatch, optim):
     """TrainingArguments(optim=...) -> Trainer.create_optimizer -> factory.build_optimizer -> the backend's class:
-    the registry decides once (a fallback name's inner resolve is part of that one decision)."""
+    the registry decides once (a fallback name's inner resolve is part of that one decision; the embedding_state
+    hint's estimates ask questions, log=False)."""
     from conftest import tiny_bert
     from transformers import Trainer, TrainingArguments
 
@@ -302,7 +305,7 @@ def test_a_trainer_optimizer_build_resolves_its_name_once(tmp_path, monkeypatch,
     trainer = Trainer(model=tiny_bert(), args=args)
     calls = _count_resolves(monkeypatch)
     opt = trainer.create_optimizer()
-    outer = [c for c in calls if c[0] == optim.removeprefix(registry.PREFIX)]
+    outer = [c for c in calls if c == (optim.removeprefix(registry.PREFIX), True)]
     assert len(outer) == 1, calls
     assert type(opt).__name__ == "AdamW8bit" and opt.hf_efficient.resolution.backend == "torch"
 
@@ -338,6 +341,8 @@ def test_distributed_support_is_the_registry_s():
 def test_every_family_describes_its_state_completely():
     """What checkpoint.py and memory.py read from a spec is there for every name: formats known, required keys among
     the state keys, each 8-bit code key with its absmax, a layout wherever a backend stores state its own way."""
+    from hf_efficient.optim.facts import Codec
+
     formats = {"step", "param", "codes", "absmax", "row", "col"}
     p, group = torch.zeros(4, 300, dtype=torch.bfloat16), {"amsgrad": True, "beta1": 0.9}
     for spec in registry.SPECS.values():
@@ -347,6 +352,7 @@ def test_every_family_describes_its_state_completely():
         assert {k.format for k in fam.state.values()} <= formats, fam.name
         assert fam.required(p, group) <= set(fam.state), fam.name
         assert all(f"{k}_absmax" in fam.state for k, f in fam.state.items() if f.format == "codes"), fam.name
+        assert all(isinstance(f.codec, Codec) for f in fam.state.values() if f.format in ("codes", "absmax")), fam.name
         assert fam.marks <= set(fam.state), fam.name
         for b, impl in spec.backends.items():
             assert callable(impl.memory) and (impl.keeps_8bit is not None) == fam.quantized, (spec.name, b)
@@ -355,31 +361,35 @@ def test_every_family_describes_its_state_completely():
 
 def _our_classes():
     """family -> the optimizer classes of this package that step it (each torch backend's, and the compensated AdamW
-    that torch's AdamW builder returns for bf16/fp16 weights)."""
+    that torch's AdamW builder returns for bf16/fp16 weights). Only the torch backends: the others' classes come from
+    optional packages."""
     from hf_efficient.optim.adamw import AdamW
 
     found = {"adamw": {AdamW}}
     for spec in registry.SPECS.values():
-        for impl in spec.backends.values():
-            cls = impl.build.optimizer_cls()
-            if cls.__module__.startswith("hf_efficient.optim."):
-                found.setdefault(spec.family, set()).add(cls)
+        impl = spec.backends.get("torch")
+        cls = impl.build.optimizer_cls() if impl else None
+        if cls is not None and cls.__module__.startswith("hf_efficient.optim."):
+            found.setdefault(spec.family, set()).add(cls)
     return found
 
 
 def test_classes_read_their_family_s_facts():
-    """Each class's 8-bit moments and default compensation are its family's (declared once, in families.py): a class
-    built directly trains as create_optimizer's compensation=auto does."""
+    """Each class declares its Family (``FACTS``, in its module) and reads its moments and default compensation from it:
+    a class built directly trains as create_optimizer's compensation=auto does."""
     import inspect
 
     classes = _our_classes()
-    assert set(classes) == set(registry.FAMILIES), "a family without a class of ours, or a class without a family"
+    assert set(classes) == set(registry.families()), "a family without a class of ours, or a class without a family"
     for family, found in classes.items():
-        fam = registry.FAMILIES[family]
+        fam = registry.families()[family]
         for cls in found:
+            assert cls.FACTS is fam, (family, cls)
             assert inspect.signature(cls).parameters["compensation"].default == fam.compensation, (family, cls)
             assert getattr(cls, "MOMENTS", fam.moments) == fam.moments, (family, cls)
             assert bool(fam.moments) == hasattr(cls, "MOMENTS"), (family, cls)  # 8-bit families, and only those
+            for option in fam.options:  # the family's options are its class's keywords, with their defaults
+                assert inspect.signature(cls).parameters[option.name].default == option.default, (cls, option.name)
 
 
 def test_readme_names_table_is_the_registry():

@@ -313,17 +313,41 @@ def test_attach_refuses_a_process_group(monkeypatch):
         release.attach(opt)
 
 
-def test_unfrozen_parameter_without_hook_is_refused_until_attached_again():
+def test_unfrozen_parameter_without_hook_is_refused_and_attach_again_works():
+    """The refused backward keeps none of its gradients (issue 30: the first hooked tensor kept its own, which the
+    next step() applied, and attach() refused it), so the message's advice works as written."""
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     model[0].weight.requires_grad_(False)
     opt = hfe.create_optimizer(list(model.named_parameters()), "adamw")
     release.attach(opt)
     assert release.release_info(opt).frozen == ["0.weight"]
     model[0].weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="'0.weight' requires a gradient but has no release hook"):
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"'0.weight' requires a gradient but has no release hook.*attach"):
         model(torch.randn(2, 3)).sum().backward()
-    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    release.attach(opt)  # as the message says, nothing else
+    model(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_a_stale_gradient_refuses_the_backward_which_keeps_none_of_its_own():
+    """A gradient set by hand before backward: that backward is refused at its first hook and drops what it made;
+    the stale gradient stays for zero_grad() (the ordinary step() would have applied it too), nothing else moves."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = hfe.create_optimizer(list(model.named_parameters()), "adamw", lr=1e-2)
     release.attach(opt)
+    model[0].bias.grad = torch.ones(3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"'0.bias' holds a gradient from before this backward.*zero_grad"):
+        model(torch.randn(2, 3)).sum().backward()
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == ["0.bias"]
+    opt.step()
+    assert [n for (n, p), b in zip(model.named_parameters(), before) if not torch.equal(b, p)] == ["0.bias"]
+    opt.zero_grad()
     model(torch.randn(2, 3)).sum().backward()
     assert all(p.grad is None for p in model.parameters())
 
@@ -335,6 +359,8 @@ def _args(tmp_path, **kw):
 
 
 def test_check_trainer_args_names_each_setting(tmp_path):
+    from transformers.training_args import ParallelMode
+
     with pytest.raises(ValueError) as e:
         release.check_trainer_args(_args(tmp_path, gradient_accumulation_steps=4))  # and max_grad_norm=1.0
     msg = str(e.value)
@@ -343,6 +369,7 @@ def test_check_trainer_args_names_each_setting(tmp_path):
     release.check_trainer_args(_args(tmp_path, max_grad_norm=0.0))  # what works
     for kw, words in [({"fp16": True}, "GradScaler"), ({"deepspeed": "ds.json"}, "deepspeed set"),
                       ({"fsdp": "full_shard"}, "fsdp set"), ({"world_size": 2}, "world_size=2"),
+                      ({"parallel_mode": ParallelMode.DISTRIBUTED}, r"parallel_mode=distributed, here of 1.*twice"),
                       ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
                        "use_reentrant")]:
         args = types.SimpleNamespace(gradient_accumulation_steps=1, max_grad_norm=0.0, **kw)

@@ -1,9 +1,10 @@
 """Gradient release in hand-written loops (hf_efficient/release.py): what release refuses before it steps anything
-(reentrant checkpointing, a second backward before step(), a GradScaler), what it keeps equal to the ordinary step
-(zero_grad(set_to_none=False)), and parameter groups added after attach."""
+(reentrant checkpointing, a second backward before step(), a GradScaler, DistributedDataParallel), what it keeps equal
+to the ordinary step (zero_grad(set_to_none=False)), and parameter groups added after attach."""
 
 from __future__ import annotations
 
+import gc
 import types
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hf_efficient as hfe
+from cases import fp32_model, names
 from hf_efficient import release
 from hf_efficient.factory import optimizer_info
 
@@ -127,11 +129,12 @@ class _EvenOdd(nn.Module):
         return (self.even(h) if step % 2 == 0 else h).pow(2).mean()
 
 
-CASES = [("adamw", {}), ("adam8bit", {}), ("lion8bit", {}), ("adafactor", {}),
-         ("adamw", {"bucket_bytes": 0})]
+# every name made for fp32 models (this model's), and one of them with each tensor stepped alone
+CASES = [pytest.param(*p.values, {}, marks=p.marks, id=p.id) for p in names(fp32_model)] + [
+    pytest.param("adamw", {"bucket_bytes": 0}, id="adamw-bucket_bytes=0")]
 
 
-@pytest.mark.parametrize("name,opts", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("name,opts", CASES)
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_zero_grad_keeping_zeros_equals_the_ordinary_step(name, opts, set_to_none):
     """The ordinary loop steps a kept zero gradient (momentum, decay, step count move); release steps it at step():
@@ -204,6 +207,7 @@ def test_grad_scaler_is_refused_before_anything_is_stepped():
 
 def test_a_disabled_scaler_and_a_product_loss_are_fine():
     """GradScaler(enabled=False) returns the loss unscaled; a loss that is a product is not a scaled one."""
+    gc.collect()  # an enabled scaler of an earlier test, kept alive by its traceback's cycle, would count as live
     model = nn.Linear(4, 1)
     opt = hfe.create_optimizer(model, "adamw", lr=1e-2, gradient_release=True)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -250,3 +254,76 @@ def test_detach_and_copies_leave_the_attached_class():
     release.detach(opt)
     assert type(opt) is type(clone)
     assert not opt._optimizer_step_pre_hooks
+
+
+# ---------------------------------------------------------------------------------- 6. DistributedDataParallel
+
+
+def _ddp_ranks() -> dict:
+    """One rank of a gloo group (fsdp_helpers.run_ranks), one run per case of DDP with gradient release: ``first``,
+    DDP from the start; ``late``, one step without DDP, then a step under DDP (the first backward's check saw none);
+    ``plain``, as ``late`` without release: the ordinary DDP loop. Each: (error or None, weights after its DDP
+    backward and step(), which gradients are left)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    for case in ("first", "late", "plain"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        try:
+            opt = hfe.create_optimizer(model, "adamw", lr=1e-2, gradient_release=case != "plain")
+        except RuntimeError as e:  # a group of several processes: refused here
+            out[case] = (str(e), None, None)
+            continue
+        if case != "first":
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        ddp, error = DistributedDataParallel(model), None
+        try:
+            ddp(torch.randn(3, 4)).sum().backward()
+            opt.step()
+        except RuntimeError as e:
+            error = str(e)
+        out[case] = (error, [p.detach().clone() for p in model.parameters()],
+                     [p.grad is not None for p in model.parameters()])
+    return out
+
+
+def test_release_under_ddp_of_one_process_equals_the_ordinary_loop_or_is_refused():
+    """torchrun with one process: DDP writes the reduced gradients back after release stepped them (issue 30: step()
+    stepped every tensor again). Refused at the first backward, nothing stepped or kept; a DDP made after that first
+    backward is refused at step(), which drops the written-back gradients: the weights are the ordinary DDP loop's,
+    each backward one step."""
+    from fsdp_helpers import run_ranks
+
+    [runs] = run_ranks(_ddp_ranks, 1)
+    error, weights, grads = runs["first"]
+    assert "cannot run under DistributedDataParallel (here over a process group of 1)" in error
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    assert all(torch.equal(p, q) for p, q in zip(weights, fresh.parameters())) and not any(grads)
+    (error, weights, grads), (plain_error, plain, _) = runs["late"], runs["plain"]
+    assert "hold a gradient again after release stepped them" in error and "DistributedDataParallel" in error
+    assert plain_error is None and not any(grads)
+    assert all(torch.equal(p, q) for p, q in zip(weights, plain))
+
+
+def test_release_in_a_group_of_two_processes_is_refused_at_attach():
+    from fsdp_helpers import run_ranks
+
+    for runs in run_ranks(_ddp_ranks, 2):
+        error, weights, _ = runs["first"]
+        assert "gradient release runs in one process: this one is in a group of 2" in error and weights is None
+
+
+def test_a_gradient_written_after_release_stepped_it_is_refused_at_step():
+    """Whatever writes it (DDP's reducer at backward's end, a hand-written loop): step() would step it again."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = hfe.create_optimizer(model, "adamw", lr=1e-2, gradient_release=True)
+    model(torch.randn(2, 4)).sum().backward()
+    after_backward = _snapshot(model)
+    model[1].bias.grad = torch.ones_like(model[1].bias)
+    with pytest.raises(RuntimeError, match=r"\['1.bias'\] hold a gradient again after release stepped them"):
+        opt.step()
+    assert _unchanged(model, after_backward) and all(p.grad is None for p in model.parameters())

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from triton_helpers import needs_interpreter, on_cpu, triton  # noqa: F401
+from cases import cls_of, names, plain, triton_kernel
 from helpers import no_host_read
+from hf_efficient.registry import get_spec
 import hf_efficient as hfe
 from hf_efficient import nonfinite, release
 from hf_efficient.optim import _triton
@@ -23,8 +25,9 @@ B = pytest.importorskip("hf_efficient.optim.blockwise_triton")
 K = pytest.importorskip("hf_efficient.optim.nonfinite_triton")
 pytestmark = needs_interpreter
 
-NAMES = ["adam8bit", "lion8bit"]  # 8-bit weights and fp32-state biases: every tensor takes a Triton kernel
-KERNELS = {"adam8bit": "adamw8bit_kernel", "lion8bit": "lion8bit_kernel"}
+# the quantized families with a Triton kernel: 8-bit weights and fp32-state biases, every tensor takes a Triton kernel
+NAMES = names(triton_kernel)
+KERNELS = {n: f"{cls_of(get_spec(n)).NAME}_kernel" for n in plain(NAMES)}
 
 
 class Spy:
@@ -196,6 +199,27 @@ def test_raise_voids_from_the_bad_bucket_on_and_raises_at_the_next_read(device_p
     model(y).sum().backward()  # raised once: the next backward steps again
     opt.step()
     assert _changed(after, _snapshot(model, opt)) == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 0, release.BUCKET_BYTES])
+def test_raise_takes_the_voided_step_back_as_without_release(device_path, bucket_bytes):
+    """A step voided under "raise" is not counted once the flag is read, with release (None: without), as on CPU where
+    the backward raises and step() is refused (issue 30: under release it stayed counted); the next one is."""
+    model = _model(bad=True)
+    opt = _opt(model, "adam8bit", "raise", bucket_bytes)
+    x, y = _batches(2)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(FloatingPointError, match=r"'1\.weight' at step 1"):  # at backward (release) or step()
+        model(y).sum().backward()
+        opt.step()
+    assert opt.hf_efficient.steps == 0
+    opt.zero_grad()
+    model[1].weight._backward_hooks.clear()
+    model(y).sum().backward()
+    opt.step()
+    assert opt.hf_efficient.steps == 1
 
 
 def test_raise_is_read_by_state_dict_too(device_path, monkeypatch):

@@ -2,9 +2,11 @@
 
 import json
 import logging
+import re
 
 import pytest
 import torch
+from cases import fp32_model, names, packaged, plain
 from conftest import ClassificationSet, tiny_bert
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
@@ -148,19 +150,65 @@ def test_short_name_in_training_arguments_names_the_full_one(tmp_path):
         TrainingArguments(str(tmp_path), optim="hf_eff_adam8bt", report_to=[])
 
 
-def test_trainer_logs_the_backend_choice(tmp_path, caplog):
-    args = _args(tmp_path, "hf_eff_auto", steps=1, optim_args="budget_gb=1000")
-    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet())
+def _optimizer_lines(trainer, caplog, level="INFO") -> list[tuple[str, str]]:
+    """(level name, message) of what the Trainer's logger says while it builds the optimizer; level WARNING: what
+    a user sees at transformers' default verbosity."""
     trainer_logger = logging.getLogger("transformers.trainer")  # transformers' loggers do not propagate
     trainer_logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level("INFO", logger="transformers.trainer"):
+        with caplog.at_level(level, logger="transformers.trainer"):
             trainer.create_optimizer()
     finally:
         trainer_logger.removeHandler(caplog.handler)
-    lines = [r.getMessage() for r in caplog.records if r.name == "transformers.trainer"]
-    assert any(m.startswith("hf_efficient: optim=hf_eff_auto chose hf_eff_adamw, which runs on backend torch on cpu")
-               for m in lines), lines
+    records = {id(r): r for r in caplog.records}.values()  # once each: transformers 5's loggers also propagate
+    return [(r.levelname, r.getMessage()) for r in records
+            if r.name == "transformers.trainer" and r.getMessage().startswith("hf_efficient:")]
+
+
+def test_trainer_logs_the_backend_choice(tmp_path, caplog):
+    args = _args(tmp_path, "hf_eff_adamw", steps=1)
+    lines = _optimizer_lines(Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet()), caplog)
+    assert lines == [("INFO", "hf_efficient: optim=hf_eff_adamw runs on backend torch on cpu (first of torch usable "
+                              f"on cpu (torch {torch.__version__}))")], lines
+
+
+def test_auto_says_what_it_chose_and_why_at_the_default_verbosity(tmp_path, caplog):
+    """hf_eff_auto's choice depends on the free memory: one WARNING line (shown at transformers' default verbosity)
+    names it and says why; at INFO it was invisible unless the user raised the Trainer's verbosity."""
+    args = _args(tmp_path, "hf_eff_auto", steps=1, optim_args="budget_gb=1000")
+    lines = _optimizer_lines(Trainer(model=tiny_bert(), args=args, train_dataset=ClassificationSet()), caplog,
+                             level="WARNING")
+    assert len(lines) == 1 and lines[0][0] == "WARNING", lines
+    assert lines[0][1].startswith("hf_efficient: optim=hf_eff_auto chose hf_eff_adamw, which runs on backend torch "
+                                  "on cpu"), lines
+    assert ". Why: the first that fits: usable 800.00 GiB = 80% of 1000.00 GiB (budget_gb=1000.0); hf_eff_adamw " \
+           "needs" in lines[0][1], lines
+
+
+@pytest.mark.parametrize("optim, optim_args, hint", [("hf_eff_adam8bit", None, True),
+                                                     ("hf_eff_adam8bit", "embedding_state=32bit", False),
+                                                     ("hf_eff_adam8bit", "embedding_state=8bit", False),
+                                                     ("hf_eff_adamw", None, False)])
+def test_the_embedding_state_hint_comes_once_from_the_optimizer_build(tmp_path, caplog, optim, optim_args, hint):
+    """Where 32-bit embedding state (the default, not chosen) keeps the saving small (a large vocabulary), the
+    Trainer's line at building says, at WARNING, what embedding_state=8bit would save: under any script (run_clm.py
+    showed nothing: the line was at INFO on hf_efficient's logger, which only the examples turned on), once."""
+    from hf_efficient.estimate import estimate_memory
+    from hf_efficient.memory import MB
+
+    model = tiny_bert(vocab=4096)  # embeddings hold most parameters, as in MiniLM or GPT-2
+    trainer = Trainer(model=model, args=_args(tmp_path, optim, steps=1, optim_args=optim_args),
+                      train_dataset=ClassificationSet(n=8, vocab=4096))
+    lines = _optimizer_lines(trainer, caplog)
+    assert len(lines) == 1, lines
+    level, line = lines[0]
+    assert (level == "WARNING") == hint and ('optim_args="embedding_state=8bit" would save about' in line) == hint, line
+    if hint:
+        now, all8 = estimate_memory(model, "adam8bit"), estimate_memory(model, "adam8bit", embedding_state="8bit")
+        more = re.search(r"would save about ([0-9.]+) MiB more \((\d+)% of fp32 AdamW's state in all, instead of "
+                         r"(\d+)%\)", line)
+        assert float(more[1]) == pytest.approx((now.state_bytes - all8.state_bytes) / MB, abs=0.06), line
+        assert (int(more[2]), int(more[3])) == (round(100 * all8.saving), round(100 * now.saving)), line
 
 
 # --- resume: N steps, save, fresh Trainer resumes to 2N == uninterrupted 2N --------------------------
@@ -209,7 +257,8 @@ def test_adamw_bf16_trains_a_bf16_model_with_warmup_and_no_autocast(tmp_path):
         "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "kahan_comp": torch.bfloat16}
 
 
-@pytest.mark.parametrize("optim", ["hf_eff_adamw", "hf_eff_adam8bit", "hf_eff_lion8bit", "hf_eff_adafactor"])
+# every name made for fp32 models (hf_eff_adamw_bf16, made for bf16 ones, has its test above), known to transformers
+@pytest.mark.parametrize("optim", [hfe.registry.PREFIX + n for n in plain(names(packaged, fp32_model))])
 def test_every_name_trains_a_bf16_model_compensated_and_resumes_exactly(tmp_path, optim):
     """A bf16 model (no autocast): each name's default compensation holds what rounding to bf16 drops (its Kahan
     buffer, or stochastic rounding), the loss falls, and a resume from a checkpoint equals the uninterrupted run

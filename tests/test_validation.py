@@ -12,7 +12,7 @@ from torch import nn
 import hf_efficient as hfe
 from hf_efficient.registry import SPECS
 
-from cases import CASES
+from cases import CASES, cases, names
 from helpers import INF, NAN, Net, loss_of, make, train
 
 
@@ -81,7 +81,7 @@ def test_duplicate_parameters_are_refused(name, backend, dtype, compensation):
     (dict(eps=0.0), "eps=0.0"), (dict(eps=INF), "eps=inf"), (dict(lr=torch.tensor(1e-3)), "lr=tensor"),
     (dict(betas=0.9), r"betas=0.9: expected a pair"), (dict(betas=(0.9, NAN)), "beta2=nan"),
 ])
-@pytest.mark.parametrize("name", ["adamw", "adam8bit", "adamw_bf16"])
+@pytest.mark.parametrize("name", names(lambda spec: spec.uses_betas and spec.facts.uses_eps))  # betas and eps too
 def test_non_finite_hyperparameters_are_refused(name, kwargs, match):
     with pytest.raises(ValueError, match=match):
         hfe.create_optimizer(Net(), name, **kwargs)
@@ -132,7 +132,7 @@ def test_add_param_group_refuses_non_finite_hyperparameters(name, backend, dtype
 
 
 @pytest.mark.parametrize("name, backend, dtype, compensation",
-                         [c for c in CASES if "maximize" not in SPECS[c.values[0]].facts.flags])
+                         cases(where=lambda spec: "maximize" not in spec.facts.flags))
 def test_maximize_is_refused_where_it_would_be_ignored(name, backend, dtype, compensation):
     model, opt = make(name, backend, dtype, compensation=compensation)
     with pytest.raises(ValueError, match="maximize=True"):

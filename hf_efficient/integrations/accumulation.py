@@ -65,7 +65,8 @@ def accumulation_windows(accelerator, dataloader: Iterable, *, labels_key: str =
         accelerator: from :meth:`EfficientOptimPlugin.create_accelerator` (``sync_with_dataloader=False``).
         dataloader: the prepared training loader (all processes must yield the same number of batches,
             Accelerate's default ``even_batches``).
-        labels_key, ignore_index: targets are ``batch[labels_key] != ignore_index``.
+        labels_key: the batch's labels; targets are ``batch[labels_key] != ignore_index``.
+        ignore_index: the label of tokens that are no target.
         count: a different count per batch, e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()`` for a causal
             LM that shifts labels inside the model.
     """

@@ -149,7 +149,7 @@ def check_training_arguments(args) -> None:
     spec = get_spec(optim)
     source = "TrainingArguments.optim_args"
     raw = parse_optim_args(args.optim_args) if isinstance(args.optim_args, str) else dict(args.optim_args or {})
-    options = parse_options(spec.name, spec.options, raw, source=source)
+    options = parse_options(spec.name, spec.accepted, raw, source=source)
     device = "cpu" if getattr(args, "use_cpu", False) else _default_device()
     if fsdp is not None:
         check_fsdp(spec.name, options.get("backend"), version=fsdp, device=device,

@@ -90,7 +90,7 @@ class EfficientOptimPlugin:
         for key, value in self.optim_args.items():
             by_source.setdefault(self._optim_args_sources[key], {})[key] = value
         for src, given in by_source.items():  # the core's parser, once per source so errors name it
-            parse_options(spec.name, spec.options, given, source=f"{src} (optim_args)")
+            parse_options(spec.name, spec.accepted, given, source=f"{src} (optim_args)")
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError(f"warmup_steps={self.warmup_steps} ({self.sources['warmup_steps']}) and warmup_ratio="
                              f"{self.warmup_ratio} ({self.sources['warmup_ratio']}) are both set: keep one")

@@ -106,8 +106,6 @@ def optim_name(value, where):
 def core_option(key: str) -> Callable:
     """Parser for a field that is also a core option (backend, decay_embeddings): the core's own coercion."""
     def parse(value, where):
-        if key == "backend" and isinstance(value, str) and value.strip().lower() == "auto":
-            return None
         return OPTIONS[key].coerce(value, where)
     return parse
 

@@ -24,16 +24,35 @@ import logging
 import torch
 
 from .. import guard
+from ..auto import choose_auto
 from ..factory import build_optimizer, optimizer_info
-from ..memory import MB, estimate_memory, format_bytes, peak_memory, state_metrics
+from ..estimate import estimate_memory
+from ..memory import MB, format_bytes, peak_memory, state_metrics
 from ..options import OPTIONS, parse_optim_args, parse_options
 from ..registry import PREFIX, SPECS, get_spec
-from .distributed import choose_for_sharding, trainer_fsdp_version
+from .distributed import trainer_fsdp_version
 
 __all__ = ["register", "patch_training_args", "patch_trainer", "check_optim_args", "TrainerOptimizer",
-           "is_hf_eff_name", "MemoryCallback"]
+           "is_hf_eff_name", "MemoryCallback", "model_from_config"]
 
 logger = logging.getLogger(__name__)
+
+
+def model_from_config(config, auto_class: str | None = None, device: torch.device | str = "meta") -> torch.nn.Module:
+    """A transformers model for ``config``, by default on the meta device: shapes and dtypes, no memory (for
+    :func:`hf_efficient.estimate_memory` and ``hf-efficient estimate``).
+
+    The class is ``auto_class`` (e.g. ``"AutoModelForSequenceClassification"``), else the config's first
+    ``architectures`` entry, else ``AutoModel``. Here, not in the core: the core never imports transformers.
+    """
+    import transformers
+
+    cls_name = auto_class or (getattr(config, "architectures", None) or ["AutoModel"])[0]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        raise ValueError(f"transformers has no class {cls_name!r}: pass auto_class= (e.g. 'AutoModelForCausalLM')")
+    with torch.device(device):
+        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
 
 
 def is_hf_eff_name(optim) -> bool:
@@ -48,7 +67,7 @@ def check_optim_args(optim, optim_args: str | None) -> None:
     """
     spec = get_spec(optim)
     try:
-        parse_options(spec.name, spec.options, parse_optim_args(optim_args), source="optim_args")
+        parse_options(spec.name, spec.accepted, parse_optim_args(optim_args), source="optim_args")
     except ValueError as exc:
         raise ValueError(f"TrainingArguments(optim={PREFIX + spec.name!r}, optim_args={optim_args!r}): {exc}") from None
 
@@ -62,17 +81,23 @@ class TrainerOptimizer(torch.optim.Optimizer):
     """
 
     def __new__(cls, model, *, hf_eff_name, optim_args, lr, betas, eps, weight_decay, world_size=1, sharding=None):
-        # under FSDP2 the Trainer builds the optimizer before it shards the model: hf_eff_auto is told the sharding
-        name, options = choose_for_sharding(model, hf_eff_name, parse_optim_args(optim_args), world_size=world_size,
-                                            sharding=sharding, source="optim_args")
+        given = parse_optim_args(optim_args)
+        choice = None
+        if get_spec(hf_eff_name).name == "auto":  # chosen here, not in build_optimizer, so the line below says why
+            # under FSDP2 the Trainer builds the optimizer before it shards the model: auto sizes it per rank
+            choice = choose_auto(model, given, source="optim_args", world_size=world_size, sharding=sharding)
+        name, options = (PREFIX + choice.name, choice.options) if choice else (hf_eff_name, given)
         optimizer = build_optimizer(model, name, options, source="optim_args", lr=lr, betas=betas, eps=eps,
                                     weight_decay=weight_decay)
         res = optimizer_info(optimizer).resolution
-        chose = f"chose {PREFIX}{res.name}, which " if get_spec(hf_eff_name).name == "auto" else ""
-        # through transformers' own Trainer logger: shown beside the Trainer's INFO lines (--log_level info)
-        logging.getLogger("transformers.trainer").info(
-            "hf_efficient: optim=%s %sruns on backend %s on %s (%s)", hf_eff_name, chose, res.backend, res.device,
-            res.reason)
+        chose = f"chose {PREFIX}{res.name}, which " if choice else ""
+        why = f". Why: {choice.why()}" if choice else ""
+        hint = _embedding_state_hint(optimizer, model, given, world_size=world_size, sharding=sharding)
+        # through transformers' own Trainer logger, beside its lines: a choice made for the user (auto's, or a
+        # default that forgoes much of the saving) at WARNING, shown at the Trainer's default verbosity; else INFO
+        logging.getLogger("transformers.trainer").log(
+            logging.WARNING if choice or hint else logging.INFO, "hf_efficient: optim=%s %sruns on backend %s on %s "
+            "(%s)%s%s", hf_eff_name, chose, res.backend, res.device, res.reason, why, hint)
         return optimizer
 
 
@@ -256,10 +281,9 @@ class _MemoryCallback:
             return
         self._measured = True
         self._pending = {f"hf_eff/{k}": v for k, v in metrics.items()}
-        logger.info("hf_efficient: optimizer state %s measured at step %d; fp32 AdamW: %s; this saves %.0f%%%s",
+        logger.info("hf_efficient: optimizer state %s measured at step %d; fp32 AdamW: %s; this saves %.0f%%",
                     format_bytes(metrics["optimizer_state_mb"] * MB), state.global_step,
-                    format_bytes(metrics["fp32_adamw_state_mb"] * MB), 100 * metrics["optimizer_state_saving"],
-                    _embedding_state_hint(optimizer, kwargs.get("model"), metrics))
+                    format_bytes(metrics["fp32_adamw_state_mb"] * MB), 100 * metrics["optimizer_state_saving"])
         if getattr(args.logging_strategy, "value", args.logging_strategy) != "no":
             control.should_log = True  # log at this step rather than at the next logging_steps
 
@@ -281,23 +305,23 @@ class _MemoryCallback:
 _HINT_MIN_GAIN = 0.10  # of fp32 AdamW's state: below this, 8-bit embeddings are not worth a line
 
 
-def _embedding_state_hint(optimizer, model, metrics: dict) -> str:
-    """A sentence for the memory log line when embeddings keep 32-bit state (the 8-bit names' default) and
-    ``embedding_state=8bit`` would save a good deal more; else "". The gain is predicted by
-    :func:`estimate_memory` for both settings and scaled to the measured fp32 AdamW baseline."""
+def _embedding_state_hint(optimizer, model, given: dict, **sharded) -> str:
+    """A sentence for the optimizer's log line when the embeddings keep 32-bit state by default (the user did not
+    choose it) and ``embedding_state=8bit`` would save a good deal more (a large vocabulary); else "". Both settings
+    are predicted by :func:`estimate_memory`, per rank where the model will be sharded."""
     info = optimizer_info(optimizer)
-    if model is None or info is None or info.options.get("embedding_state") != "32bit":
+    if info.options.get("embedding_state") != "32bit" or "embedding_state" in given:
         return ""
     options = {k: v for k, v in info.options.items() if k in get_spec(info.resolution.name).options}
-    now = estimate_memory(model, info.resolution.name, **options)
+    now = estimate_memory(model, info.resolution.name, **sharded, **options)
     options["embedding_state"] = "8bit"
-    gain = now.state_bytes - estimate_memory(model, info.resolution.name, **options).state_bytes
-    fraction = gain / now.fp32_adamw_state_bytes if now.fp32_adamw_state_bytes else 0.0
-    if fraction < _HINT_MIN_GAIN:
+    all8 = estimate_memory(model, info.resolution.name, **sharded, **options)
+    gain = now.state_bytes - all8.state_bytes
+    if not now.fp32_adamw_state_bytes or gain / now.fp32_adamw_state_bytes < _HINT_MIN_GAIN:
         return ""
     return (f". The embeddings keep 32-bit state (the default, for accuracy): optim_args=\"embedding_state=8bit\" "
-            f"would save about {format_bytes(fraction * metrics['fp32_adamw_state_mb'] * MB)} more "
-            f"({100 * (metrics['optimizer_state_saving'] + fraction):.0f}% in all)")
+            f"would save about {format_bytes(gain)} more ({all8.saving:.0%} of fp32 AdamW's state in all, instead "
+            f"of {now.saving:.0%})")
 
 
 def _add_memory_callback(trainer_cls) -> None:

@@ -1,15 +1,23 @@
-"""What every optimizer with blockwise 8-bit state shares: a family is its math, nothing else.
+"""What every optimizer with blockwise quantized state shares: a family is its math, nothing else.
 
-A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`) subclasses :class:`Blockwise8bit` and gives:
+A family (:class:`.adamw8bit.AdamW8bit`, :class:`.lion8bit.Lion8bit`; the smallest: docs/contributing.md's) subclasses
+:class:`Blockwise8bit` and gives:
 
-- ``NAME`` (its kernels' name: ``{NAME}_cpu.c`` holds ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``,
-  ``blockwise_triton.{NAME}`` launches its Triton kernel), ``FAMILY`` (for messages) and ``MOMENTS``: its 8-bit
-  state keys and whether each is signed (the map);
-- ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``: one step on ``nb`` blocks, in torch ops
-  (``p``, ``g`` ``(nb, 256)``, codes in :mod:`.quant8`'s in-memory form); compiled by inductor, or run as is;
+- ``FACTS``, its :class:`.facts.Family`: ``NAME`` (the family's name, its kernels' name: ``{NAME}_cpu.c`` holds
+  ``{NAME}_step``, the op is ``hf_efficient::{NAME}_step``, ``blockwise_triton.{NAME}`` launches its Triton kernel),
+  ``FAMILY`` (the class's name, for messages), ``MOMENTS`` (its quantized state keys and whether each is signed) and
+  ``CODEC`` are read from it;
+- ``update(p, g, moments, coef) -> (p, moments)``: its math on fp32 values, in torch ops; the quantized kernel
+  (unpack, update, pack) and the step of tensors that keep fp32 state are made from it. A family may write them
+  itself instead: ``kernel(p, g, *words, *absmaxes, coef) -> (*words, *absmaxes)``, one step on ``nb`` blocks
+  (``p``, ``g`` ``(nb, BLOCK)``, codes in its codec's in-memory form; compiled by inductor, or run as is), and
+  ``step_32bit(group, items)`` (small tensors, ``fp32_state_params``; ``TRITON_FP32`` True where it steps CUDA
+  tensors with a Triton kernel, their step counts then living on the device);
 - ``coefficients(group, step) -> list[float]``: its per-step scalars (the C kernel reads them per tensor);
-- ``step_32bit(group, items)``: the step of tensors that keep fp32 state (small tensors, ``fp32_state_params``);
-  ``TRITON_FP32`` True where it steps CUDA tensors with a Triton kernel (their step counts then live on the device).
+- its ``__init__``: its hyperparameters as keywords (its Family's options among them), put in ``defaults``.
+
+Kernels are optional: ``C_KERNEL`` / ``TRITON_KERNEL`` say it has ``{NAME}_cpu.c`` / ``blockwise_triton.{NAME}``;
+without them its tensors take the compiled (or eager) kernel.
 
 Everything else is here, once: state creation, the choice of kernel per tensor (:meth:`Blockwise8bit.choose`),
 full blocks in bounded calls and the zero-padded last block, all C-kernel tensors of a group in one call of its
@@ -43,13 +51,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..families import keeps_8bit_state, rows_of_blocks
 from ..options import check_group, check_saved_tensor, check_step, start_step
 from . import _dispatch, _native, _sharded, _triton, quant8
 from ._dispatch import on_device
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
-                           weight_key, write)
-from .quant8 import BLOCK, WORDS, _describe
+                           step_in_fp32, weight_key, write)
+from .facts import Codec, Family, keeps_quantized_state, rows_of_blocks
+from .quant8 import _describe
 
 __all__ = ["Blockwise8bit"]
 
@@ -58,7 +66,8 @@ _TRITON_DTYPES = (torch.float32, *LOW_PRECISION)  # of weights and gradients the
 _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay out of mmap and page faults
 
 
-def _check_8bit_keys(group: dict) -> None:
+def _check_8bit_keys(group: dict, facts: Family | None = None, owner: str = "") -> None:
+    """The group keys every quantized family has, and the family's own options (``facts.options``)."""
     size = group["min_8bit_size"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"Invalid min_8bit_size={size!r}: it must be an int >= 0 (elements)")
@@ -66,6 +75,8 @@ def _check_8bit_keys(group: dict) -> None:
         raise ValueError(f"Invalid compile={group['compile']!r}: expected None (automatic: the C kernel where it "
                          "applies, else the compiled one), True (the compiled kernel) or False (eager)")
     check_compensation(group["compensation"])
+    for option in facts.options if facts is not None else ():
+        option.check_value(group[option.name], owner)
 
 
 def _make_op(name: str, family: type):
@@ -82,43 +93,94 @@ def _make_op(name: str, family: type):
 
 
 class Blockwise8bit(Optimizer):
-    """Base of the 8-bit families (see the module docstring). Not used alone."""
+    """Base of the quantized families (see the module docstring). Not used alone.
 
+    A family declares ``FACTS`` (its :class:`.facts.Family`); its kernel name ``NAME`` (the family's name), message
+    label ``FAMILY`` (the class's name), ``MOMENTS`` and ``CODEC`` are read from there. ``C_KERNEL`` /
+    ``TRITON_KERNEL``: it has ``{NAME}_cpu.c`` / ``blockwise_triton.{NAME}`` (optional: without them its torch
+    kernel runs, compiled or eager). ``PROBE``: the hyperparameters its kernels are probed with, over its defaults.
+    """
+
+    FACTS: Family
     NAME: str
     FAMILY: str
     MOMENTS: tuple[tuple[str, bool], ...]
+    CODEC: Codec
+    C_KERNEL = False  # a C kernel {NAME}_step in {NAME}_cpu.c
+    TRITON_KERNEL = False  # a Triton step blockwise_triton.{NAME}
     TRITON_FP32 = False  # whether step_32bit steps CUDA tensors with a Triton kernel (device step counts)
+    PROBE = dict(lr=1e-2, weight_decay=0.1)  # over the family's defaults: a step large enough to show a difference
     _op = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._op = _make_op(cls.NAME, cls)
+        if "FACTS" in cls.__dict__:  # a family (a subclass of one inherits its facts)
+            facts = cls.FACTS
+            cls.NAME, cls.FAMILY, cls.MOMENTS, cls.CODEC = facts.name, cls.__name__, facts.moments, facts.codec
+            cls._op = _make_op(cls.NAME, cls) if cls.C_KERNEL else None
 
     def __init__(self, params, defaults: dict, fp32_state_params=None):
-        _check_8bit_keys(defaults)
+        _check_8bit_keys(defaults, self.FACTS, self.FAMILY)
         self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
-        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (blockwise_triton.launch)
+        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (_triton.launch)
         super().__init__(params, defaults)
 
     # --- what a family gives -------------------------------------------------------------------------------
 
     @staticmethod
-    def kernel(p, g, *args):
-        raise NotImplementedError
+    def update(p: Tensor, g: Tensor, moments: list[Tensor], coef) -> tuple[Tensor, list[Tensor]]:
+        """The family's math on fp32 values of one shape: the new weight and moments (``coef``: its
+        :meth:`coefficients`, a tensor or a list). Not needed where the family writes :meth:`kernel` and
+        :meth:`step_32bit` itself."""
+        raise NotImplementedError("a quantized family gives update(), or kernel() and step_32bit()")
 
     @staticmethod
     def coefficients(group: dict, step: int) -> list[float]:
         raise NotImplementedError
 
+    @classmethod
+    def kernel(cls, p, g, *args):
+        """One step on ``nb`` blocks made from :meth:`update`: the moments decoded, updated, encoded (returned, not
+        written in place: inductor then keeps a block's moments local); ``p`` updated in place."""
+        k, codec = len(cls.MOMENTS), cls.CODEC
+        words, absmax, coef = args[:k], args[k:2 * k], args[-1]
+        moments = [codec.unpack(w, a, s) for w, a, (_, s) in zip(words, absmax, cls.MOMENTS)]
+        new_p, moments = cls.update(p.float(), g.float(), moments, coef)
+        p.copy_(new_p)
+        packed = [codec.pack(m, s) for m, (_, s) in zip(moments, cls.MOMENTS)]
+        return (*(w for w, _ in packed), *(a for _, a in packed))
+
     def step_32bit(self, group: dict, items: list[tuple[Tensor, Tensor, dict]], offsets=None) -> None:
-        """Step fp32-state ``items`` (weight, gradient, state, position); ``offsets``: where given, the items are
-        FSDP2 shards (local tensors) and each one's first global element number, for the stochastic noise."""
-        raise NotImplementedError
+        """Step fp32-state ``items`` (weight, gradient, state, position) by :meth:`update`, bf16/fp16 weights as fp32
+        copies written under the group's compensation; ``offsets``: where given, the items are FSDP2 shards (local
+        tensors) and each one's first global element number, for the stochastic noise."""
+        keys = self.noise_keys(items)
+        for it in items:
+            it[2]["step"] += 1
+
+        def step(idx, ps):
+            for i, p32 in zip(idx, ps):
+                _, g, st, _ = items[i]
+                coef = self.coefficients(group, int(st["step"].item()))
+                new_p, moments = self.update(p32, g.float(), [st[k] for k, _ in self.MOMENTS], coef)
+                p32.copy_(new_p)
+                for (key, _), m in zip(self.MOMENTS, moments):
+                    st[key].copy_(m)
+
+        step_in_fp32([it[0] for it in items], step, group["compensation"],
+                     [it[2].get("kahan_comp") for it in items], keys, offsets)
 
     @classmethod
     def check_family_keys(cls, group: dict) -> None:
-        """A family's own group checks, beside :func:`..options.check_group`'s (8-bit keys here)."""
-        _check_8bit_keys(group)
+        """A family's own group checks, beside :func:`..options.check_group`'s: the quantized families' keys and the
+        family's options (``FACTS.options``)."""
+        _check_8bit_keys(group, cls.FACTS, cls.FAMILY)
+
+    @classmethod
+    def probe_group(cls) -> dict:
+        """The param group the kernels are probed with: a group of the family's own (its defaults, its options
+        included), with :attr:`PROBE`'s hyperparameters."""
+        return cls([torch.zeros(1, requires_grad=True)], **cls.PROBE).param_groups[0]
 
     # --- kernels ----------------------------------------------------------------------------------------------
 
@@ -142,13 +204,13 @@ class Blockwise8bit(Optimizer):
 
     @classmethod
     def c_kernel(cls) -> _dispatch.CKernel:
-        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c``, declared once per class (its argument list
-        depends on the number of moments)."""
+        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c`` (blockwise.h's arguments), declared once per
+        class (``codes`` / ``absmax``: every tensor's first moment, then every tensor's second...)."""
         if "_c_kernel" not in cls.__dict__:
-            moments = " ".join(f"{kind}{i}:ptrs" for kind in ("codes", "absmax") for i in range(len(cls.MOMENTS)))
+            k = len(cls.MOMENTS)
             cls._c_kernel = _dispatch.CKernel(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step", "count params:ptrs grads:ptrs "
-                                              f"{moments} numel:i64s bf16:i32s comps:ptrs keys:i32s mode:mode "
-                                              "maps:ptr coef:f32s*", cls._probe)
+                                              f"codes:ptrs*{k} absmax:ptrs*{k} numel:i64s bf16:i32s comps:ptrs "
+                                              "keys:i32s mode:mode maps:ptr coef:f32s*", cls._probe)
         return cls._c_kernel
 
     @staticmethod
@@ -161,9 +223,9 @@ class Blockwise8bit(Optimizer):
         """The one dispatch point (automatic mode: ``compile`` None): on CUDA the Triton kernel (:meth:`triton_fn`)
         for contiguous tensors; on CPU the C kernel's op for plain contiguous fp32/bf16 tensors; else the compiled
         kernel unless ``compile=False`` or compiling failed, else the eager one."""
-        if compile is None and cls.triton_fits(p, g) and cls.triton_fn(p.device) is not None:
+        if compile is None and cls.TRITON_KERNEL and cls.triton_fits(p, g) and cls.triton_fn(p.device) is not None:
             return cls.triton_fn(p.device)
-        if compile is None and cls.native_fits(p, g) and cls.native_fn() is not None:
+        if compile is None and cls.C_KERNEL and cls.native_fits(p, g) and cls.native_fn() is not None:
             return cls._op
         if compile is False:
             return cls.eager_kernel
@@ -173,10 +235,7 @@ class Blockwise8bit(Optimizer):
     def triton_fits(p: Tensor, g: Tensor) -> bool:
         """Whether the Triton kernels can step ``p``: :func:`._triton.applies` (CUDA, Triton importable), contiguous
         fp32/bf16/fp16 weights and gradients (logged once where CUDA has no Triton)."""
-        if p.is_cuda and not _triton.available():
-            _dispatch.log_once(logging.WARNING, ("triton-missing",), "hf_efficient: Triton is not importable, so the "
-                               "8-bit optimizers step CUDA tensors with the torch.compile'd kernel (slower); install "
-                               "a CUDA build of torch, which ships Triton")
+        _dispatch.note_missing_triton(p)
         return (_triton.applies(p, g) and p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES
                 and p.is_contiguous() and g.is_contiguous())
 
@@ -197,10 +256,10 @@ class Blockwise8bit(Optimizer):
         :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn; bf16 weights are
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
-        cls.c_kernel().run(fn, count, params, grads, *(codes[i::k] for i in range(k)),
-                           *(absmax[i::k] for i in range(k)), numel, [p.dtype == torch.bfloat16 for p in params],
+        by_moment = [c for i in range(k) for c in codes[i::k]], [a for i in range(k) for a in absmax[i::k]]
+        cls.c_kernel().run(fn, count, params, grads, *by_moment, numel, [p.dtype == torch.bfloat16 for p in params],
                            comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
-                           n=sum(quant8.blocks(n) for n in numel), unit=BLOCK, threads=threads)
+                           n=sum(quant8.blocks(n) for n in numel), unit=quant8.BLOCK, threads=threads)
 
     @classmethod
     def native_step(cls, fn, items, threads: int | None = None, compensation: str = "none") -> None:
@@ -231,12 +290,13 @@ class Blockwise8bit(Optimizer):
         Kahan, weight + buffer within 1e-4 of eager's."""
         gen = torch.Generator().manual_seed(0)
         native = device is None
-        n = (2 * _native._MIN_PER_THREAD + 3 * BLOCK if native else 9 * BLOCK) + 37
+        block = cls.CODEC.BLOCK
+        n = (2 * _native._MIN_PER_THREAD + 3 * block if native else 9 * block) + 37
         p0 = torch.randn(n, generator=gen)
         grads = [torch.randn(n, generator=gen) * 10.0 ** -k for k in range(3)]
         grads[1][5] = 2e19
         device = torch.device("cpu" if device is None else device)
-        group = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+        group = cls.probe_group()
         for dtype, mode in ((torch.float32, "none"), *((torch.bfloat16, m) for m in C_MODES)):
             runs = []
             for candidate in (True, False):
@@ -273,7 +333,7 @@ class Blockwise8bit(Optimizer):
         """Fresh 8-bit state of a tensor of ``numel`` elements: zero codes in whole blocks, zero absmaxes."""
         state = {}
         for key, signed in cls.MOMENTS:
-            state[key], state[f"{key}_absmax"] = quant8.zero_codes(numel, signed, device)
+            state[key], state[f"{key}_absmax"] = cls.CODEC.zero_codes(numel, signed, device)
         return state
 
     @classmethod
@@ -286,6 +346,7 @@ class Blockwise8bit(Optimizer):
         flat = p.detach().view(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
         gflat = g.reshape(-1)
         n = flat.numel()
+        BLOCK, WORDS = cls.CODEC.BLOCK, cls.CODEC.WORDS  # noqa: N806 - the codec's constants
         full = n // BLOCK
         keys = [k for k, _ in cls.MOMENTS]
         words = [state[k].view(torch.float32) for k in keys]
@@ -349,17 +410,17 @@ class Blockwise8bit(Optimizer):
         super().add_param_group(param_group)
 
     def _has_8bit_state(self, p: Tensor, group: dict) -> bool:
-        """Whether ``p`` keeps 8-bit state: :func:`..families.keeps_8bit_state` of its whole tensor (else fp32: small
-        tensors, those named at construction, and under FSDP2 tensors whose rows are not whole blocks)."""
+        """Whether ``p`` keeps quantized state: :func:`.facts.keeps_quantized_state` of its whole tensor (else fp32:
+        small tensors, those named at construction, and under FSDP2 tensors whose rows are not whole blocks)."""
         sharded, shape, size = _sharded.is_sharded(p), _sharded.global_shape(p), group["min_8bit_size"]
-        keep_32bit = id(p) in self._fp32_ids
-        if keeps_8bit_state(shape, sharded=sharded, min_8bit_size=size, keep_32bit=keep_32bit):
+        keep_32bit, codec = id(p) in self._fp32_ids, self.CODEC
+        if keeps_quantized_state(shape, codec, sharded=sharded, min_8bit_size=size, keep_32bit=keep_32bit):
             return True
-        if sharded and keeps_8bit_state(shape, sharded=False, min_8bit_size=size, keep_32bit=keep_32bit):
+        if sharded and keeps_quantized_state(shape, codec, sharded=False, min_8bit_size=size, keep_32bit=keep_32bit):
             _dispatch.log_once(logging.INFO, ("sharded-fp32", self.FAMILY), "hf_efficient: %s keeps fp32 state for "
                                "FSDP2-sharded tensors whose rows are not whole blocks of %d elements (vectors; the "
                                "first seen: shape %s): 8-bit blocks would straddle ranks and move with the mesh",
-                               self.FAMILY, BLOCK, tuple(p.shape))
+                               self.FAMILY, codec.BLOCK, tuple(p.shape))
         return False
 
     def _allocate_together(self, group: dict) -> None:
@@ -369,12 +430,14 @@ class Blockwise8bit(Optimizer):
         (:meth:`_pack`). Other devices keep a buffer per tensor (nothing measured there)."""
         params = [p for p in group["params"] if p.grad is not None and p.is_cpu and not self.state.get(p)
                   and not _sharded.is_sharded(p) and self._has_8bit_state(p, group)]
-        sizes = [quant8.blocks(p.numel()) for p in params]
+        codec = self.CODEC
+        sizes = [codec.blocks(p.numel()) for p in params]
         for p in params:
             self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key, signed in self.MOMENTS if params else ():
-            codes, absmax = quant8.zero_codes(sum(sizes) * BLOCK, signed, "cpu")
-            for p, c, a in zip(params, codes.split([n * BLOCK for n in sizes]), absmax.split(sizes)):
+            codes, absmax = codec.zero_codes(sum(sizes) * codec.BLOCK, signed, "cpu")
+            per_block = codec.BLOCK * codec.BITS // 8  # code bytes per block in memory
+            for p, c, a in zip(params, codes.split([n * per_block for n in sizes]), absmax.split(sizes)):
                 self.state[p][key], self.state[p][f"{key}_absmax"] = c, a
 
     def _init_state(self, p: Tensor, group: dict, on_device: bool = False) -> dict:
@@ -409,8 +472,8 @@ class Blockwise8bit(Optimizer):
                     state[key] = _sharded.zeros(p, p.shape, torch.float32)
                     continue
                 state[key] = _sharded.zeros(p, p.shape, torch.uint8)
-                _sharded.local(state[key]).fill_(quant8.ZERO_CODE[signed])
-                state[f"{key}_absmax"] = _sharded.zeros(p, _absmax_shape(p), torch.float32)
+                _sharded.local(state[key]).fill_(self.CODEC.ZERO_CODE[signed])
+                state[f"{key}_absmax"] = _sharded.zeros(p, _absmax_shape(p, self.CODEC), torch.float32)
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
             state["kahan_comp"] = _sharded.zeros(p, p.shape, torch.bfloat16)
         return state
@@ -437,7 +500,7 @@ class Blockwise8bit(Optimizer):
 
     def _triton_launch(self, p: Tensor, group: dict):
         """The Triton step of ``p`` where it takes it (automatic mode, :meth:`choose`'s first case), else None."""
-        if group["compile"] is not None or not self.triton_fits(p, p.grad):
+        if group["compile"] is not None or not self.TRITON_KERNEL or not self.triton_fits(p, p.grad):
             return None
         return self.triton_fn(p.device)
 
@@ -451,10 +514,9 @@ class Blockwise8bit(Optimizer):
         return self.TRITON_FP32 and group["compile"] is None and self.triton_fits(p, p.grad)
 
     def takes_found_inf(self) -> bool:
-        """Whether the coming step runs Triton kernels for every tensor with a gradient (the guard's protocol): they
-        read its device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
-        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return bool(todo) and all(self._uses_triton(p, group) for p, group in todo)
+        """Whether the coming step runs Triton kernels for every tensor with a gradient (the guard's protocol,
+        :func:`._dispatch.takes_found_inf`)."""
+        return _dispatch.takes_found_inf(self, lambda p, group, st: self._uses_triton(p, group))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -506,7 +568,7 @@ class Blockwise8bit(Optimizer):
             for device, (launch, items) in gpu.items():
                 flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
                 _triton.advance_steps([it[2]["step"] for it in items], flag)
-                with on_device(device):  # one launch per (weight dtype, gradient dtype): blockwise_triton.launch
+                with on_device(device):  # one launch per (weight dtype, gradient dtype): _triton.launch
                     launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
             if fp32:
                 self.step_32bit(group, fp32)
@@ -528,7 +590,7 @@ class Blockwise8bit(Optimizer):
         for i, p in zip(ids, params):
             st = sd["state"].get(i)
             if st is not None and st[self.MOMENTS[0][0]].dtype == torch.uint8:
-                sd["state"][i] = {**st, **{k: _to_canonical(st[k], p) for k, _ in self.MOMENTS}}
+                sd["state"][i] = {**st, **{k: _to_canonical(st[k], p, self.CODEC) for k, _ in self.MOMENTS}}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -610,13 +672,14 @@ class Blockwise8bit(Optimizer):
                                      and tuple(comp.shape) == tuple(p.shape) and bool(comp.isfinite().all())):
             raise ValueError(f"{where}: kahan_comp is {_describe(comp)}; expected a finite float tensor of the "
                              f"parameter's shape {tuple(p.shape)}; nothing was loaded")
+        shape = self.CODEC.canonical_shape(p.shape) if eight_bit else tuple(p.shape)
         for key in moments:
             t = saved[key]
             good = isinstance(t, Tensor) and (t.dtype == torch.uint8 if eight_bit else t.is_floating_point())
-            if not good or tuple(t.shape) != tuple(p.shape):
+            if not good or tuple(t.shape) != shape:
                 want = "uint8 codes" if eight_bit else "a float tensor"
-                raise ValueError(f"{where}: {key} is {_describe(t)}; expected {want} of the parameter's shape "
-                                 f"{tuple(p.shape)}; nothing was loaded")
+                raise ValueError(f"{where}: {key} is {_describe(t)}; expected {want} of shape {shape} (the "
+                                 f"parameter's: {tuple(p.shape)}); nothing was loaded")
         st = {"step": torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().reshape(())}
         if comp is not None:
             st["kahan_comp"] = comp.to(device=p.device, dtype=torch.bfloat16).contiguous().clone()
@@ -625,64 +688,65 @@ class Blockwise8bit(Optimizer):
                 check_saved_tensor(saved[key], key, where, signed=signed, first_moment=signed)
                 st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
             return st
-        shapes = _absmax_shapes(p)
+        shapes = _absmax_shapes(p, self.CODEC)
         for key in (f"{k}_absmax" for k in moments):
             t = saved[key]
             if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) not in shapes:
                 raise ValueError(f"{where}: {key} is {_describe(t)}; expected a float tensor of shape "
-                                 f"{' or '.join(map(str, shapes))}, one absmax per block of {BLOCK} elements; nothing "
-                                 "was loaded")
+                                 f"{' or '.join(map(str, shapes))}, one absmax per block of {self.CODEC.BLOCK} elements; "
+                                 "nothing was loaded")
             # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
             plain = lambda: t.to(p.device, torch.float32).reshape(-1).clone()  # noqa: E731 - a copy: never the caller's
-            st[key] = _placed_absmax(t, p) if _sharded.is_sharded(p) else plain()
+            st[key] = _placed_absmax(t, p, self.CODEC) if _sharded.is_sharded(p) else plain()
             first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
             check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
         for key, signed in self.MOMENTS:
-            st[key] = _from_canonical(saved[key], p, signed)
+            st[key] = _from_canonical(saved[key], p, signed, self.CODEC)
         return st
 
 
-def _absmax_shape(p) -> tuple[int, ...]:
+def _absmax_shape(p, codec: Codec) -> tuple[int, ...]:
     """In-memory absmax shape: ``(blocks,)``, or ``(rows, blocks per row)`` for an FSDP2 parameter (placed like its
     rows)."""
     if _sharded.is_sharded(p):
-        return (p.shape[0], _sharded.global_numel(p) // p.shape[0] // BLOCK)
-    return (quant8.blocks(p.numel()),)
+        return (p.shape[0], _sharded.global_numel(p) // p.shape[0] // codec.BLOCK)
+    return (codec.blocks(p.numel()),)
 
 
-def _absmax_shapes(p) -> list[tuple[int, ...]]:
+def _absmax_shapes(p, codec: Codec) -> list[tuple[int, ...]]:
     """Saved absmax shapes ``p`` loads: its own, and for a parameter whose rows are whole blocks also the other of
     ``(blocks,)`` (a single-file state: DCP's full-state loader shards it as a vector) and ``(rows, blocks per row)``
     (a whole state taken from FSDP2 shards): the same absmaxes in the same order."""
-    shapes = [_absmax_shape(p)]
-    if rows_of_blocks(p.shape):
+    shapes = [_absmax_shape(p, codec)]
+    if rows_of_blocks(p.shape, codec.BLOCK):
         numel = _sharded.global_numel(p)
-        shapes += [s for s in ((quant8.blocks(numel),), (p.shape[0], numel // p.shape[0] // BLOCK)) if s != shapes[0]]
+        shapes += [s for s in ((codec.blocks(numel),), (p.shape[0], numel // p.shape[0] // codec.BLOCK))
+                   if s != shapes[0]]
     return shapes
 
 
-def _placed_absmax(t, p):
+def _placed_absmax(t, p, codec: Codec):
     """A loaded absmax of an FSDP2 parameter ``p`` in memory: a DTensor ``(rows, blocks per row)`` placed like ``p``.
     One already so is copied; another (a plain whole one, or a ``(blocks,)`` vector that DCP sharded by blocks, not
     rows) is gathered whole and re-sharded by rows (a collective, as the load is)."""
-    shape = _absmax_shape(p)
+    shape = _absmax_shape(p, codec)
     if _sharded.is_sharded(t) and tuple(t.shape) == shape and tuple(t.placements) == tuple(p.placements):
         return t.to(dtype=torch.float32).clone()
     return _sharded.shard_like(p, _sharded.whole(t).to(torch.float32).reshape(shape))
 
 
-def _to_canonical(codes, p):
-    """:func:`.quant8.to_canonical`, of each rank's shard for an FSDP2 parameter (its rows are whole blocks, so
+def _to_canonical(codes, p, codec: Codec):
+    """``codec.to_canonical``, of each rank's shard for an FSDP2 parameter (its rows are whole blocks, so
     the interleaving never crosses a shard)."""
     if not _sharded.is_sharded(p):
-        return quant8.to_canonical(codes, p)
-    return _sharded.like(codes, quant8.to_canonical(_sharded.local(codes).reshape(-1), _sharded.local(p)))
+        return codec.to_canonical(codes, p)
+    return _sharded.like(codes, codec.to_canonical(_sharded.local(codes).reshape(-1), _sharded.local(p)))
 
 
-def _from_canonical(codes, p, signed: bool):
-    """:func:`.quant8.from_canonical`, shard by shard for an FSDP2 parameter (codes of its shape, placed alike)."""
+def _from_canonical(codes, p, signed: bool, codec: Codec):
+    """``codec.from_canonical``, shard by shard for an FSDP2 parameter (codes of its shape, placed alike)."""
     if not _sharded.is_sharded(p):
-        return quant8.from_canonical(codes, p, signed)
+        return codec.from_canonical(codes, p, signed)
     lp = _sharded.local(p)
-    return _sharded.like(codes, quant8.from_canonical(_sharded.local(codes), lp, signed).view(lp.shape))
+    return _sharded.like(codes, codec.from_canonical(_sharded.local(codes), lp, signed).view(lp.shape))
 

@@ -1,4 +1,5 @@
-"""Kernel dispatch shared by every family: one cache, probe-then-publish, log-once, the compile-error fallback.
+"""Kernel dispatch shared by every family: one cache, probe-then-publish, log-once, the compile-error fallback, and the
+one split of a step's tensors between a family's Triton kernel and its other paths.
 
 A family has up to three kernels for one step: its C kernel (CPU, via :mod:`._native`, exposed as a
 ``torch.library.custom_op`` so it shows in the profiler and composes with ``torch.compile``), its
@@ -7,7 +8,9 @@ picks (kernel name, device type, dtype or mode): each is built and probed agains
 lock, and published only then (a thread that finds it published never sees a kernel that was not checked).
 Where building or the probe fails, None is published and the reason logged once: the caller runs the next path.
 Each C function is declared once as a :class:`CKernel` (its signature gives the ctypes types and checks every call's
-values), and each Triton kernel is admitted by :func:`probed`.
+values), and each Triton kernel is admitted by :func:`probed`. Which tensors a family's Triton kernel takes is decided
+here for every family (:func:`triton_split`, :func:`takes_found_inf`, :func:`step_device`): each gives only its test
+of one tensor.
 
 A compiled kernel that fails when first called (no C++ compiler, no Triton) may fall back to eager, but only on
 :func:`compile_errors`: an error from a running kernel may come after its in-place weight update, and running the
@@ -27,11 +30,12 @@ from typing import Callable
 
 import torch
 
-from . import _native
+from . import _native, _sharded, _triton
 from .compensation import C_MODES, COMPENSATIONS
 
 __all__ = ["cached", "compiled", "probed", "on_device", "CKernel", "C_KERNELS", "custom_op", "call", "compile_errors",
-           "log_once", "Bf16WeightKernel"]
+           "log_once", "Bf16WeightKernel", "note_missing_triton", "triton_may_apply", "triton_split", "step_device",
+           "takes_found_inf"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,54 @@ def probed(name: str, device, load: Callable[[], object], probe: Callable, refer
         return loaded
 
     return cached(("triton", name, str(device)), make)
+
+
+def note_missing_triton(p: torch.Tensor) -> None:
+    """One warning per process where a CUDA tensor finds no Triton: every family then steps it on its torch paths."""
+    if p.device.type == "cuda" and not _triton.available():
+        log_once(logging.WARNING, ("triton", "missing"), "hf_efficient: Triton is not installed; steps on CUDA take "
+                 "the families' torch kernels (same results, slower): pip install triton (CUDA builds of torch ship "
+                 "it)")
+
+
+def triton_may_apply(params) -> bool:
+    """A cheap test before the per-tensor ones, so that a CPU step costs what it did: a CUDA tensor among
+    ``params``, or CPU tensors under the interpreter (tests)."""
+    return any(p.is_cuda for p in params) or (bool(params) and _triton.applies(params[0]))
+
+
+def triton_split(indices, params, fits: Callable[[int], bool], kernel: Callable[[torch.device], object]):
+    """``({device: indices}, other indices)`` of ``indices`` into ``params``: those a family's Triton kernel steps
+    (``fits(i)``: its test of one tensor; ``kernel(device)``: its kernel there once probed, else None), and those its
+    other paths step, in order."""
+    indices = list(indices)
+    if not triton_may_apply([params[i] for i in indices]):
+        return {}, indices
+    mine = {}
+    for i in indices:
+        note_missing_triton(params[i])
+        if fits(i):
+            mine.setdefault(params[i].device, []).append(i)
+    mine = {device: idx for device, idx in mine.items() if kernel(device) is not None}
+    taken = {i for idx in mine.values() for i in idx}
+    return mine, [i for i in indices if i not in taken]
+
+
+def step_device(p: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None = None) -> torch.device:
+    """Where ``p``'s step count lives: on its device where a Triton kernel may step it (a weight of ``dtypes``, the
+    ones the family's kernel takes; None: any), which reads the count there as torch's fused AdamW does; else on the
+    CPU (the host reads it for free)."""
+    return p.device if (dtypes is None or p.dtype in dtypes) and _triton.applies(p) else torch.device("cpu")
+
+
+def takes_found_inf(optimizer, takes: Callable) -> bool:
+    """The guard's ``takes_found_inf()`` for every family: True where some tensor has a gradient and the family's
+    Triton kernels step every one of them (``takes(p, group, state)``, ``state`` empty before its first step), none
+    an FSDP2 shard (their host paths read the flag). Those kernels read the guard's device-side flag
+    (``optimizer.found_inf``), so the guard need not read its check on the host."""
+    todo = [(p, group) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return bool(todo) and all(not _sharded.is_sharded(p) and takes(p, group, optimizer.state.get(p) or {})
+                              for p, group in todo)
 
 
 _ARRAYS = {"ptrs": "Q", "i64s": "q", "i32s": "i", "f32s": "f", "f64s": "d"}  # array kinds -> array typecode

@@ -14,19 +14,22 @@ of the row-major global tensor. Any other placement (a 2-D HSDP or tensor-parall
 ``Replicate``, ``Partial``) is refused by :func:`check` with a message saying what is served.
 
 A step of sharded tensors is collective: every rank must step the same parameters in the same order, as FSDP2's
-reduce-scatter gives every rank a gradient for the same parameters.
+reduce-scatter gives every rank a gradient for the same parameters (:func:`check_grads_agree` refuses a gradient set
+on some ranks only, before anything steps).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 
 import torch
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "is_sharded", "check", "local", "global_shape", "global_numel", "global_offset", "zeros",
-           "like", "whole", "shard_like", "to_local_state", "sum_across"]
+__all__ = ["SUPPORTED", "is_sharded", "check", "check_grads_agree", "sharded_by_rows", "local", "global_shape",
+           "global_numel", "global_offset", "zeros", "like", "whole", "shard_like", "replicate_like", "to_local_state",
+           "sum_across"]
 
 SUPPORTED = "Shard(0) on a 1-D device mesh (torch's fully_shard)"
 
@@ -57,6 +60,53 @@ def check(p, owner: str, name: str = "a parameter") -> None:
         raise ValueError(f"{owner}: the gradient of {name} is {where}, its parameter {list(placements)}: FSDP2 "
                          "gives a gradient placed like its parameter; one set otherwise cannot be stepped shard by "
                          "shard")
+
+
+def sharded_by_rows(t) -> bool:
+    """Whether ``t`` is a DTensor sharded along dim 0 (each rank a range of its rows)."""
+    if not is_sharded(t):
+        return False
+    from torch.distributed.tensor import Shard
+
+    return all(pl == Shard(0) for pl in t.placements)
+
+
+def check_grads_agree(groups: list[dict], owner: str) -> None:
+    """Raise ValueError, on every rank alike, unless each sharded parameter of ``groups`` (an optimizer's param
+    groups, alike on every rank) has a gradient on all ranks of its shard group or on none. A step of shards is
+    collective (the module docstring): a shard stepped on some ranks only would leave the ranks' states apart, and a
+    family that sums across ranks would enter a collective the others do not. FSDP2 gives every rank a gradient for
+    the same parameters; only a gradient set or dropped by hand on some ranks differs. Called before anything
+    changes: one all-reduce of an int32 per sharded parameter, read on the host, per mesh; nothing without shards."""
+    module = sys.modules.get("torch.distributed.tensor")
+    types = set(map(type, itertools.chain.from_iterable(g["params"] for g in groups))) if module else ()
+    if not any(issubclass(t, module.DTensor) for t in types):
+        return  # no shards: the parameters' distinct types (mostly one) tell it, not an isinstance per parameter
+    meshes: dict = {}
+    for gi, g in enumerate(groups):
+        for i, p in enumerate(g["params"]):
+            if is_sharded(p):
+                meshes.setdefault(p.device_mesh, []).append((gi, i, p))
+    import torch.distributed as dist
+
+    for mesh, items in meshes.items():
+        group = mesh.get_group()
+        world = dist.get_world_size(group)
+        if world <= 1:
+            continue
+        device = local(items[0][2]).device  # the mesh's: a CUDA tensor for NCCL
+        counts = torch.tensor([p.grad is not None for *_, p in items], dtype=torch.int32, device=device)
+        dist.all_reduce(counts, group=group)
+        for (gi, i, _), count in zip(items, counts.tolist()):
+            if 0 < count < world:
+                from ..param_groups import group_names
+
+                name = group_names(groups[gi], gi)[i]
+                raise ValueError(f"{owner}: parameter {name!r} (an FSDP2 shard) has a gradient on {count} of the "
+                                 f"{world} ranks and None on the others, and a step of shards must step the same "
+                                 "tensors on every rank (FSDP2 gives each rank a gradient for every parameter that "
+                                 "had one). Set its gradient on every rank (zeros where a rank has none) or on none. "
+                                 "Nothing was stepped")
 
 
 def local(t):
@@ -129,6 +179,17 @@ def shard_like(p, t: Tensor):
     rows = t[offset[0]:offset[0] + local_shape[0]].to(local(p).device).contiguous().clone()
     return DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=t.shape,
                               stride=_contiguous_strides(t.shape))
+
+
+def replicate_like(p, t: Tensor):
+    """``t``, a whole tensor, as a DTensor on ``p``'s mesh, whole on every rank (a copy); ``t`` itself where ``p`` is
+    plain. What a whole statistic every shard needs (a matrix's column statistics) is put back as."""
+    if not is_sharded(p):
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(t.to(local(p).device).contiguous().clone(), p.device_mesh, (Replicate(),),
+                              run_check=False, shape=t.shape, stride=_contiguous_strides(t.shape))
 
 
 def to_local_state(state: dict) -> dict:

@@ -40,13 +40,44 @@ import math
 import torch
 from torch import Tensor
 
-from ..families import ADAFACTOR
-from ..options import check_group, check_hyperparams, check_saved, start_step
+from ..options import Option, check_group, check_saved, start_step
 from . import _dispatch, _native, _sharded, _triton
 from .compensation import (C_MODES, LOW_PRECISION, check_compensation, drop_unused_buffers, element_index,
                            weight_key, write)
+from .facts import FIRST_MOMENT, KAHAN, SECOND_MOMENT, STEP, Family, StateKey, kahan_keys
 
-__all__ = ["Adafactor"]
+__all__ = ["ADAFACTOR", "Adafactor"]
+
+
+def _adafactor_required(p, group) -> set[str]:
+    need = {"step"} | ({"exp_avg_sq_row", "exp_avg_sq_col"} if p.dim() >= 2 else {"exp_avg_sq"})
+    return need | ({"exp_avg"} if group.get("beta1") is not None else set()) | kahan_keys(p, group)
+
+
+def _adafactor_check(st: dict, p, where: str, trainer_name: str) -> None:
+    if p.dim() >= 2 and "exp_avg_sq" in st:
+        *rows, cols = p.shape
+        raise ValueError(f"{where} has a full exp_avg_sq (shape {tuple(getattr(st['exp_avg_sq'], 'shape', ()))}); "
+                         f"Adafactor keeps a matrix's second moment factored, as exp_avg_sq_row of shape {tuple(rows)} "
+                         f"and exp_avg_sq_col of shape {tuple(p.shape[:-2]) + (cols,)}: this state was written by "
+                         f"another optimizer (AdamW-like). Resume with the optimizer that wrote it, or start "
+                         f"{trainer_name} afresh (remove optimizer.pt from the checkpoint)")
+
+
+_OPTIONS = (  # its hyperparameters beside lr and weight_decay: optim_args keys, its class's keywords
+    Option("beta1", float, None, "Adafactor first-moment decay (None: no first moment, least memory)", optional=True,
+           check=lambda b: 0.0 <= b < 1.0, check_text="must be in [0, 1)"),
+    Option("decay_rate", float, -0.8, "Adafactor second-moment decay exponent: beta2_t = 1 - t**decay_rate",
+           check=lambda d: d < 0, check_text="must be negative"),
+    Option("clip_threshold", float, 1.0, "Adafactor update clipping (RMS)", check=lambda c: c > 0,
+           check_text="must be > 0"))
+ADAFACTOR = Family(
+    "adafactor", {"step": STEP, "exp_avg": FIRST_MOMENT, "exp_avg_sq": SECOND_MOMENT,
+                  "exp_avg_sq_row": StateKey("row"), "exp_avg_sq_col": StateKey("col"), "kahan_comp": KAHAN},
+    "adafactor", _adafactor_required, options=_OPTIONS,
+    marks=frozenset({"exp_avg_sq_row", "exp_avg_sq_col"}), check_state=_adafactor_check,
+    deepspeed="ZeRO flattens each param group into one 1-D partition, so nothing is left to factor: it trains, but "
+              "keeps a full fp32 second moment (4 bytes per parameter instead of << 1)")
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _SQRT_FP32_MAX = 2.0**64 * (1 - 2.0**-24)  # the largest fp32 whose square is finite in fp32
@@ -71,11 +102,15 @@ class Adafactor(torch.optim.Optimizer):
         eps: added to squared gradients (transformers' ``eps[0]``).
         compensation: how updates reach bf16 / fp16 weights: ``"stochastic"``, ``"kahan"`` (a bf16 buffer, 2 bytes
             per parameter) or ``"none"`` (see :mod:`.compensation`); default: the family's
-            (``families.ADAFACTOR.compensation``); fp32 weights ignore it.
+            (``ADAFACTOR.compensation``); fp32 weights ignore it.
     """
 
-    def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.0, beta1: float | None = None,
-                 decay_rate: float = -0.8, clip_threshold: float = 1.0, eps: float = 1e-30,
+    FACTS = ADAFACTOR
+
+    def __init__(self, params, *, lr: float = 1e-3, weight_decay: float = 0.0,
+                 beta1: float | None = ADAFACTOR.option("beta1").default,
+                 decay_rate: float = ADAFACTOR.option("decay_rate").default,
+                 clip_threshold: float = ADAFACTOR.option("clip_threshold").default, eps: float = 1e-30,
                  compensation: str = ADAFACTOR.compensation):
         defaults = dict(lr=lr, weight_decay=weight_decay, beta1=beta1, decay_rate=decay_rate,
                         clip_threshold=clip_threshold, eps=eps, compensation=compensation)
@@ -117,11 +152,10 @@ class Adafactor(torch.optim.Optimizer):
         drop_unused_buffers(self, "Adafactor")
 
     def takes_found_inf(self) -> bool:
-        """Whether the coming step runs the Triton kernels for every tensor with a gradient: they read the guard's
-        device-side flag (``optimizer.found_inf``), so the guard need not read its check on the host."""
-        todo = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return bool(todo) and all(_triton_fits(p, p.grad, self.state.get(p, {}), group)
-                                  and _triton_module(p.device) is not None for p, group in todo)
+        """Whether the coming step runs the Triton kernels for every tensor with a gradient, which read the guard's
+        device-side flag (:func:`._dispatch.takes_found_inf`); a fresh state fits them from the first step."""
+        return _dispatch.takes_found_inf(self, lambda p, group, st: _triton_fits(p, p.grad, st, group)
+                                         and _triton_module(p.device) is not None)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -184,15 +218,10 @@ def _fill_state(state: dict, p: Tensor, group: dict) -> dict:
 
 
 def _check_family_keys(group: dict) -> None:
-    """Adafactor's own keys (:func:`..options.check_group` checks lr, eps, weight_decay and maximize)."""
-    beta1 = group["beta1"]
-    if beta1 is not None:
-        check_hyperparams(lr=group["lr"], betas=(beta1, 0.0))
-    if not group["decay_rate"] < 0:
-        raise ValueError(f"Invalid decay_rate={group['decay_rate']!r}: it must be negative "
-                         f"(beta2_t = 1 - t**decay_rate)")
-    if not group["clip_threshold"] > 0:
-        raise ValueError(f"Invalid clip_threshold={group['clip_threshold']!r}: it must be > 0")
+    """Adafactor's own keys, by its options (:func:`..options.check_group` checks lr, eps, weight_decay and
+    maximize)."""
+    for option in ADAFACTOR.options:
+        option.check_value(group[option.name], "Adafactor")
     check_compensation(group["compensation"])
 
 
@@ -508,28 +537,19 @@ def _step_triton(optimizer, todo: list) -> list:
     """Step the tensors of ``todo`` (``(p, group, state, position)``) that the Triton kernels take, on each device
     whose probe passed; return the others. Their steps live on the device (advanced there unless the step's flag
     is set, see :mod:`._triton`): nothing here reads the device."""
-    mine: dict = {}
-    rest = []
-    for entry in todo:
-        p, group, state, _ = entry
-        if _triton_fits(p, p.grad, state, group):
-            mine.setdefault(p.device, []).append(entry)
-        else:
-            rest.append(entry)
-    for device, entries in mine.items():
+    mine, rest = _dispatch.triton_split(range(len(todo)), [entry[0] for entry in todo], lambda i: _triton_fits(
+        todo[i][0], todo[i][0].grad, todo[i][2], todo[i][1]), _triton_module)
+    for device, idx in mine.items():
         module = _triton_module(device)
-        if module is None:
-            rest += entries
-            continue
         items = []
-        for p, group, state, position in entries:
+        for p, group, state, position in (todo[i] for i in idx):
             if state["step"].device != device:  # once: a new state's, or a loaded one's (torch keeps it on CPU)
                 state["step"] = state["step"].to(device)
             items.append((p.detach(), p.grad.contiguous(), state, group, position))
         found_inf = _triton.flag(optimizer, device)
         _triton.advance_steps([state["step"] for _, _, state, _, _ in items], found_inf)
         module.step(items, found_inf, optimizer.__dict__.setdefault("_triton_tables", {}))
-    return rest
+    return [todo[i] for i in rest]
 
 
 def _triton_fits(p: Tensor, grad: Tensor, state: dict, group: dict) -> bool:

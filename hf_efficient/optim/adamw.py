@@ -21,7 +21,6 @@ made in bounded chunks (:func:`.compensation.step_in_fp32`).
 
 from __future__ import annotations
 
-import logging
 import math
 from array import array
 
@@ -29,13 +28,25 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..families import ADAMW
 from ..options import check_saved, start_step
 from . import _dispatch, _sharded, _triton
 from .compensation import (COMPENSATIONS, LOW_PRECISION, check_compensation, drop_unused_buffers, step_in_fp32,
                            weight_key)
+from .facts import FIRST_MOMENT, KAHAN, SECOND_MOMENT, STEP, Family, kahan_keys
 
-__all__ = ["AdamW", "adamw_fp32_state"]
+__all__ = ["ADAMW", "AdamW", "adamw_fp32_state", "fused_takes"]
+
+_MOMENTS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _adamw_required(p, group) -> set[str]:
+    return _MOMENTS | ({"max_exp_avg_sq"} if group.get("amsgrad") else set()) | kahan_keys(p, group)
+
+
+# the family of hf_eff_adamw: torch.optim.AdamW's state (the state torch's own optimizers write), and this module's
+ADAMW = Family("adamw", {"step": STEP, "exp_avg": FIRST_MOMENT, "exp_avg_sq": SECOND_MOMENT,
+                         "max_exp_avg_sq": SECOND_MOMENT, "kahan_comp": KAHAN},
+               "adamw", _adamw_required, flags=("maximize", "amsgrad"))
 
 
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
@@ -104,14 +115,48 @@ def _torch_path(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
     """:func:`adamw_fp32_state` with torch's kernels: fp32 weights in place, the others through fp32 copies."""
     def step(idx, ps):
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        gs = [grads[i] if grads[i].dtype == torch.float32 else grads[i].float() for i in idx]
+        # torch's fused kernel walks each tensor's memory flat (aten's FusedAdamKernel.cpp checks nothing on CPU;
+        # CUDA's refuses differing strides): the weight's fp32 copy is row-major, so everything it meets must be too,
+        # else a transposed or channels_last weight's elements meet other elements' gradients and moments
+        gs = [grads[i].float().contiguous() for i in idx]
+        ms, vs, maxs = pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs) if amsgrad else []
+        ps = list(ps)
+        back = _row_major(ps, ms, vs, maxs)
         # torch's fused kernel: on CPU, and on CUDA where the steps live on the device (CUDA's wants them there)
         fused = all(p.device.type == "cpu" or steps[i].device == p.device for i, p in zip(idx, ps))
-        _torch_adamw(ps, gs, pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs) if amsgrad else [],
-                     pick(steps), foreach=None if fused else False, fused=fused, amsgrad=amsgrad, beta1=beta1,
-                     beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
+        _torch_adamw(ps, gs, ms, vs, maxs, pick(steps), foreach=None if fused else False, fused=fused,
+                     amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                     maximize=maximize)
+        for t, copy in back:
+            t.copy_(copy)
 
     step_in_fp32(params, step, compensation, comps, keys, offsets)
+
+
+def fused_takes(p: Tensor, *others: Tensor) -> bool:
+    """Whether torch's fused AdamW kernel steps ``p`` right beside ``others`` (its gradient, moments): it walks each
+    tensor's memory flat (aten's FusedAdamKernel.cpp checks nothing on CPU), so ``p`` must fill its memory (not a
+    slice of a larger tensor) and the others share its strides, as torch.optim.AdamW's moments and autograd's
+    gradients do for such a weight."""
+    expected = 1
+    for stride, size in sorted((stride, size) for stride, size in zip(p.stride(), p.shape) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return all(t.stride() == p.stride() for t in others)
+
+
+def _row_major(*lists) -> list[tuple[Tensor, Tensor]]:
+    """Each tensor of ``lists`` that is not row-major replaced in its list by a row-major copy (an fp32 weight that
+    is a view, state loaded or made in the weight's strides: 8-bit AdamW's fp32 state); the (tensor, copy) pairs to
+    write back once stepped."""
+    back = []
+    for ts in lists:
+        for k, t in enumerate(ts):
+            if not t.is_contiguous():
+                ts[k] = t.contiguous()
+                back.append((t, ts[k]))
+    return back
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,38 +199,16 @@ def _triton_eligible(p, g, m, v, comp, step, compensation: str) -> bool:
     count too: the kernel reads it there), fp32 moments, a bf16 Kahan buffer where the write uses one."""
     kahan = compensation == "kahan" and p.dtype in LOW_PRECISION
     tensors = (p, g, m, v, step) + ((comp,) if kahan else ())
-    note_missing_triton(p)
     return (p.dtype in _TRITON_DTYPES and g.dtype in _TRITON_DTYPES and m.dtype == v.dtype == step.dtype
             == torch.float32 and (not kahan or (comp is not None and comp.dtype == torch.bfloat16))
             and _triton.applies(*tensors) and all(t.is_contiguous() for t in tensors))
 
 
-def note_missing_triton(p: Tensor) -> None:
-    """One warning per process where a CUDA tensor finds no Triton: the AdamW families then step it on their torch
-    paths."""
-    if p.device.type == "cuda" and not _triton.available():
-        _dispatch.log_once(logging.WARNING, ("triton", "missing"), "hf_efficient: Triton is not installed; AdamW "
-                           "steps on CUDA take torch's kernels (same results, slower): pip install triton")
-
-
-def triton_may_apply(params) -> bool:
-    """A cheap test before the per-tensor ones, so that a CPU step costs what it did: a CUDA tensor among
-    ``params``, or CPU tensors under the interpreter (tests)."""
-    return any(p.is_cuda for p in params) or (bool(params) and _triton.applies(params[0]))
-
-
 def _triton_split(params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation: str):
-    """``({device: indices}, other indices)``: the tensors the Triton kernel steps (eligible, on a device where its
-    probe passed), and the others."""
-    if not triton_may_apply(params):
-        return {}, list(range(len(params)))
-    mine = {}
-    for i, p in enumerate(params):
-        if _triton_eligible(p, grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i], steps[i], compensation):
-            mine.setdefault(p.device, []).append(i)
-    mine = {device: idx for device, idx in mine.items() if _triton_kernel(device) is not None}
-    taken = {i for idx in mine.values() for i in idx}
-    return mine, [i for i in range(len(params)) if i not in taken]
+    """``({device: indices}, other indices)``: the tensors the Triton kernel steps (:func:`._dispatch.triton_split`
+    by :func:`_triton_eligible`), and the others."""
+    return _dispatch.triton_split(range(len(params)), params, lambda i: _triton_eligible(
+        params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], comps[i], steps[i], compensation), _triton_kernel)
 
 
 def _triton_kernel(device: torch.device):
@@ -235,7 +258,9 @@ def _triton_probe(kernel, device: torch.device) -> bool:
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (its groups, flags and state keys) with fp32 moments and a compensated write for
     bf16/fp16 weights; see the module docstring. ``compensation``: ``"stochastic"``, ``"kahan"`` or ``"none"`` (round
-    to nearest: torch's stale weights, with fp32 moments); default: the family's (``families.ADAMW.compensation``)."""
+    to nearest: torch's stale weights, with fp32 moments); default: the family's (``ADAMW.compensation``)."""
+
+    FACTS = ADAMW
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
@@ -252,21 +277,21 @@ class AdamW(torch.optim.AdamW):
         super().add_param_group(param_group)
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
-        state = self.state[p]
+        state, where = self.state[p], _dispatch.step_device(p)
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=_step_device(p))
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
             keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-            for key in keys:
-                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != _step_device(p):
-            state["step"] = state["step"].to(_step_device(p))  # loaded, or saved by the other path: moved once
+            for key in keys:  # row-major whatever the weight's strides, as every kernel here steps them
+                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != where:
+            state["step"] = state["step"].to(where)  # loaded, or saved by the other path: moved once
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
-            state["kahan_comp"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+            state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, but moments stay fp32 (torch casts them to the parameter's dtype) and Kahan buffers bf16;
-        a buffer no tensor uses any more is dropped (:func:`.compensation.drop_unused_buffers`)."""
+        """As torch's, but moments stay fp32 (torch casts them to the parameter's dtype) and Kahan buffers bf16, both
+        row-major; a buffer no tensor uses any more is dropped (:func:`.compensation.drop_unused_buffers`)."""
         check_saved(self, state_dict, "AdamW")
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -276,24 +301,22 @@ class AdamW(torch.optim.AdamW):
             saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
             for key, value in saved.items():
                 if key != "step" and key in state and torch.is_tensor(value):
-                    state[key] = value.to(device=p.device,
-                                          dtype=torch.bfloat16 if key == "kahan_comp" else torch.float32)
+                    state[key] = value.to(device=p.device, dtype=torch.bfloat16 if key == "kahan_comp"
+                                          else torch.float32).contiguous()  # row-major, as _init_state makes it
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].to(torch.float32)
         drop_unused_buffers(self, "AdamW")
 
     def takes_found_inf(self) -> bool:
         """Whether the coming step sends every tensor with a gradient to the Triton kernel, which reads the guard's
-        device-side flag (the guard's protocol, as ``Blockwise8bit.takes_found_inf``): then the guard leaves its check
-        on the device and reads nothing. False before a tensor's first step (its state is made in step())."""
-        def takes(group, params, states):
-            if group["amsgrad"] or group["maximize"] or torch.is_tensor(group["lr"]):
-                return False
-            return not _triton_split(params, [p.grad for p in params], [st["exp_avg"] for st in states],
-                                     [st["exp_avg_sq"] for st in states], [st.get("kahan_comp") for st in states],
-                                     [st["step"] for st in states], group["compensation"])[1]
+        device-side flag (:func:`._dispatch.takes_found_inf`). False before a tensor's first step (its state is made
+        in step())."""
+        def takes(p, group, st):
+            return (bool(st) and not (group["amsgrad"] or group["maximize"] or torch.is_tensor(group["lr"]))
+                    and bool(_triton_split([p], [p.grad], [st["exp_avg"]], [st["exp_avg_sq"]],
+                                           [st.get("kahan_comp")], [st["step"]], group["compensation"])[0]))
 
-        return _triton.takes_flag_for_all(self, takes)
+        return _dispatch.takes_found_inf(self, takes)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -342,8 +365,3 @@ class AdamW(torch.optim.AdamW):
                          positions=[i for _, _, i in items], found_inf=getattr(self, "found_inf", None),
                          c_kernel=False, offsets=[_sharded.global_offset(p) for p, _, _ in items])
 
-
-def _step_device(p: Tensor) -> torch.device:
-    """Where ``p``'s step count lives: on its device where the Triton kernel may step it (it reads the count there,
-    as torch's fused AdamW does), else on the CPU (the host reads it for free)."""
-    return p.device if _triton.applies(p) else torch.device("cpu")

@@ -40,12 +40,15 @@ import torch
 from torch import Tensor
 
 from . import _triton, quant8
-from ..families import ADAMW8BIT
 from ._blockwise import Blockwise8bit
 from .adamw import adamw_fp32_state
+from .facts import KAHAN, STEP, Family, codes
 from .quant8 import BLOCK, dynamic_map, quantize_moments
 
-__all__ = ["AdamW8bit", "dynamic_map", "quantize_moments", "BLOCK"]
+__all__ = ["ADAMW8BIT", "AdamW8bit", "dynamic_map", "quantize_moments", "BLOCK"]
+
+ADAMW8BIT = Family("adamw8bit", {"step": STEP, "exp_avg": codes(quant8, signed=True),
+                                 "exp_avg_sq": codes(quant8, signed=False), "kahan_comp": KAHAN}, "adamw")
 
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -99,7 +102,7 @@ class AdamW8bit(Blockwise8bit):
             the compiled kernel; False: always eager. A compiled kernel that fails to compile falls back to the eager
             kernel with a warning.
         compensation: how updates reach bf16 / fp16 weights: ``"stochastic"`` / ``"kahan"`` / ``"none"`` (see
-            :mod:`.compensation`); default: the family's (``families.ADAMW8BIT.compensation``); fp32 weights ignore it.
+            :mod:`.compensation`); default: the family's (``ADAMW8BIT.compensation``); fp32 weights ignore it.
 
     Example::
 
@@ -110,9 +113,8 @@ class AdamW8bit(Blockwise8bit):
     ``fp32_state_params`` need not be passed again for the state to resume as it was.
     """
 
-    NAME = "adamw8bit"
-    FAMILY = "AdamW8bit"
-    MOMENTS = ADAMW8BIT.moments
+    FACTS = ADAMW8BIT
+    C_KERNEL = TRITON_KERNEL = True
     TRITON_FP32 = True  # step_32bit's CUDA tensors take adamw_fp32_state's Triton kernel (device step counts)
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)

@@ -58,14 +58,33 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..families import ADAMW_BF16
 from ..options import check_group, check_saved, start_step
 from . import _dispatch, _native, _sharded, _triton
-from .adamw import note_missing_triton, triton_may_apply
+from .adamw import fused_takes
 from .compensation import (COMPENSATIONS, LOW_PRECISION, WEIGHT_STREAM, check_compensation, hash_noise,
                            noise_key, round_stochastic, write, drop_unused_buffers, element_index)
+from .facts import FIRST_MOMENT, KAHAN, PREFIX, SECOND_MOMENT, STEP, Family, kahan_keys
 
-__all__ = ["AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
+__all__ = ["ADAMW_BF16", "AdamWBF16", "adamw_bf16", "COMPENSATIONS"]
+
+
+def _adamw_bf16_required(p, group) -> set[str]:
+    return {"step", "exp_avg", "exp_avg_sq"} | kahan_keys(p, group, "kahan")
+
+
+def _adamw_bf16_dtype(p) -> torch.dtype:
+    """bf16 state for bf16 and fp16 weights (fp16's range underflows (1 - beta2) * grad**2); else the weight's."""
+    return torch.bfloat16 if p.dtype in LOW_PRECISION else p.dtype
+
+
+ADAMW_BF16 = Family(
+    "adamw_bf16", {"step": STEP, "exp_avg": FIRST_MOMENT, "exp_avg_sq": SECOND_MOMENT, "kahan_comp": KAHAN},
+    "adamw", _adamw_bf16_required, param_dtype=torch.bfloat16,
+    compensation="kahan",  # the name made for bf16 + Kahan (stochastic met its target too: convergence.md)
+    marks=frozenset({"kahan_comp"}), moment_dtype=_adamw_bf16_dtype,
+    deepspeed="ZeRO keeps fp32 master partitions and steps those (with bf16 enabled too), so there are no bf16 "
+              "weights for its compensated update: it trains as plain fp32 AdamW (the same weights as "
+              f"{PREFIX}adamw), without the memory it exists to save")
 
 logger = logging.getLogger(__name__)
 
@@ -448,7 +467,8 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
                                weight_decay=weight_decay, compensation=compensation)
     if high:  # torch's own AdamW, mapped path for path: compiled -> fused on CPU, foreach, single tensor
         on_cpu = params[high[0]].device.type == "cpu"
-        fused = foreach is None and compile is not False and on_cpu
+        fused = foreach is None and compile is not False and on_cpu and all(
+            fused_takes(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in high)
         pick = lambda xs: [xs[i] for i in high]  # noqa: E731
         _torch_adamw(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), [], pick(state_steps),
                      foreach=None if fused else foreach is not False, fused=fused, amsgrad=False,
@@ -479,21 +499,15 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
 
 def _triton_split(low, params, grads, exp_avgs, exp_avg_sqs, comps, steps, compensation: str):
     """``({device: indices}, other indices)`` of ``low`` (bf16/fp16 tensors): those the Triton kernel steps (plain,
-    contiguous, on one device with their bf16 state and step count, on a device where its probe passed)."""
-    if not triton_may_apply([params[i] for i in low]):
-        return {}, low
-    mine = {}
-    for i in low:
-        note_missing_triton(params[i])
+    contiguous, on one device with their bf16 state and step count: :func:`._dispatch.triton_split`)."""
+    def fits(i: int) -> bool:
         kahan = (comps[i],) if compensation == "kahan" else ()
         tensors = (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], steps[i], *kahan)
-        if (all(t is not None and t.dtype == torch.bfloat16 for t in (exp_avgs[i], exp_avg_sqs[i], *kahan))
+        return (all(t is not None and t.dtype == torch.bfloat16 for t in (exp_avgs[i], exp_avg_sqs[i], *kahan))
                 and grads[i].dtype in (torch.float32, *_LOW_PRECISION) and steps[i].dtype == torch.float32
-                and _triton.applies(*tensors) and all(t.is_contiguous() for t in tensors)):
-            mine.setdefault(params[i].device, []).append(i)
-    mine = {device: idx for device, idx in mine.items() if _triton_kernel(device) is not None}
-    taken = {i for idx in mine.values() for i in idx}
-    return mine, [i for i in low if i not in taken]
+                and _triton.applies(*tensors) and all(t.is_contiguous() for t in tensors))
+
+    return _dispatch.triton_split(low, params, fits, _triton_kernel)
 
 
 def _triton_kernel(device: torch.device):
@@ -544,11 +558,6 @@ def _triton_agrees(step_fn, device: torch.device) -> bool:
 _TRITON_PROBE = dict(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
-def _step_device(p: Tensor) -> torch.device:
-    """Where ``p``'s step count lives: on its device where the Triton kernel may step it (a bf16/fp16 weight: the
-    kernel reads the count there), else on the CPU (the host reads it for free)."""
-    return p.device if p.dtype in _LOW_PRECISION and _triton.applies(p) else torch.device("cpu")
-
 
 _state_dtype = ADAMW_BF16.moment_dtype  # bf16 for bf16/fp16 weights: the family's rule, which conversions read too
 
@@ -591,6 +600,8 @@ class AdamWBF16(Optimizer):
     becomes ``lr * exp_avg / eps``; ``kahan_comp`` of small weights would be subnormal.
     """
 
+    FACTS = ADAMW_BF16
+
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, compensation: str = ADAMW_BF16.compensation, foreach: bool | None = None,
                  compile: bool | None = None):
@@ -616,16 +627,16 @@ class AdamWBF16(Optimizer):
                         len(other), len(params), sum(p.numel() for p in other))
 
     def _init_state(self, p: Tensor, compensation: str) -> dict:
-        state = self.state[p]
+        state, where = self.state[p], _dispatch.step_device(p, _LOW_PRECISION)
         if not state:
             dtype = _state_dtype(p)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=_step_device(p))
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if compensation == "kahan" and p.dtype in _LOW_PRECISION:
                 state["kahan_comp"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != _step_device(p):
-            state["step"] = state["step"].to(_step_device(p))  # loaded, or saved by the other path: moved once
+        elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != where:
+            state["step"] = state["step"].to(where)  # loaded, or saved by the other path: moved once
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -653,16 +664,12 @@ class AdamWBF16(Optimizer):
         device-side flag (the guard's protocol, as ``Blockwise8bit.takes_found_inf``): then the guard leaves its check
         on the device and reads nothing. False before a tensor's first step (its state is made in step()), and where
         a tensor takes a host path (fp32 weights, shards, ``foreach`` / ``compile`` set)."""
-        def takes(group, params, states):
-            if group["foreach"] is not None or group["compile"] is not None or any(
-                    p.dtype not in _LOW_PRECISION for p in params):
-                return False
-            return not _triton_split(list(range(len(params))), params, [p.grad for p in params],
-                                     [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                                     [st.get("kahan_comp") for st in states], [st["step"] for st in states],
-                                     group["compensation"])[1]
+        def takes(p, group, st):
+            return (bool(st) and group["foreach"] is None and group["compile"] is None and p.dtype in _LOW_PRECISION
+                    and bool(_triton_split([0], [p], [p.grad], [st["exp_avg"]], [st["exp_avg_sq"]],
+                                           [st.get("kahan_comp")], [st["step"]], group["compensation"])[0]))
 
-        return _triton.takes_flag_for_all(self, takes)
+        return _dispatch.takes_found_inf(self, takes)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -28,11 +28,14 @@ import torch
 from torch import Tensor
 
 from . import _dispatch, _triton, quant8
-from ..families import LION8BIT
 from ._blockwise import Blockwise8bit, on_device
 from .compensation import step_in_fp32
+from .facts import KAHAN, STEP, Family, codes
 
-__all__ = ["Lion8bit", "lion"]
+__all__ = ["LION8BIT", "Lion8bit", "lion"]
+
+LION8BIT = Family("lion8bit", {"step": STEP, "exp_avg": codes(quant8, signed=True), "kahan_comp": KAHAN}, "lion",
+                  uses_eps=False)
 
 
 # coef = [beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr]
@@ -132,16 +135,15 @@ class Lion8bit(Blockwise8bit):
             fp32/bf16 tensors on CPU, else the torch.compile'd kernel; True: the compiled kernel; False: always
             eager. A compiled kernel that fails to compile falls back to the eager kernel with a warning.
         compensation: how updates reach bf16 / fp16 weights: ``"stochastic"`` / ``"kahan"`` / ``"none"`` (see
-            :mod:`.compensation`); default: the family's (``families.LION8BIT.compensation``); fp32 weights ignore it.
+            :mod:`.compensation`); default: the family's (``LION8BIT.compensation``); fp32 weights ignore it.
 
     Example::
 
         opt = Lion8bit(model.parameters(), lr=3e-5, weight_decay=0.1)
     """
 
-    NAME = "lion8bit"
-    FAMILY = "Lion8bit"
-    MOMENTS = LION8BIT.moments
+    FACTS = LION8BIT
+    C_KERNEL = TRITON_KERNEL = True
     TRITON_FP32 = True
     kernel = staticmethod(_kernel)
     coefficients = staticmethod(_coefficients)

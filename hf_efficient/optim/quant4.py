@@ -47,12 +47,13 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "WORDS", "ZERO_CODE", "BYTES_PER_ELEMENT", "signed_map", "unsigned_map", "THRESHOLDS",
+__all__ = ["BLOCK", "BITS", "WORDS", "ZERO_CODE", "BYTES_PER_ELEMENT", "signed_map", "unsigned_map", "THRESHOLDS",
            "block_scale", "encode", "decode", "pack", "unpack", "blocks", "blocks_of", "zero_codes",
            "canonical_shape", "to_canonical", "from_canonical", "quantize_blockwise", "dequantize_blockwise",
            "quantize_moments", "from_torchao", "c_tables"]
 
 BLOCK = 128  # elements per scale (torchao's AdamW4bit); the one definition for the 4-bit codec
+BITS = 4  # per code (facts.Codec): a moment costs BITS / 8 bytes per element and 4 per block (its scale)
 WORDS = BLOCK // 8  # 32-bit words per block in memory (8 codes each)
 ZERO_CODE = {True: 7, False: 0}  # the code a zero takes: the signed map's 0.0; the unsigned map's lowest level
 BYTES_PER_ELEMENT = 0.5 + 4 / BLOCK  # a code and a share of the fp32 scale: 0.53125 a moment

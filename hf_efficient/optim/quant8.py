@@ -29,11 +29,12 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "dynamic_map", "decode", "encode", "quantize_blockwise", "dequantize_blockwise",
+__all__ = ["BLOCK", "BITS", "WORDS", "ZERO_CODE", "canonical_shape", "blocks", "dynamic_map", "decode", "encode", "quantize_blockwise", "dequantize_blockwise",
            "quantize_moments", "to_canonical", "from_canonical", "zero_codes", "unpack", "pack", "block_scale",
            "c_tables"]
 
 BLOCK = 256  # elements per absmax block (bitsandbytes' and torchao's); the one definition in this package
+BITS = 8  # per code: a state key stored by this codec costs BITS / 8 bytes per element and 4 per block (its absmax)
 _F32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, fp32's smallest normal number
 WORDS = BLOCK // 4  # int32 words per block in memory
 ZERO_CODE = {True: 127, False: 0}  # code of 0.0 in the signed / unsigned map
@@ -182,6 +183,11 @@ def zero_codes(numel: int, signed: bool, device=None) -> tuple[Tensor, Tensor]:
     nb = blocks(numel)
     return (torch.full((nb * BLOCK,), ZERO_CODE[signed], dtype=torch.uint8, device=device),
             torch.zeros(nb, dtype=torch.float32, device=device))
+
+
+def canonical_shape(shape) -> tuple[int, ...]:
+    """The shape of a tensor's canonical codes: its own (one byte per element)."""
+    return tuple(shape)
 
 
 def to_canonical(codes: Tensor, p: Tensor) -> Tensor:

@@ -1,0 +1,156 @@
+"""A quick check that Muon's math trains: a small Llama from random init, byte-level, on Python's documentation.
+
+    python scripts/muon_pretrain_check.py --steps 300 --threads 2            # AdamW, then Muon + AdamW
+    python scripts/muon_pretrain_check.py --only muon --lr 3e-3 --out /tmp/m.json
+
+Not the issue's measurement (that goes through scripts/convergence.py once Muon is a registered name): a plain loop
+of the functional core (:func:`hf_efficient.optim.muon.muon` on :func:`~hf_efficient.param_groups
+.build_muon_param_groups`' Muon groups, ``torch.optim.AdamW`` on the rest) against ``torch.optim.AdamW`` on every
+parameter, with the same init, data order, learning rate and its schedule (linear warm-up, cosine to 10%), weight
+decay and decay groups: only the optimizer of the blocks' matrices differs. Muon's update is scaled to match
+AdamW's RMS (``match_rms_adamw``), so one learning rate serves both halves.
+
+Data: ``pydoc_data.topics`` (``examples/data.py``'s text), its paragraphs in a seeded shuffle, 90% for training and
+10% for evaluation, as UTF-8 bytes (vocabulary 256: no tokenizer to download, and the blocks hold most parameters).
+Training windows are drawn at random from the training bytes; the eval loss is the mean over fixed windows of the
+held-out bytes. Prints one JSON line per evaluation and a summary; ``--out`` writes them as a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def byte_splits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    from pydoc_data.topics import topics
+
+    paragraphs = [p.strip() for key in sorted(topics) for p in re.split(r"\n\s*\n", topics[key]) if p.strip()]
+    random.Random(seed).shuffle(paragraphs)
+    cut = int(0.9 * len(paragraphs))
+    as_bytes = lambda ps: torch.tensor(list("\n\n".join(ps).encode()), dtype=torch.long)  # noqa: E731
+    return as_bytes(paragraphs[:cut]), as_bytes(paragraphs[cut:])
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 32,
+                      num_key_value_heads=args.hidden // 32, max_position_embeddings=args.seq, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+class Optimizers:
+    """``adamw``: torch's AdamW on the decay groups; ``muon``: Muon on the Muon groups, torch's AdamW on the rest."""
+
+    def __init__(self, model, kind: str, lr: float, weight_decay: float):
+        from hf_efficient.param_groups import build_muon_param_groups, build_param_groups
+
+        self.kind, self.muon_groups = kind, []
+        if kind == "adamw":
+            groups = build_param_groups(model, weight_decay)
+        else:
+            groups = build_muon_param_groups(model, weight_decay)
+            self.muon_groups = [dict(g, lr=lr, bufs=[torch.zeros_like(p) for p in g["params"]])
+                                for g in groups if g["muon"]]
+            groups = [g for g in groups if not g["muon"]]
+        self.adamw = torch.optim.AdamW([{k: v for k, v in g.items() if k != "muon"} for g in groups], lr=lr,
+                                       betas=(0.9, 0.95), foreach=True)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.adamw.param_groups + self.muon_groups:
+            g["lr"] = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from hf_efficient.optim.muon import muon
+
+        for g in self.muon_groups:
+            muon(g["params"], [p.grad for p in g["params"]], g["bufs"], lr=g["lr"], weight_decay=g["weight_decay"])
+        self.adamw.step()
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, args) -> float:
+    starts = torch.arange(0, len(data) - args.seq - 1, (len(data) - args.seq - 1) // args.eval_windows)
+    starts = starts[:args.eval_windows]
+    losses = []
+    for batch in starts.split(args.batch):
+        x = torch.stack([data[s:s + args.seq + 1] for s in batch.tolist()])
+        logits = model(input_ids=x[:, :-1]).logits
+        losses.append(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
+    return (torch.stack(losses).sum() / (len(starts) * args.seq)).item()
+
+
+def run(kind: str, train: torch.Tensor, evals: torch.Tensor, args) -> dict:
+    model = build_model(args)
+    opt = Optimizers(model, kind, args.lr, args.weight_decay)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    curve, start = [], time.perf_counter()
+    for step in range(args.steps):
+        opt.set_lr(lr_at(step, args))
+        idx = torch.randint(0, len(train) - args.seq - 1, (args.batch,), generator=g)
+        x = torch.stack([train[s:s + args.seq + 1] for s in idx.tolist()])
+        loss = F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            row = {"optimizer": kind, "step": step + 1, "train_loss": round(loss.item(), 4),
+                   "eval_loss": round(evaluate(model, evals, args), 4), "seconds": round(time.perf_counter() - start, 1)}
+            curve.append(row)
+            print(json.dumps(row), flush=True)
+    return {"optimizer": kind, "final_eval_loss": curve[-1]["eval_loss"], "curve": curve}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", choices=("adamw", "muon"), action="append", help="run only these (repeatable)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train, evals = byte_splits(args.seed)
+    runs = [run(kind, train, evals, args) for kind in (args.only or ["adamw", "muon"])]
+    doc = {"command": " ".join(["python", *sys.argv]), "settings": vars(args) | {"out": str(args.out)},
+           "train_bytes": len(train), "eval_bytes": len(evals), "runs": runs}
+    summary = {r["optimizer"]: r["final_eval_loss"] for r in runs}
+    print(json.dumps({"final_eval_loss": summary}))
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
