@@ -25,6 +25,7 @@ from . import backends
 from .backends import takes
 from .optim.adafactor import Adafactor
 from .optim.adamw import ADAMW
+from .optim.adamw4bit import AdamW4bit
 from .optim.adamw8bit import ADAMW8BIT, AdamW8bit
 from .optim.adamw_bf16 import AdamWBF16
 from .optim.facts import PREFIX, Family, StateKey
@@ -236,6 +237,9 @@ SPECS: dict[str, OptimizerSpec] = {
         family_spec(AdamW8bit, "as adam8bit, state paged to host memory (CUDA)", name="paged_adam8bit",
                     backends={"bnb": bnb_backend(ADAMW8BIT, "PagedAdamW8bit", "AdamW", cuda_only=True)},
                     fallback=("cuda", "adam8bit"), estimate_rows=(EstimateRow(),)),
+        family_spec(AdamW4bit, "AdamW math, blockwise 4-bit state (blocks of 128; the second moment as its root, never "
+                    "0); embeddings and tensors < min_8bit_size keep 32-bit state; the compiled torch kernel",
+                    name="adam4bit"),
         family_spec(Lion8bit, "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit "
                     "momentum; the paper advises lr 3-10x below AdamW's (in our fine-tuning run AdamW's own lr did "
                     "best: see the convergence results); embeddings and tensors < min_8bit_size keep 32-bit state",

@@ -462,7 +462,8 @@ class Blockwise8bit(Optimizer):
 
     def _init_sharded_state(self, p, group: dict) -> dict:
         """:meth:`_init_state` for an FSDP2 parameter: DTensors placed like its rows (codes of its shape, absmaxes
-        ``(rows, row length / 256)``: see the module docstring), the step count a plain CPU tensor."""
+        ``(rows, row length / BLOCK)``; codes of the codec's canonical shape, which keeps the rows: see the module
+        docstring), the step count a plain CPU tensor."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -471,7 +472,7 @@ class Blockwise8bit(Optimizer):
                 if not eight_bit:
                     state[key] = _sharded.zeros(p, p.shape, torch.float32)
                     continue
-                state[key] = _sharded.zeros(p, p.shape, torch.uint8)
+                state[key] = _sharded.zeros(p, self.CODEC.canonical_shape(p.shape), torch.uint8)
                 _sharded.local(state[key]).fill_(self.CODEC.ZERO_CODE[signed])
                 state[f"{key}_absmax"] = _sharded.zeros(p, _absmax_shape(p, self.CODEC), torch.float32)
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
@@ -748,5 +749,6 @@ def _from_canonical(codes, p, signed: bool, codec: Codec):
     if not _sharded.is_sharded(p):
         return codec.from_canonical(codes, p, signed)
     lp = _sharded.local(p)
-    return _sharded.like(codes, codec.from_canonical(_sharded.local(codes), lp, signed).view(lp.shape))
+    return _sharded.like(codes, codec.from_canonical(_sharded.local(codes), lp, signed).view(codec.canonical_shape(
+        lp.shape)))
 

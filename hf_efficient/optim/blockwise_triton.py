@@ -72,7 +72,7 @@ def _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, dec
     g = tl.load(g_ptr + offs, mask=emask, other=0.0).to(tl.float32)
     m = Q.load(wm_ptr, am_ptr, blk, bmask, maps, True) * beta1 + g * omb1
     v = Q.load(wv_ptr, av_ptr, blk, bmask, maps, False) * beta2 + (g * g) * omb2
-    v = tl.where(v > _F32_MAX, _F32_MAX, v)  # clamp_max (a NaN stays): see adamw8bit._kernel
+    v = tl.where(v > _F32_MAX, _F32_MAX, v)  # clamp_max (a NaN stays): see adamw8bit.adamw_update
     old = tl.load(p_ptr + offs, mask=emask, other=0.0).to(tl.float32)
     new = old * decay - tl.div_rn(m, tl.sqrt_rn(v) * inv_bc2 + eps) * step_size
     L.write(p_ptr, L.address(table, 7, count, t, tl.bfloat16, 8 * ALIGNED), offs, emask, old, new,
@@ -85,7 +85,7 @@ def _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, dec
 def adamw8bit_kernel(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, decay, beta1, beta2,
                      MODE: tl.constexpr, OUT: tl.constexpr, GRAD: tl.constexpr, NB: tl.constexpr,
                      ALIGNED: tl.constexpr):
-    """``adamw8bit._kernel`` on ``NB`` blocks of tensor ``program_id(0)``; its step size and bias correction from
+    """``adamw8bit.adamw_update`` on ``NB`` blocks of tensor ``program_id(0)``; its step size and bias correction from
     ``coef`` (:func:`._triton.adam_scalars`). ``table`` rows: weights, gradients, step counts, first and second moment
     codes, their absmaxes, Kahan buffers; ``info``: sizes, then positions. ``beta*`` is ``fp32(beta*)``, eager's
     ``coef[0]`` / ``coef[2]``."""

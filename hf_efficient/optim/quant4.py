@@ -30,10 +30,10 @@ Layouts (one byte per two elements either way):
 
 - *Canonical* (checkpoints, :func:`quantize_blockwise`): element order, two per byte, element ``2i`` in the high
   nibble of byte ``i`` (torchao's and bitsandbytes' order), an odd count's last low nibble the zero value's code;
-  shape :func:`canonical_shape`: the tensor's with the last dimension halved where it is even and the tensor has two
-  dimensions or more (rows stay rows: FSDP2 shards it as the parameter, by dim 0), else flat
-  ``(ceil(numel / 2),)``. Scales: ``(blocks,)`` fp32. torchao's ``OptimState4bit`` holds the same bytes for its
-  signed map (:func:`from_torchao`).
+  shape :func:`canonical_shape`: ``(rows, row length / 2)`` where the tensor has two dimensions or more and its rows
+  an even length (rows stay rows: FSDP2 shards it as the parameter, by dim 0; a matrix's last dimension halved), else
+  flat ``(ceil(numel / 2),)``. Scales: ``(blocks,)`` fp32. torchao's ``OptimState4bit`` holds the same bytes for its
+  signed map (:func:`torchao_values` decodes its states).
 - *In memory* (the kernels'): padded to whole blocks (zero-valued elements), each block 16 little-endian 32-bit
   words in which nibble ``k`` (bits ``4k .. 4k+3``) of word ``j`` holds element ``16 * k + j``: a kernel reads a
   block's codes as one 64-byte vector, and nibble plane ``k`` is 16 contiguous elements (one AVX-512 register, one
@@ -42,6 +42,7 @@ Layouts (one byte per two elements either way):
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -50,7 +51,7 @@ from torch import Tensor
 __all__ = ["BLOCK", "BITS", "WORDS", "ZERO_CODE", "BYTES_PER_ELEMENT", "signed_map", "unsigned_map", "THRESHOLDS",
            "block_scale", "encode", "decode", "pack", "unpack", "blocks", "blocks_of", "zero_codes",
            "canonical_shape", "to_canonical", "from_canonical", "quantize_blockwise", "dequantize_blockwise",
-           "quantize_moments", "from_torchao", "c_tables"]
+           "quantize_moments", "torchao_values", "c_tables"]
 
 BLOCK = 128  # elements per scale (torchao's AdamW4bit); the one definition for the 4-bit codec
 BITS = 4  # per code (facts.Codec): a moment costs BITS / 8 bytes per element and 4 per block (its scale)
@@ -128,14 +129,15 @@ def encode(x: Tensor, signed: bool) -> Tensor:
     return q.to(torch.int32) - 1
 
 
-@lru_cache(maxsize=None)
-def _map(signed: bool, device: torch.device) -> Tensor:
-    return (signed_map() if signed else unsigned_map()).to(device)
+_SIGNED_MAP = signed_map()  # a module constant: torch.compile takes it as one (a cached function it would trace)
 
 
 def decode(codes: Tensor, signed: bool) -> Tensor:
-    """Map values (fp32) of codes: signed, the normalized value; unsigned, the normalized root."""
-    return _map(signed, codes.device)[codes.long()]
+    """Map values (fp32) of codes: signed, the normalized value (a lookup); unsigned, the normalized root
+    ``(c + 1) / 16`` (arithmetic, exact)."""
+    if signed:
+        return _SIGNED_MAP.to(codes.device)[codes.long()]
+    return (codes.float() + 1) * (1 / 16)
 
 
 def _values(codes: Tensor, scale: Tensor, signed: bool) -> Tensor:
@@ -208,15 +210,14 @@ def zero_codes(numel: int, signed: bool, device=None) -> tuple[Tensor, Tensor]:
 
 
 def canonical_shape(shape) -> tuple[int, ...]:
-    """The canonical codes' shape for a tensor of ``shape``: the last dimension halved where it is even and there
-    are two dimensions or more (dim 0 stays, for sharding by rows), else ``(ceil(numel / 2),)``."""
+    """The canonical codes' shape for a tensor of ``shape``: ``(rows, row length / 2)`` where there are two
+    dimensions or more and a row (``shape[1:]``) has an even length (dim 0 stays: FSDP2 shards the codes by rows, as
+    the parameter; a matrix's codes are its shape with the last dimension halved), else ``(ceil(numel / 2),)``."""
     shape = tuple(shape)
-    if len(shape) >= 2 and shape[-1] % 2 == 0:
-        return (*shape[:-1], shape[-1] // 2)
-    numel = 1
-    for s in shape:
-        numel *= s
-    return (-(-numel // 2),)
+    row = math.prod(shape[1:])
+    if len(shape) >= 2 and row % 2 == 0:
+        return (shape[0], row // 2)
+    return (-(-math.prod(shape) // 2),)
 
 
 def _pair(codes: Tensor) -> Tensor:
@@ -314,28 +315,22 @@ def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
     return out
 
 
-def from_torchao(state) -> tuple[Tensor, Tensor]:
-    """Canonical codes and scales of this codec for a torchao ``OptimState4bit`` (``codes``: two per byte, element
-    ``2i`` high; ``scale``: one per block of ``block_size``; ``qmap``: its 16 values; ``signed``; its shape).
+def torchao_values(state) -> Tensor:
+    """fp32 values of a torchao ``OptimState4bit`` (``AdamW4bit``'s moments), decoded from its documented fields as
+    torchao decodes them: ``codes`` (uint8, two per byte, element ``2i`` high), ``scale`` (one per block of
+    ``numel / scale.numel()``), ``qmap`` (its 16 values), ``shape``. Read from the fields only: no torchao needed.
 
-    A signed state on this codec's map in blocks of 128 (``AdamW4bit``'s ``exp_avg``) is these very bytes and scales:
-    exact. Anything else (``exp_avg_sq``, whose linear map is of values, not roots; another map or block size) is
-    decoded as torchao decodes it and quantized again: lossy, within this codec's rounding of those values.
+    Its first moment is on this codec's signed map in blocks of 128, so quantizing these values gives its codes back
+    (tests/test_quant4.py); its second moment is on a linear map of values, not roots: quantizing it is lossy.
 
     Raises:
-        ValueError: the state's fields do not describe a 4-bit tensor of its shape.
+        ValueError: the fields do not describe a 4-bit tensor of its shape.
     """
     codes, scale, qmap = state.codes, state.scale.float(), state.qmap.float()
-    shape, signed = tuple(state.shape), bool(state.signed)
-    numel = 1
-    for s in shape:
-        numel *= s
+    shape = tuple(state.shape)
+    numel = math.prod(shape)
     if codes.dtype != torch.uint8 or codes.numel() * 2 != numel or qmap.numel() != 16 or \
             scale.numel() == 0 or numel % scale.numel():
-        raise ValueError(f"from_torchao: codes {_describe(codes)}, scale {_describe(scale)}, qmap {_describe(qmap)} "
+        raise ValueError(f"torchao state: codes {_describe(codes)}, scale {_describe(scale)}, qmap {_describe(qmap)} "
                          f"do not describe a 4-bit tensor of shape {shape}")
-    block = numel // scale.numel()
-    if signed and block == BLOCK and torch.equal(qmap.cpu(), signed_map()):
-        return codes.reshape(canonical_shape(shape)).clone(), scale.clone()
-    values = (qmap[_split(codes.reshape(-1)).long()].view(-1, block) * scale.view(-1, 1)).view(shape)
-    return quantize_blockwise(values, signed)
+    return (qmap[_split(codes.reshape(-1)).long()].view(scale.numel(), -1) * scale.view(-1, 1)).view(shape)
