@@ -347,7 +347,8 @@ _QMAP = 256 * 4  # an 8-bit code book: 256 float32 values
 
 
 def _keeps_32bit(t, opts: Mapping) -> bool:
-    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state=8bit``."""
+    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state`` is the name's
+    quantized state (``8bit``, ``4bit``)."""
     return t.embedding and opts.get("embedding_state") == "32bit"
 
 

@@ -341,3 +341,34 @@ def test_torchaos_adamw4bit_state_loads_decoded_then_quantized(caplog):
     want = [quant4.dequantize_blockwise(*quant4.quantize_blockwise(given[k].values(), k == "exp_avg"),
                                         k == "exp_avg", w.shape) for k in ("exp_avg", "exp_avg_sq")]
     assert all(torch.equal(a, b) for a, b in zip(_moments(dst, w), want))
+
+
+# --- everywhere the other names work: hf_eff_auto, embedding_state -------------------------------------------------
+
+
+def test_auto_picks_adam4bit_where_8bit_state_does_not_fit():
+    from hf_efficient.auto import AUTO_MARGIN, choose_auto
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    totals = {n: hfe.estimate_memory(model, n).total_bytes for n in ("adam8bit", "adam4bit", "adafactor")}
+    assert totals["adam4bit"] < totals["adam8bit"]
+    budget = (totals["adam4bit"] + totals["adam8bit"]) / 2 / (1 - AUTO_MARGIN) / 2**30
+    assert choose_auto(model, {"budget_gb": budget}).name == "adam4bit"
+    # embeddings quantized like the rest: the 8-bit names' word, in the chosen name's codec
+    choice = choose_auto(model, {"budget_gb": budget, "embedding_state": "8bit"})
+    assert choice.name == "adam4bit" and choice.options["embedding_state"] == "4bit"
+
+
+def test_embedding_state_4bit_quantizes_the_embeddings_and_8bit_is_refused():
+    def opt_for(**kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 128), torch.nn.Linear(128, 64))
+        opt = hfe.create_optimizer(model, "adam4bit", lr=1e-2, **kw)
+        model(torch.tensor([[1, 2]])).sum().backward()
+        opt.step()
+        return opt.state[model[0].weight]["exp_avg"].dtype
+
+    assert opt_for() == torch.float32  # the default: embeddings keep 32-bit state
+    assert opt_for(embedding_state="4bit") == torch.uint8
+    with pytest.raises(ValueError, match="4bit"):
+        opt_for(embedding_state="8bit")
