@@ -122,7 +122,7 @@ def _cases():
         for b in backends:
             out.append((spec.name, b, {}))
             if "embedding_state" in spec.options and b != "torchao":
-                out.append((spec.name, b, {"embedding_state": "8bit", "min_8bit_size": 1}))
+                out.append((spec.name, b, {"embedding_state": f"{spec.facts.codec.BITS}bit", "min_8bit_size": 1}))
     out.append(("adafactor", None, {"beta1": 0.9}))
     out.append(("adamw_bf16", None, {"compensation": "stochastic"}))
     return out
@@ -202,15 +202,16 @@ def _budget_gb(total_bytes: int, slack: float) -> float:
 
 def test_auto_picks_by_budget(caplog):
     model = tiny_bert()
-    est = {n: estimate_memory(model, n).total_bytes for n in ("adamw", "adam8bit", "adafactor")}
-    assert est["adamw"] > est["adam8bit"] > est["adafactor"]
+    est = {n: estimate_memory(model, n).total_bytes for n in ("adamw", "adam8bit", "adam4bit", "adafactor")}
+    assert est["adamw"] > est["adam8bit"] > est["adam4bit"] > est["adafactor"]
     picks = {}
     for expect, budget in [("adamw", _budget_gb(est["adamw"], 1.01)), ("adam8bit", _budget_gb(est["adamw"], 0.99)),
-                           ("adafactor", _budget_gb(est["adam8bit"], 0.99))]:
+                           ("adam4bit", _budget_gb(est["adam8bit"], 0.99)),
+                           ("adafactor", _budget_gb(est["adam4bit"], 0.99))]:
         opt = hfe.create_optimizer(model, "hf_eff_auto", lr=1e-3, budget_gb=budget, embedding_state="32bit")
         picks[expect] = opt.hf_efficient.resolution.name
         assert estimate_memory(model, "auto", budget_gb=budget).name == "hf_eff_" + expect
-    assert picks == {"adamw": "adamw", "adam8bit": "adam8bit", "adafactor": "adafactor"}
+    assert picks == {n: n for n in ("adamw", "adam8bit", "adam4bit", "adafactor")}
     with caplog.at_level(logging.WARNING, logger="hf_efficient.auto"):
         choice = choose_auto(model, {"budget_gb": 1e-6})
     assert choice.name == "adafactor" and not choice.fits and "NONE FITS" in caplog.text
