@@ -398,3 +398,14 @@ def test_per_rank_refuses_what_cannot_run_so_sharded():
         estimate_memory(Small(), "adamw", world_size=0)
     with pytest.raises(ValueError, match="sharding='fsdp'"):
         estimate_memory(Small(), "adamw", world_size=2, sharding="fsdp")
+
+
+def test_gradient_release_predicts_a_bucket_and_the_largest_gradient():
+    from hf_efficient.release import BUCKET_BYTES
+
+    model = tiny_llama()
+    plain, released = (estimate_memory(model, "adam4bit", gradient_release=r) for r in (False, True))
+    largest = max(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert plain.grad_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert released.grad_bytes == min(plain.grad_bytes, BUCKET_BYTES + largest)
+    assert released.state_bytes == plain.state_bytes and released.options["gradient_release"] is True
