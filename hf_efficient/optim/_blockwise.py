@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..options import check_group, check_saved_tensor, check_step, start_step
-from . import _dispatch, _native, _sharded, _triton, quant8
+from . import _dispatch, _native, _sharded, _triton
 from ._dispatch import on_device
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
                            step_in_fp32, weight_key, write)
@@ -257,9 +257,10 @@ class Blockwise8bit(Optimizer):
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
         by_moment = [c for i in range(k) for c in codes[i::k]], [a for i in range(k) for a in absmax[i::k]]
+        codec = cls.CODEC
         cls.c_kernel().run(fn, count, params, grads, *by_moment, numel, [p.dtype == torch.bfloat16 for p in params],
-                           comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
-                           n=sum(quant8.blocks(n) for n in numel), unit=quant8.BLOCK, threads=threads)
+                           comps or [None] * count, keys or [0] * count, compensation, codec.c_tables(), coef,
+                           n=sum(codec.blocks(n) for n in numel), unit=codec.BLOCK, threads=threads)
 
     @classmethod
     def native_step(cls, fn, items, threads: int | None = None, compensation: str = "none") -> None:

@@ -9,9 +9,10 @@ bytes per parameter of training state. Tensors under ``min_8bit_size`` elements,
 Everything but the codec is :class:`.adamw8bit.AdamW8bit`'s: its update (:func:`.adamw8bit.adamw_update`), its
 coefficients, its fp32-state step, and the quantized machinery of :class:`._blockwise.Blockwise8bit` (the kernel made
 from the update, compensated bf16/fp16 writes, FSDP2 rows of whole blocks, canonical state dicts and all-or-nothing
-loading), which reads block size, layouts and bytes from the Family's codec. Its quantized tensors take the
-``torch.compile``'d kernel (or, without a compiler or with ``compile=False``, the eager one): no C or Triton kernel
-yet (``C_KERNEL`` / ``TRITON_KERNEL`` False).
+loading), which reads block size, layouts and bytes from the Family's codec. On CPU, contiguous fp32 and bf16 tensors
+take the C kernel ``adamw4bit_cpu.c`` (AdamW8bit's update, ``adamw_update.h``, driven by ``blockwise.h`` over
+``quant4.h``), admitted by the probe every C kernel passes (the eager kernel's codes and scales exactly); elsewhere the
+``torch.compile``'d kernel (or, without a compiler or with ``compile=False``, the eager one): no Triton kernel yet.
 
 Checkpoints: ``state_dict()`` holds :mod:`.quant4`'s canonical codes (a matrix's codes are its shape with the last
 dimension halved). Families of AdamW's math convert each other's state (checkpoint.py): 8-bit or fp32 moments load
@@ -41,4 +42,5 @@ class AdamW4bit(AdamW8bit):
     """
 
     FACTS = ADAMW4BIT
-    C_KERNEL = TRITON_KERNEL = False  # the compiled (or eager) kernel made from adamw_update
+    C_KERNEL = True  # adamw4bit_cpu.c: adamw_update.h through blockwise.h over quant4.h
+    TRITON_KERNEL = False  # CUDA: the compiled kernel made from adamw_update
