@@ -372,3 +372,16 @@ def test_embedding_state_4bit_quantizes_the_embeddings_and_8bit_is_refused():
     assert opt_for(embedding_state="4bit") == torch.uint8
     with pytest.raises(ValueError, match="4bit"):
         opt_for(embedding_state="8bit")
+
+
+def test_the_lowest_memory_example_runs_at_its_bytes_per_parameter(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lowest_memory.py"
+    spec = importlib.util.spec_from_file_location("lowest_memory", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = example.main(steps=1)
+    assert out["weights_bpp"] == 2.0 and 1.06 < out["state_bpp"] < 1.07  # 2 x (0.5 + 4 / 128), norms in fp32
+    assert "B/param" in capsys.readouterr().out
