@@ -11,8 +11,10 @@ coefficients, its fp32-state step, and the quantized machinery of :class:`._bloc
 from the update, compensated bf16/fp16 writes, FSDP2 rows of whole blocks, canonical state dicts and all-or-nothing
 loading), which reads block size, layouts and bytes from the Family's codec. On CPU, contiguous fp32 and bf16 tensors
 take the C kernel ``adamw4bit_cpu.c`` (AdamW8bit's update, ``adamw_update.h``, driven by ``blockwise.h`` over
-``quant4.h``), admitted by the probe every C kernel passes (the eager kernel's codes and scales exactly); elsewhere the
-``torch.compile``'d kernel (or, without a compiler or with ``compile=False``, the eager one): no Triton kernel yet.
+``quant4.h``), and on CUDA the Triton kernel ``blockwise_triton.adamw4bit`` (AdamW8bit's program, written once, over
+``quant4_triton``'s codec: one launch per group and dtype pair), each admitted by the probe every kernel passes (the
+eager kernel's codes and scales exactly); elsewhere the ``torch.compile``'d kernel (or, without a compiler or with
+``compile=False``, the eager one).
 
 Checkpoints: ``state_dict()`` holds :mod:`.quant4`'s canonical codes (a matrix's codes are its shape with the last
 dimension halved). Families of AdamW's math convert each other's state (checkpoint.py): 8-bit or fp32 moments load
@@ -43,4 +45,4 @@ class AdamW4bit(AdamW8bit):
 
     FACTS = ADAMW4BIT
     C_KERNEL = True  # adamw4bit_cpu.c: adamw_update.h through blockwise.h over quant4.h
-    TRITON_KERNEL = False  # CUDA: the compiled kernel made from adamw_update
+    TRITON_KERNEL = True  # blockwise_triton.adamw4bit: AdamW8bit's program over quant4_triton's codec
