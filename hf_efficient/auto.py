@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 
 
 AUTO_MARGIN = 0.2  # share of the available memory left for activations, the allocator and the CUDA context
-AUTO_ORDER = ("adamw", "adam8bit", "adafactor")  # most accurate first
+# most accurate first; adam4bit (1.06 B/param of state) where 8-bit state (2.03) does not fit: AdamW's math, coarser
+# moments (tests/test_adamw4bit.py's tracking), still ahead of Adafactor's factored second moment and no first
+AUTO_ORDER = ("adamw", "adam8bit", "adam4bit", "adafactor")
 # bf16 models: hf_eff_adamw keeps fp32 moments and writes the weights compensated (8 B/param, 10 under Kahan), so it
 # leads; adamw_bf16 (bf16 moments and Kahan buffer, 6 B/param) is the next most accurate where adamw does not fit
-AUTO_ORDER_BF16 = ("adamw", "adamw_bf16", "adam8bit", "adafactor")
+AUTO_ORDER_BF16 = ("adamw", "adamw_bf16", "adam8bit", "adam4bit", "adafactor")
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,8 @@ def choose_auto(model, options: Mapping[str, Any] | None = None, *, device: torc
                 sharding: str | None = None) -> AutoChoice:
     """Pick the most accurate name whose predicted params + grads + state fit the memory, and log why.
 
-    Candidates, best first: adamw > adam8bit > adafactor; for bf16 models adamw > adamw_bf16 > adam8bit >
-    adafactor (every name writes bf16 weights compensated; adamw_bf16 saves adamw's fp32 moments at the cost of
+    Candidates, best first: adamw > adam8bit > adam4bit > adafactor; for bf16 models adamw > adamw_bf16 > adam8bit >
+    adam4bit > adafactor (every name writes bf16 weights compensated; adamw_bf16 saves adamw's fp32 moments at the cost of
     bf16 ones, :data:`AUTO_ORDER_BF16`). The memory is ``budget_gb`` when
     given, else the device's free memory plus the bytes of the model's parameters already on it;
     :data:`AUTO_MARGIN` of it is kept free because activations are unknown here. When nothing fits, the
@@ -124,7 +126,7 @@ def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
     bf16 = sum(t.elements for t in train if t.dtype == torch.bfloat16) * 2 > sum(t.elements for t in train)
     candidates, refused = [], []
     for name in AUTO_ORDER_BF16 if bf16 else AUTO_ORDER:
-        mine = {k: v for k, v in given.items() if k in get_spec(name).options}
+        mine = _options_for(name, given)
         try:
             candidates.append(predict(tensors, name, dev, options=mine, world_size=described.world_size,
                                       sharding=described.sharding))
@@ -135,10 +137,20 @@ def choose_from(described: Described, given: dict, source: str) -> AutoChoice:
     fitting = [c for c in candidates if c.total_bytes <= usable]
     best = fitting[0] if fitting else min(candidates, key=lambda c: c.total_bytes)
     name = best.name.removeprefix(PREFIX)
-    choice = AutoChoice(name, {k: v for k, v in given.items() if k in get_spec(name).options}, available, usable,
+    choice = AutoChoice(name, _options_for(name, given), available, usable,
                         where, tuple(candidates), bool(fitting))
     logger.log(logging.INFO if choice.fits else logging.WARNING, "%s", choice.summary())  # nothing fits: a warning
     return choice
+
+
+def _options_for(name: str, given: dict) -> dict:
+    """The options ``name`` takes of those given; a quantized ``embedding_state`` (``8bit``, ``4bit``: the embeddings
+    quantized like the rest) in the name's own codec."""
+    spec = get_spec(name)
+    mine = {k: v for k, v in given.items() if k in spec.options}
+    if mine.get("embedding_state", "32bit") != "32bit":
+        mine["embedding_state"] = f"{spec.facts.codec.BITS}bit"
+    return mine
 
 
 def _held_bytes(described: Described) -> int:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from .optim.compensation import LOW_PRECISION
+from .optim import quant4
 from .optim.facts import Family, codes_bytes, keeps_quantized_state
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
@@ -277,7 +278,9 @@ def bnb_layout(what: str, *moments: tuple[str, bool]) -> Layout:
 
 def torchao_layout(*moments: tuple[str, bool]) -> Layout:
     """torchao's low-bit state: each of ``moments`` ((key, signed)) an ``OptimState8bit`` (codes + per-block
-    ``scale``, its absmax) for tensors it quantizes, else a plain tensor."""
+    ``scale``, its absmax) for tensors it quantizes, else a plain tensor. Read, not written: an ``OptimState4bit``
+    (``AdamW4bit``'s; two codes a byte, its own maps) arrives as the fp32 values torchao decodes it to, which the
+    loader then quantizes in its own codec (lossy, and its warning says so) or keeps."""
 
     def to_canonical(st: dict) -> dict:
         out = {k: v for k, v in st.items() if k not in dict(moments)}
@@ -285,7 +288,9 @@ def torchao_layout(*moments: tuple[str, bool]) -> Layout:
             out["step"] = st["step"].detach().float().reshape(())
         for key, _ in moments:
             v = st.get(key)
-            if hasattr(v, "codes"):
+            if hasattr(v, "codes") and v.codes.numel() * 2 == math.prod(v.shape):  # 4-bit: two codes a byte
+                out[key] = quant4.torchao_values(v)
+            elif hasattr(v, "codes"):
                 out[key], out[f"{key}_absmax"] = v.codes.clone(), v.scale.clone()
             elif torch.is_tensor(v):
                 out[key] = v.detach().clone()
@@ -342,7 +347,8 @@ _QMAP = 256 * 4  # an 8-bit code book: 256 float32 values
 
 
 def _keeps_32bit(t, opts: Mapping) -> bool:
-    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state=8bit``."""
+    """create_optimizer's policy: embedding matrices keep 32-bit state unless ``embedding_state`` is the name's
+    quantized state (``8bit``, ``4bit``)."""
     return t.embedding and opts.get("embedding_state") == "32bit"
 
 

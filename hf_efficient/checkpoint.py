@@ -375,14 +375,15 @@ def validate(state_dict: dict, family: Family | str, name: str, param_names: lis
 # --- conversion between families of one math ---------------------------------------------------------------------
 
 
-def _decoded(family: Family, st: dict) -> dict[str, torch.Tensor]:
-    """The tensors a canonical state stands for, in fp32 (8-bit codes decoded), absmaxes and step left out."""
+def _decoded(family: Family, st: dict, shape) -> dict[str, torch.Tensor]:
+    """The tensors a canonical state of a parameter of ``shape`` stands for, in fp32 (quantized codes decoded),
+    absmaxes and step left out."""
     out = {}
     for key, value in st.items():
         fmt = family.state[key]
         if fmt.format in ("step", "absmax"):
             continue
-        out[key] = (fmt.codec.dequantize_blockwise(value, st[f"{key}_absmax"], fmt.signed) if _is_codes(value)
+        out[key] = (fmt.codec.dequantize_blockwise(value, st[f"{key}_absmax"], fmt.signed, shape) if _is_codes(value)
                     else value.float())
     return out
 
@@ -402,9 +403,9 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
             st = state.get(pid)
             if st is None:
                 continue
-            values, out, actions = _decoded(src, st), {"step": st["step"]}, []
+            values, out, actions = _decoded(src, st, _sharded.global_shape(p)), {"step": st["step"]}, []
             if any(_is_codes(v) for v in st.values()):
-                actions.append("8-bit moments dequantized")
+                actions.append(f"{src.codec.BITS}-bit moments dequantized")
             quantize = keeps_8bit is not None and keeps_8bit(gi, pi, p)
             dtype = dst.moment_dtype(p) if dst.moment_dtype else torch.float32
             cast = {str(v.dtype).removeprefix("torch.") for k, v in st.items() if k in values and not _is_codes(v)
@@ -420,7 +421,7 @@ def _convert(state: dict, src: Family, dst: Family, optimizer, impl, saved_ids: 
                 else:  # adamw: torch casts fp32 moments to the parameter's dtype itself
                     out[key] = values[key].to(dtype)
             if quantize:
-                actions.append("moments quantized to 8-bit")
+                actions.append(f"moments quantized to {dst.codec.BITS}-bit (lossy: within the codec's rounding)")
             elif dst.moment_dtype and cast:
                 actions.append(f"moments cast from {', '.join(sorted(cast))} to {dtype}".replace("torch.", ""))
             actions += [f"{src.state[k].label or k} dropped" for k in values if k not in out]
@@ -462,10 +463,11 @@ def _match_precision(state: dict, optimizer, spec, backend: str, saved_ids: list
             to_8bit = not _is_codes(st[codes[0]])
             state[pid] = _requantized(spec.facts, st, codes, p, to_8bit)
             done.setdefault(to_8bit, []).append(pname)
-    said = {False: "8-bit state for {n} tensor(s) that this backend keeps in full precision, dequantized to fp32 "
-                   "(exact: the values the codes stand for)",
-            True: "fp32 state for {n} tensor(s) that this backend keeps in 8 bits, quantized (lossy: within the "
-                  "codec's rounding)"}
+    bits = spec.facts.codec.BITS
+    said = {False: f"{bits}-bit state for {{n}} tensor(s) that this backend keeps in full precision, dequantized to "
+                   "fp32 (exact: the values the codes stand for)",
+            True: f"fp32 state for {{n}} tensor(s) that this backend keeps in {bits} bits, quantized (lossy: within "
+                  "the codec's rounding)"}
     if done:
         logger.warning("%s (backend %s): the checkpoint's 8-bit / fp32 choice differs from this optimizer's (one "
                        "process and FSDP2 shards, backends and thresholds choose differently); converted %s",
@@ -485,8 +487,8 @@ def _requantized(family: Family, st: dict, codes: list[str], p: torch.Tensor, to
             out[key] = _sharded.shard_like(p, out[key])
         else:
             absmax = _sharded.whole(st[f"{key}_absmax"]).reshape(-1)
-            out[key] = _sharded.shard_like(p, fmt.codec.dequantize_blockwise(value, absmax, fmt.signed)
-                                           .reshape(p.shape))
+            out[key] = _sharded.shard_like(p, fmt.codec.dequantize_blockwise(value, absmax, fmt.signed,
+                                                                             _sharded.global_shape(p)))
     return out
 
 
@@ -641,7 +643,8 @@ def load(optimizer, load_state_dict, sd: dict, spec, backend: str, info, param_n
     if src is not spec.facts:
         done = _convert(state, src, spec.facts, optimizer, spec.backends[backend], saved_ids)
     else:  # a library's own layout (bitsandbytes, torchao) relabelled to the canonical one: the same numbers
-        done = {"layout relabelled (the same codes and scales)": relabelled} if relabelled else {}
+        done = {"layout relabelled (8-bit: the same codes and scales; torchao's 4-bit: the values it decodes to)":
+                relabelled} if relabelled else {}
     if set(done) - {""}:
         logger.warning("%s: the loaded optimizer state was written by %s; converted it to %s's format: %s",
                        spec.trainer_name, _describe(tag, libraries, src), spec.trainer_name, "; ".join(

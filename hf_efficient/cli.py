@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                        "zero1/2/3 (DeepSpeed: one flat partition of the state; zero2 also gradients, zero3 "
                        "parameters), none (DDP: every rank holds everything)")
     p_est.add_argument("--budget-gb", type=float, help="memory in GiB for hf_eff_auto's choice (default: free memory)")
+    p_est.add_argument("--gradient-release", action="store_true", help="every row with gradient_release (each tensor "
+                       "stepped in backward: the gradients held are the largest tensor's and a bucket, not all)")
     p_est.add_argument("--measure", action="store_true", help="also build the model on --device and measure the "
                        "state after one step of each optimizer (allocates the model: needs its memory)")
     p_est.add_argument("--json", action="store_true", help="machine-readable output")

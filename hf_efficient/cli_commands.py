@@ -142,6 +142,7 @@ def estimate(args) -> int:
     """``hf-efficient estimate``, its arguments checked by :mod:`.cli`."""
     sharding = args.sharding or ("fsdp2" if args.world_size > 1 else "none")  # one rank: unsharded unless asked
     sharded = {"world_size": args.world_size, "sharding": None if sharding == "none" else sharding}
+    release = {"gradient_release": True} if args.gradient_release else {}  # an option of every name
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     device = torch.device(args.device or _devices()[0])
     if args.params is not None:
@@ -151,7 +152,7 @@ def estimate(args) -> int:
     estimates, unavailable, asked = [], {}, set()
     for row in ROWS:
         try:
-            est = _row_estimate(source, row, dtype, device, sharded)
+            est = _row_estimate(source, row, dtype, device, sharded, release)
         except (ImportError, RuntimeError, UnsupportedSharding) as e:  # it cannot run here, or not so sharded
             unavailable[row.label] = str(e)
             continue
@@ -163,7 +164,7 @@ def estimate(args) -> int:
             estimates.append((row, est))
     measured = _measure(config, args.auto_class, estimates, dtype, device) if args.measure else {}
     try:
-        budget = {"budget_gb": args.budget_gb} if args.budget_gb is not None else {}
+        budget = dict(release, **({"budget_gb": args.budget_gb} if args.budget_gb is not None else {}))
         auto = choose_auto(source, budget, param_dtype=dtype, device=device, source="--budget-gb", **sharded)
     except RuntimeError as e:  # no free-memory reading for this device here
         auto = f"cannot tell: {e}"
@@ -175,8 +176,8 @@ def estimate(args) -> int:
     return 0
 
 
-def _row_estimate(source, row: Row, dtype, device, sharded: dict) -> MemoryEstimate:
-    options = dict(row.options, **sharded)
+def _row_estimate(source, row: Row, dtype, device, sharded: dict, release: dict) -> MemoryEstimate:
+    options = dict(row.options, **sharded, **release)
     try:
         return estimate_memory(source, row.name, param_dtype=row.param_dtype or dtype, device=device, **options)
     except ValueError as e:  # torchao cannot quantize below its fixed threshold: show its smallest

@@ -48,6 +48,7 @@ from .optim.compensation import LOW_PRECISION
 from .options import parse_options
 from .param_groups import split_parameters
 from .registry import PREFIX, compensation_of, get_spec, resolve
+from .release import BUCKET_BYTES
 
 __all__ = ["MB", "format_bytes", "optimizer_state_bytes", "state_metrics", "MemoryEstimate",
            "peak_memory", "ASSUMED_COLUMNS", "MAX_PARAMS", "ParamShape", "Described",
@@ -240,15 +241,25 @@ def predict(tensors: list[ParamShape], name: str, device: torch.device, *, backe
     train = [t for t in tensors if t.trainable]
     dtypes = {_dtype_name(t.dtype) for t in train}
     held, stepped = _per_rank(tensors, world_size, sharding), _state_view(train, world_size, sharding)
+    grads = [t for t in (held if sharding in ("fsdp2", "zero2", "zero3") else tensors) if t.trainable]
+    grad_bytes = _bytes(grads, world_size, sharding in ("zero2", "zero3"))
+    if opts.get("gradient_release") and sharding is None:  # released: the gradients in flight (release.py)
+        grad_bytes = min(grad_bytes, released_grad_bytes(grads))
     return MemoryEstimate(
         name=PREFIX + res.name, backend=res.backend, device=device.type, num_params=sum(t.elements for t in train),
         param_dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
         param_bytes=_bytes(held if sharding in ("fsdp2", "zero3") else tensors, world_size, sharding == "zero3"),
-        grad_bytes=_bytes([t for t in (held if sharding in ("fsdp2", "zero2", "zero3") else tensors) if t.trainable],
-                          world_size, sharding in ("zero2", "zero3")),
+        grad_bytes=grad_bytes,
         state_bytes=rule(stepped, opts), fp32_adamw_state_bytes=adamw_memory([_as_fp32(t) for t in stepped], {}),
         options={k: v for k, v in opts.items() if k != "backend"}, assumption=assumption, reason=res.reason,
         world_size=world_size, sharding=sharding)
+
+
+def released_grad_bytes(grads: list[ParamShape]) -> int:
+    """The most gradient bytes alive under gradient release: a bucket of gradients waiting for their step
+    (:data:`.release.BUCKET_BYTES`) and the tensor being completed, at most the largest (measured so:
+    docs/results/memory_release.md)."""
+    return BUCKET_BYTES + max((t.numel * t.dtype.itemsize for t in grads), default=0)
 
 
 def _check_world(world_size, sharding) -> int:

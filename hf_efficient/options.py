@@ -97,7 +97,8 @@ OPTIONS: dict[str, Option] = {
                optional=True, none_words=("none", "auto"), help_none="the registry's choice"),
         Option("decay_embeddings", bool, True, "apply weight decay to embedding matrices (transformers does)"),
         Option("nonfinite", str, "raise", "what a step does with an inf/NaN gradient", ("raise", "skip", "ignore")),
-        Option("embedding_state", str, "32bit", "state precision of embedding matrices under 8-bit", ("32bit", "8bit")),
+        Option("embedding_state", str, "32bit", "state precision of embedding matrices: 32-bit, or the name's quantized "
+               "state (8bit for the 8-bit names, 4bit for adam4bit)", ("32bit", "8bit", "4bit")),
         Option("min_8bit_size", int, 4096, "tensors with fewer elements keep 32-bit state", check=_positive, check_text="must be > 0"),
         Option("compensation", str, "auto", "how an update reaches bf16/fp16 weights (auto: the name's default, "
                "measured per family; no-op on fp32 weights)", ("auto", "kahan", "stochastic", "none")),

@@ -14,6 +14,7 @@ installed and serves it wins; ``backend=...`` forces one and fails loudly if it 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from . import backends
 from .backends import takes
 from .optim.adafactor import Adafactor
 from .optim.adamw import ADAMW
+from .optim.adamw4bit import AdamW4bit
 from .optim.adamw8bit import ADAMW8BIT, AdamW8bit
 from .optim.adamw_bf16 import AdamWBF16
 from .optim.facts import PREFIX, Family, StateKey
@@ -114,7 +116,11 @@ class OptimizerSpec:
         """The options it takes, by key: the shared ones (:data:`..options.OPTIONS`) and families' own (its family's;
         ``hf_eff_auto``'s: those of the names it picks from)."""
         known = all_options()
-        return {k: self.facts.option(k) or known[k] for k in self.options}
+        out = {k: self.facts.option(k) or known[k] for k in self.options}
+        if "embedding_state" in out and self.facts.codec is not None:  # 32-bit, or its own codec's bits
+            out["embedding_state"] = dataclasses.replace(out["embedding_state"], choices=(
+                "32bit", f"{self.facts.codec.BITS}bit"))
+        return out
 
     @property
     def trainer_name(self) -> str:
@@ -179,8 +185,12 @@ _COMMON = ("backend", "decay_embeddings", "nonfinite", "gradient_release", "comp
 _QUANTIZED = ("embedding_state", "min_8bit_size")  # the options every quantized family takes
 # hf-efficient estimate: each name on bf16 weights too (its default compensation: Kahan's buffer counted there)
 _BF16_ROWS = (EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)
-_QUANTIZED_ROWS = (EstimateRow(", every tensor 8-bit", {"embedding_state": "8bit", "min_8bit_size": 1}),
-                   EstimateRow(" (default: 32-bit embeddings)"), *_BF16_ROWS)
+
+
+def _quantized_rows(bits: int) -> tuple[EstimateRow, ...]:
+    """A quantized name's estimate rows: every tensor in its codec, its default (32-bit embeddings), bf16 weights."""
+    return (EstimateRow(f", every tensor {bits}-bit", {"embedding_state": f"{bits}bit", "min_8bit_size": 1}),
+            EstimateRow(" (default: 32-bit embeddings)"), *_BF16_ROWS)
 
 
 def family_spec(cls: type, notes: str, *, name: str | None = None, backends: dict[str, Backend] | None = None,
@@ -198,7 +208,7 @@ def family_spec(cls: type, notes: str, *, name: str | None = None, backends: dic
     backends = backends or {"torch": torch_backend(cls)}
     derived = dict(options=_COMMON + (_QUANTIZED if facts.quantized else ()) + tuple(o.name for o in facts.options),
                    uses_betas="betas" in takes(cls),
-                   estimate_rows=_QUANTIZED_ROWS if facts.quantized else (EstimateRow(), *_BF16_ROWS))
+                   estimate_rows=_quantized_rows(facts.codec.BITS) if facts.quantized else (EstimateRow(), *_BF16_ROWS))
     if facts.quantized:
         derived.update(state_bytes=round(facts.quantized_bytes, 2), bytes_label=f"~{facts.quantized_bytes:.2f}")
     return OptimizerSpec(name or facts.name, facts, **{**derived, **kw, "notes": notes, "backends": backends,
@@ -229,13 +239,16 @@ SPECS: dict[str, OptimizerSpec] = {
                     # synchronises per tensor) where Triton imports; without it the torch backend's `needs` skips
                     # it, and the reason names Triton. torchao is never chosen automatically: see TORCHAO_FLAW
                     prefer={"default": ("torch", "bnb")},
-                    estimate_rows=(*_QUANTIZED_ROWS, EstimateRow(
+                    estimate_rows=(*_quantized_rows(8), EstimateRow(
                         " (bf16 params, stochastic rounding, every tensor 8-bit)",
                         {"compensation": "stochastic", "embedding_state": "8bit", "min_8bit_size": 1},
                         torch.bfloat16))),
         family_spec(AdamW8bit, "as adam8bit, state paged to host memory (CUDA)", name="paged_adam8bit",
                     backends={"bnb": bnb_backend(ADAMW8BIT, "PagedAdamW8bit", "AdamW", cuda_only=True)},
                     fallback=("cuda", "adam8bit"), estimate_rows=(EstimateRow(),)),
+        family_spec(AdamW4bit, "AdamW math, blockwise 4-bit state (blocks of 128; the second moment as its root, never "
+                    "0); embeddings and tensors < min_8bit_size keep 32-bit state; the compiled torch kernel",
+                    name="adam4bit"),
         family_spec(Lion8bit, "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit "
                     "momentum; the paper advises lr 3-10x below AdamW's (in our fine-tuning run AdamW's own lr did "
                     "best: see the convergence results); embeddings and tensors < min_8bit_size keep 32-bit state",
@@ -255,7 +268,7 @@ SPECS: dict[str, OptimizerSpec] = {
 AUTO = Family("auto", {}, "auto", lambda p, group: set())
 SPECS["auto"] = OptimizerSpec(
     "auto", AUTO, float("nan"), "that of the name picked", "the most accurate of adamw > adamw_bf16 (bf16 models) > "
-    "adam8bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
+    "adam8bit > adam4bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
     tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",), estimate_rows=())
 PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state without marks is read as
 

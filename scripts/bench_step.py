@@ -59,8 +59,8 @@ from hf_efficient.registry import SPECS  # noqa: E402
 LR, WD = 1e-4, 0.01
 BASELINE = "torch AdamW fused"
 # state format of each family's rows (registry family name): rows of one format are alternatives to each other
-FORMATS = {"adamw": "fp32", "adamw8bit": "8-bit blockwise", "lion8bit": "8-bit blockwise", "adafactor": "factored",
-           "adamw_bf16": "bf16 + Kahan"}
+FORMATS = {"adamw": "fp32", "adamw8bit": "8-bit blockwise", "adamw4bit": "4-bit blockwise", "lion8bit": "8-bit blockwise",
+           "adafactor": "factored", "adamw_bf16": "bf16 + Kahan"}
 BF16_8BIT = "8-bit, bf16 weights"  # 8-bit state on bf16 weights, compensated
 FP32_BF16 = "fp32, bf16 weights"  # hf_eff_adamw's fp32 moments on bf16 weights, compensated
 FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",

@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 
 import hf_efficient as hfe  # noqa: E402
 
-CASES = [(name, dtype, comp) for name in ("adamw", "adam8bit", "lion8bit", "adafactor")
+CASES = [(name, dtype, comp) for name in ("adamw", "adam8bit", "adam4bit", "lion8bit", "adafactor")
          for dtype, comps in ((torch.float32, ("none",)), (torch.bfloat16, ("kahan", "stochastic", "none")),
                               (torch.float16, ("kahan",)))
          for comp in comps] + [("adamw_bf16", dt, c) for dt in (torch.bfloat16, torch.float16)

@@ -66,12 +66,16 @@ CONFIGS = [
     ("bf16 hf_eff_adam8bit stochastic+release", "bf16", "hf_eff_adam8bit", "compensation=stochastic", True),
     ("bf16 hf_eff_adam8bit stochastic, 8-bit embeddings+release", "bf16", "hf_eff_adam8bit",
      "compensation=stochastic,embedding_state=8bit", True),
+    # the 24 GB recipe (README): bf16 weights, 4-bit state everywhere, released gradients
+    ("bf16 hf_eff_adam4bit stochastic, 4-bit embeddings+release", "bf16", "hf_eff_adam4bit",
+     "compensation=stochastic,embedding_state=4bit", True),
 ]
-LOWEST = "bf16 hf_eff_adam8bit stochastic, 8-bit embeddings+release"
-QUICK = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adam8bit+release", LOWEST}
-# the Llama runs are ~10x MiniLM's: the baselines, ours with / without release, the lowest and the step to it
+LOWEST8 = "bf16 hf_eff_adam8bit stochastic, 8-bit embeddings+release"
+LOWEST = "bf16 hf_eff_adam4bit stochastic, 4-bit embeddings+release"
+QUICK = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adam8bit+release", LOWEST8, LOWEST}
+# the Llama runs are ~10x MiniLM's: the baselines, ours with / without release, the lowest and the steps to it
 LLAMA_CONFIGS = {"adamw_torch", "adamw_bnb_8bit", "hf_eff_adamw+release", "hf_eff_adam8bit", "hf_eff_adam8bit+release",
-                 "bf16 hf_eff_adam8bit stochastic+release", LOWEST}
+                 "bf16 hf_eff_adam8bit stochastic+release", LOWEST8, LOWEST}
 # LlamaConfig of the second model: Llama's shapes (untied, SwiGLU MLP ~2.75x hidden) at 214M parameters, largest
 # tensor 2.0% of them as in Llama-7B (embedding 32000 x 4096 of 6.7B); sdpa attention, no score matrices kept
 LLAMA = {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16,

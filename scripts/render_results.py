@@ -304,8 +304,8 @@ WHY = {"minilm": "The examples' model. Its lm head is tied to the word embedding
        "llama": "Llama's shapes at a size a 2-core CPU steps in seconds: its largest tensors (embedding, lm head) are "
                 "2% of the parameters each, as in real LLMs (Llama-7B's embedding: 2.0%), so what release leaves of "
                 "the gradients here is what it leaves on an LLM."}
-EIGHT_BIT_EMBEDDINGS_NOTE = (" (two 8-bit moments, 2 B, the embeddings' too; plus their blockwise scales and the 32-bit "
-                             "state of the tensors too small to quantize: norms, biases)")
+QUANTIZED_EMBEDDINGS_NOTE = (" (two {bits}-bit moments, {bytes:g} B, the embeddings' too; plus their blockwise scales and "
+                             "the 32-bit state of the tensors too small to quantize: norms, biases)")
 
 
 def memory_release_md(doc: dict) -> str:
@@ -351,7 +351,8 @@ def _memory_model(model: str, rows: list[dict], cfg: dict) -> list[str]:
     lowest = min(ok, key=lambda r: r["total_bpp"]) if ok else None
     if lowest and base:
         grad_bytes = 2 if lowest["weights"] == "bf16" else 4
-        note = EIGHT_BIT_EMBEDDINGS_NOTE if "embedding_state=8bit" in lowest["optim_args"] else ""
+        bits = next((b for b in (8, 4) if f"embedding_state={b}bit" in lowest["optim_args"]), None)
+        note = QUANTIZED_EMBEDDINGS_NOTE.format(bits=bits, bytes=bits / 4) if bits else ""
         text.append(
             f"Lowest: `{lowest['config']}` at {fmt(lowest['total_bpp'])} B/param, against {fmt(base['total_bpp'])} "
             f"for fp32 AdamW ({fmt(base['total_bpp'] / lowest['total_bpp'], 1)}x less): weights "

@@ -41,6 +41,7 @@ VARIANTS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "kahan"), ("
 # kernel -> (module, warps, elements a thread steps per program or tile, bodies, weight variants)
 KERNELS = {
     "adamw8bit_kernel": ("blockwise_triton", B.NUM_WARPS, B.NB * 256 // (32 * B.NUM_WARPS), 2, VARIANTS),
+    "adamw4bit_kernel": ("blockwise_triton", B.NUM_WARPS, B.NB * 128 // (32 * B.NUM_WARPS), 2, VARIANTS),
     "lion8bit_kernel": ("blockwise_triton", B.NUM_WARPS, B.NB * 256 // (32 * B.NUM_WARPS), 2, VARIANTS),
     "lion_kernel": ("lion_triton", 4, LT.BLOCK // (32 * 4), 2, VARIANTS),
     "fp32_state_kernel": ("adamw_triton", AW.NUM_WARPS, AW.BLOCK // (32 * AW.NUM_WARPS), 2, VARIANTS),
@@ -53,7 +54,7 @@ KERNELS = {
 def _compile_args(kernel: str, dtype: str) -> tuple[dict, dict]:
     """The signature and the constexprs (but MODE) of ``kernel`` on ``dtype`` weights, as a step launches it."""
     tl_dtype = f"tl.{dtype}"
-    if kernel in ("adamw8bit_kernel", "lion8bit_kernel"):
+    if kernel in ("adamw8bit_kernel", "adamw4bit_kernel", "lion8bit_kernel"):
         return signature_8bit(kernel), {"OUT": tl_dtype, "GRAD": tl_dtype, "NB": B.NB, "ALIGNED": True}
     if kernel == "lion_kernel":
         return signature_8bit(kernel), {"OUT": tl_dtype, "GRAD": tl_dtype, "BLOCK": LT.BLOCK, "ALIGNED": True}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hf_efficient import cli
+from hf_efficient.release import BUCKET_BYTES
 
 N = 65_783_042  # DistilBERT (cased vocabulary) with a 2-label classification head
 TENSORS = -(-N // 2**20)  # --params assumes tensors of at most 2**20 elements
@@ -337,3 +338,14 @@ def test_an_unreachable_hub_name_says_so_in_one_sentence(capsys, monkeypatch):
     rc, _, err = run(capsys, "estimate", "hf-efficient-tests/no-such-model")
     assert rc == 2 and "cannot load a config for 'hf-efficient-tests/no-such-model'" in err, err
     assert ".." not in err and "\n" not in err.rstrip("\n") and err.rstrip().endswith(". Or give a count: --params N")
+
+
+def test_estimate_with_gradient_release_counts_the_gradients_in_flight(capsys):
+    """7B bf16 parameters, 4-bit state, gradients released: weights 2 B + state ~1.06 B per parameter, and of the
+    gradients only a bucket and the largest tensor (the fit answer of the 24 GB recipe)."""
+    rc, out, _ = run(capsys, "estimate", "--params", "7B", "--dtype", "bf16", "--device", "cpu", "--gradient-release",
+                     "--json")
+    row = rows_by_label(out)["hf_eff_adam4bit (default: 32-bit embeddings)"]
+    assert rc == 0 and row["options"]["gradient_release"] is True
+    assert row["grad_bytes"] == BUCKET_BYTES + 2 * 2**20  # --params assumes tensors of <= 1M elements
+    assert 3.0 < row["total_bytes_per_param"] < 3.1 and row["total_bytes"] < 24 * 2**30

@@ -122,7 +122,7 @@ def _cases():
         for b in backends:
             out.append((spec.name, b, {}))
             if "embedding_state" in spec.options and b != "torchao":
-                out.append((spec.name, b, {"embedding_state": "8bit", "min_8bit_size": 1}))
+                out.append((spec.name, b, {"embedding_state": f"{spec.facts.codec.BITS}bit", "min_8bit_size": 1}))
     out.append(("adafactor", None, {"beta1": 0.9}))
     out.append(("adamw_bf16", None, {"compensation": "stochastic"}))
     return out
@@ -202,15 +202,16 @@ def _budget_gb(total_bytes: int, slack: float) -> float:
 
 def test_auto_picks_by_budget(caplog):
     model = tiny_bert()
-    est = {n: estimate_memory(model, n).total_bytes for n in ("adamw", "adam8bit", "adafactor")}
-    assert est["adamw"] > est["adam8bit"] > est["adafactor"]
+    est = {n: estimate_memory(model, n).total_bytes for n in ("adamw", "adam8bit", "adam4bit", "adafactor")}
+    assert est["adamw"] > est["adam8bit"] > est["adam4bit"] > est["adafactor"]
     picks = {}
     for expect, budget in [("adamw", _budget_gb(est["adamw"], 1.01)), ("adam8bit", _budget_gb(est["adamw"], 0.99)),
-                           ("adafactor", _budget_gb(est["adam8bit"], 0.99))]:
+                           ("adam4bit", _budget_gb(est["adam8bit"], 0.99)),
+                           ("adafactor", _budget_gb(est["adam4bit"], 0.99))]:
         opt = hfe.create_optimizer(model, "hf_eff_auto", lr=1e-3, budget_gb=budget, embedding_state="32bit")
         picks[expect] = opt.hf_efficient.resolution.name
         assert estimate_memory(model, "auto", budget_gb=budget).name == "hf_eff_" + expect
-    assert picks == {"adamw": "adamw", "adam8bit": "adam8bit", "adafactor": "adafactor"}
+    assert picks == {n: n for n in ("adamw", "adam8bit", "adam4bit", "adafactor")}
     with caplog.at_level(logging.WARNING, logger="hf_efficient.auto"):
         choice = choose_auto(model, {"budget_gb": 1e-6})
     assert choice.name == "adafactor" and not choice.fits and "NONE FITS" in caplog.text
@@ -397,3 +398,14 @@ def test_per_rank_refuses_what_cannot_run_so_sharded():
         estimate_memory(Small(), "adamw", world_size=0)
     with pytest.raises(ValueError, match="sharding='fsdp'"):
         estimate_memory(Small(), "adamw", world_size=2, sharding="fsdp")
+
+
+def test_gradient_release_predicts_a_bucket_and_the_largest_gradient():
+    from hf_efficient.release import BUCKET_BYTES
+
+    model = tiny_llama()
+    plain, released = (estimate_memory(model, "adam4bit", gradient_release=r) for r in (False, True))
+    largest = max(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert plain.grad_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert released.grad_bytes == min(plain.grad_bytes, BUCKET_BYTES + largest)
+    assert released.state_bytes == plain.state_bytes and released.options["gradient_release"] is True

@@ -311,8 +311,9 @@ def test_a_groups_8bit_tensors_share_one_launch_per_dtype_pair(on_cpu, spy, monk
             opt.step()
         runs.append((params, opt))
     calls = spy[KERNEL[cls]].calls
-    per_step = [((2, 3, 1), 2), ((1, 1, 1), 1), ((2, 2, 1), 2)] if max_programs > 1 else [
-        ((1, 1, 2), 1), ((1, 1, 1), 1), ((1, 1, 3), 1), ((1, 1, 2), 1), ((1, 1, 1), 1)]
+    (a, b, c), (d, e) = ([-(-n // (B.NB * cls.CODEC.BLOCK)) for n in ns] for ns in sizes)  # programs (8-bit: above)
+    per_step = [((2, max(a, c), 1), 2), ((1, b, 1), 1), ((2, max(d, e), 1), 2)] if max_programs > 1 else [
+        ((1, 1, a), 1), ((1, 1, b), 1), ((1, 1, c), 1), ((1, 1, d), 1), ((1, 1, e), 1)]
     assert sorted((grid, count) for grid, count, _ in calls) == sorted(per_step * 2)
     assert {kw["GRAD"] for _, _, kw in calls} == {triton.language.bfloat16, triton.language.float32}
     assert_same(*runs[0], *runs[1])
@@ -467,7 +468,9 @@ def test_the_encoders_lookups_stay_within_one_line_each():
 # Instructions per element (scripts/triton_sass.py's measure) of two variants, ~5% over what they compile to
 # now: AdamW's both encoders and fp32 weights, Lion's bf16 weights under the default compensation. Raise a bound only
 # with a reason (a kernel that computes more); lower it when a change cuts instructions.
-SASS_BOUNDS = {("adamw8bit_kernel", "float32", "none"): 140, ("lion8bit_kernel", "bfloat16", "stochastic"): 82}
+# adamw4bit: 165.5 measured (8 elements a thread at NB = 8: its per-program work over half the 8-bit kernel's elements)
+SASS_BOUNDS = {("adamw8bit_kernel", "float32", "none"): 140, ("lion8bit_kernel", "bfloat16", "stochastic"): 82,
+               ("adamw4bit_kernel", "float32", "none"): 174}
 
 
 def test_the_8bit_kernels_instructions_per_element_stay_within_bounds():

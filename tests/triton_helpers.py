@@ -87,12 +87,12 @@ def compile_for_hopper(module: str, kernel: str, signature: dict, constexprs: di
 
 
 def signature_8bit(kernel: str) -> dict:
-    """The argument types of ``blockwise_triton``'s 8-bit kernels (or ``lion_triton.lion_kernel``) for
+    """The argument types of ``blockwise_triton``'s quantized kernels (or ``lion_triton.lion_kernel``) for
     :func:`compile_for_hopper`."""
     head = {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32"}
     if kernel == "lion_kernel":
         scalars = "b1 omb1 b2 omb2 decay lr"
-    elif kernel == "adamw8bit_kernel":
+    elif kernel in ("adamw8bit_kernel", "adamw4bit_kernel"):
         head["coef"] = "*fp32"
         head["maps"] = "*fp32"
         scalars = "omb1 omb2 eps decay beta1 beta2"

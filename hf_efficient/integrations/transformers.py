@@ -310,20 +310,21 @@ _HINT_MIN_GAIN = 0.10  # of fp32 AdamW's state: below this, 8-bit embeddings are
 
 def _embedding_state_hint(optimizer, model, given: dict, **sharded) -> str:
     """A sentence for the optimizer's log line when the embeddings keep 32-bit state by default (the user did not
-    choose it) and ``embedding_state=8bit`` would save a good deal more (a large vocabulary); else "". Both settings
+    choose it) and ``embedding_state`` in the name's codec (``8bit``, ``4bit``) would save a good deal more (a large vocabulary); else "". Both settings
     are predicted by :func:`estimate_memory`, per rank where the model will be sharded."""
     info = optimizer_info(optimizer)
     if info.options.get("embedding_state") != "32bit" or "embedding_state" in given:
         return ""
-    options = {k: v for k, v in info.options.items() if k in get_spec(info.resolution.name).options}
+    spec = get_spec(info.resolution.name)
+    options = {k: v for k, v in info.options.items() if k in spec.options}
     now = estimate_memory(model, info.resolution.name, **sharded, **options)
-    options["embedding_state"] = "8bit"
+    quantized = options["embedding_state"] = f"{spec.facts.codec.BITS}bit"  # the name's own codec
     all8 = estimate_memory(model, info.resolution.name, **sharded, **options)
     gain = now.state_bytes - all8.state_bytes
     if not now.fp32_adamw_state_bytes or gain / now.fp32_adamw_state_bytes < _HINT_MIN_GAIN:
         return ""
-    return (f". The embeddings keep 32-bit state (the default, for accuracy): optim_args=\"embedding_state=8bit\" "
-            f"would save about {format_bytes(gain)} more ({all8.saving:.0%} of fp32 AdamW's state in all, instead "
+    return (f". The embeddings keep 32-bit state (the default, for accuracy): optim_args="
+            f"\"embedding_state={quantized}\" would save about {format_bytes(gain)} more ({all8.saving:.0%} of fp32 AdamW's state in all, instead "
             f"of {now.saving:.0%})")
 
 

@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..options import check_group, check_saved_tensor, check_step, start_step
-from . import _dispatch, _native, _sharded, _triton, quant8
+from . import _dispatch, _native, _sharded, _triton
 from ._dispatch import on_device
 from .compensation import (C_MODES, LOW_PRECISION, applies, check_compensation, drop_unused_buffers, element_index,
                            step_in_fp32, weight_key, write)
@@ -257,9 +257,10 @@ class Blockwise8bit(Optimizer):
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
         by_moment = [c for i in range(k) for c in codes[i::k]], [a for i in range(k) for a in absmax[i::k]]
+        codec = cls.CODEC
         cls.c_kernel().run(fn, count, params, grads, *by_moment, numel, [p.dtype == torch.bfloat16 for p in params],
-                           comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
-                           n=sum(quant8.blocks(n) for n in numel), unit=quant8.BLOCK, threads=threads)
+                           comps or [None] * count, keys or [0] * count, compensation, codec.c_tables(), coef,
+                           n=sum(codec.blocks(n) for n in numel), unit=codec.BLOCK, threads=threads)
 
     @classmethod
     def native_step(cls, fn, items, threads: int | None = None, compensation: str = "none") -> None:
@@ -462,7 +463,8 @@ class Blockwise8bit(Optimizer):
 
     def _init_sharded_state(self, p, group: dict) -> dict:
         """:meth:`_init_state` for an FSDP2 parameter: DTensors placed like its rows (codes of its shape, absmaxes
-        ``(rows, row length / 256)``: see the module docstring), the step count a plain CPU tensor."""
+        ``(rows, row length / BLOCK)``; codes of the codec's canonical shape, which keeps the rows: see the module
+        docstring), the step count a plain CPU tensor."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -471,7 +473,7 @@ class Blockwise8bit(Optimizer):
                 if not eight_bit:
                     state[key] = _sharded.zeros(p, p.shape, torch.float32)
                     continue
-                state[key] = _sharded.zeros(p, p.shape, torch.uint8)
+                state[key] = _sharded.zeros(p, self.CODEC.canonical_shape(p.shape), torch.uint8)
                 _sharded.local(state[key]).fill_(self.CODEC.ZERO_CODE[signed])
                 state[f"{key}_absmax"] = _sharded.zeros(p, _absmax_shape(p, self.CODEC), torch.float32)
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
@@ -748,5 +750,6 @@ def _from_canonical(codes, p, signed: bool, codec: Codec):
     if not _sharded.is_sharded(p):
         return codec.from_canonical(codes, p, signed)
     lp = _sharded.local(p)
-    return _sharded.like(codes, codec.from_canonical(_sharded.local(codes), lp, signed).view(lp.shape))
+    return _sharded.like(codes, codec.from_canonical(_sharded.local(codes), lp, signed).view(codec.canonical_shape(
+        lp.shape)))
 

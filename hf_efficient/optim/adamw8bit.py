@@ -45,7 +45,7 @@ from .adamw import adamw_fp32_state
 from .facts import KAHAN, STEP, Family, codes
 from .quant8 import BLOCK, dynamic_map, quantize_moments
 
-__all__ = ["ADAMW8BIT", "AdamW8bit", "dynamic_map", "quantize_moments", "BLOCK"]
+__all__ = ["ADAMW8BIT", "AdamW8bit", "adamw_update", "dynamic_map", "quantize_moments", "BLOCK"]
 
 ADAMW8BIT = Family("adamw8bit", {"step": STEP, "exp_avg": codes(quant8, signed=True),
                                  "exp_avg_sq": codes(quant8, signed=False), "kahan_comp": KAHAN}, "adamw")
@@ -54,27 +54,22 @@ _F32_MAX = torch.finfo(torch.float32).max
 
 
 # ----------------------------------------------------------------------------------------------------
-# The kernel: one call updates whole blocks. Compiled (inductor) or run as is; same operations either way.
+# The math: Blockwise8bit.kernel decodes the moments, applies it to whole blocks and encodes them (compiled by
+# inductor or run as is; same operations either way); the C and Triton kernels do the same operations.
 # coef = [beta1, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2**t), eps, 1 - lr * wd, lr / (1 - beta1**t)]
 # ----------------------------------------------------------------------------------------------------
 
 
-def _kernel(p: Tensor, g: Tensor, wm: Tensor, wv: Tensor, m_absmax: Tensor, v_absmax: Tensor, coef: Tensor):
-    """AdamW on ``nb`` blocks: ``p``, ``g`` are ``(nb, 256)``, the codes ``(nb, 64)`` int32 words viewed as
-    float32 (interleaved, see the module docstring). Updates ``p`` in place; returns the new codes (same
-    form) and absmaxes. Returned rather than written in place: inductor then keeps the moments of a block
-    in a local buffer instead of a tensor of the parameter's size.
-    """
-    g32 = g.float()
+def adamw_update(p: Tensor, g: Tensor, moments: list[Tensor], coef) -> tuple[Tensor, list[Tensor]]:
+    """AdamW on fp32 values (``torch.optim.AdamW``'s order): the new weight and ``[m, v]`` from the decoded
+    ``moments``. Every blockwise AdamW family's math (:class:`AdamW8bit`, :class:`.adamw4bit.AdamW4bit`)."""
     # v clamped to fp32's range: a finite gradient whose square overflows would make the block's absmax inf, and
     # every code of the block NaN at the next step. m, a convex combination of m and g, stays in range (no clamp:
     # it would cost the C kernel a pass it does not need).
-    m = quant8.unpack(wm, m_absmax, True) * coef[0] + g32 * coef[1]
-    v = (quant8.unpack(wv, v_absmax, False) * coef[2] + (g32 * g32) * coef[3]).clamp(max=_F32_MAX)
+    m = moments[0] * coef[0] + g * coef[1]
+    v = (moments[1] * coef[2] + (g * g) * coef[3]).clamp(max=_F32_MAX)
     denom = v.sqrt() * coef[4] + coef[5]
-    p.copy_(p.float() * coef[6] - (m / denom) * coef[7])
-    (wm, m_max), (wv, v_max) = quant8.pack(m, True), quant8.pack(v, False)
-    return wm, wv, m_max, v_max
+    return p * coef[6] - (m / denom) * coef[7], [m, v]
 
 
 def _coefficients(group: dict, step: int) -> list[float]:
@@ -116,7 +111,7 @@ class AdamW8bit(Blockwise8bit):
     FACTS = ADAMW8BIT
     C_KERNEL = TRITON_KERNEL = True
     TRITON_FP32 = True  # step_32bit's CUDA tensors take adamw_fp32_state's Triton kernel (device step counts)
-    kernel = staticmethod(_kernel)
+    update = staticmethod(adamw_update)
     coefficients = staticmethod(_coefficients)
 
     def __init__(self, params, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -1,5 +1,6 @@
-/* The driver of the 8-bit families' kernels (adamw8bit_cpu.c, lion8bit_cpu.c): their step on fp32 or bf16 weights
- * and gradients with blockwise 8-bit moments (quant8.h's codec), one block of 256 elements at a time. A block's
+/* The driver of the quantized families' kernels (adamw8bit_cpu.c, lion8bit_cpu.c; adamw4bit_cpu.c): their step on fp32
+ * or bf16 weights and gradients with blockwise quantized moments, one block at a time: quant8.h's codec (blocks of
+ * 256), or quant4.h's (blocks of 128) where the kernel defines BLOCKWISE_QUANT4 before including this file. A block's
  * moments are decoded into 1 KiB buffers (the absmax applied), then one pass reads the weight and gradient in place,
  * applies the family's update (its _kernel's operations in their order: with -ffp-contract=off every fp32 operation
  * rounds as torch's eager ops do), keeps each moment's running absmax and writes the weight (bf16: under the
@@ -22,36 +23,58 @@
 #include <string.h>
 
 #include "native.h"
-#include "quant8.h"
+#include "quant8.h" /* absmax_bits; and the 8-bit codec */
+
+/* The codec, chosen at compile time: its block and word counts, its tables, a block decoded and a block stored. */
+#if defined(BLOCKWISE_QUANT4)
+#include "quant4.h"
+#define CODEC_BLOCK Q4_BLOCK
+#define CODEC_WORDS Q4_WORDS
+typedef q4_tables_t codec_tables_t; /* one: both maps */
+#define CODEC_TABLES(tables, maps) q4_tables(&(tables)[0], maps)
+#define CODEC_TABLE(tables, is_signed) (&(tables)[0])
+#define CODEC_DECODE(w, a, table, is_signed, out) q4_decode_block(w, a, table, is_signed, out)
+#define CODEC_PASS_SCALE(a) 1.0f /* the 4-bit decode applies its scale itself (the second moment's is squared) */
+#define CODEC_STORE(x, top, table, is_signed, w) ((void)(top), q4_store_block(x, table, is_signed, w))
+#else
+#define CODEC_BLOCK BLOCK
+#define CODEC_WORDS WORDS
+typedef map_t codec_tables_t; /* two: [0] signed, [1] unsigned */
+#define CODEC_TABLES(tables, maps) quant8_maps(tables, maps)
+#define CODEC_TABLE(tables, is_signed) (&(tables)[(is_signed) ? 0 : 1])
+#define CODEC_DECODE(w, a, table, is_signed, out) decode_block(w, table, out)
+#define CODEC_PASS_SCALE(a) (a) /* the absmax, applied in the update pass (decoded * absmax: quant8.unpack) */
+#define CODEC_STORE(x, top, table, is_signed, w) store_block(x, top, table, w)
+#endif
 
 /* The kernel's arguments, as Blockwise8bit.c_kernel declares them (its C signature, in order). */
 typedef struct {
     int64_t count;
     void *const *p;          /* weights: fp32, or bf16 where bf16[t] */
     const void *const *g;    /* gradients, of the weights' dtype */
-    uint32_t *const *codes;  /* codes[j * count + t]: moment j of tensor t, in quant8's in-memory layout */
+    uint32_t *const *codes;  /* codes[j * count + t]: moment j of tensor t, in its codec's in-memory layout */
     float *const *absmax;    /* absmax[j * count + t]: its absmaxes, one a block */
     const int64_t *numel;
     const int32_t *bf16;
     uint16_t *const *c;      /* each tensor's Kahan buffer, or NULL */
     const int32_t *keys;     /* each weight's noise key */
     comp_mode_t mode;
-    const float *maps;       /* quant8.c_tables() */
+    const float *maps;       /* the codec's c_tables() */
     const float *coef;       /* the family's coefficient struct per tensor */
-    const map_t *tables;     /* the maps' tables (blockwise_step builds them once a call) */
+    const codec_tables_t *tables; /* the maps' tables (blockwise_step builds them once a call) */
 } blockwise_t;
 
 /* Elements [0, valid) of a block from element `first` of its tensor (p, g, c at the block's first element), then its
- * padding up to BLOCK: s, the moments' values in and out; top, their running absmax_bits. */
+ * padding up to CODEC_BLOCK: s, the moments' values in and out; top, their running absmax_bits. */
 ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t *restrict c,
-                              float (*restrict s)[BLOCK], const float *scale, uint32_t *top, const float *k,
+                              float (*restrict s)[CODEC_BLOCK], const float *scale, uint32_t *top, const float *k,
                               int64_t first,
                               const int64_t valid, int64_t n, uint32_t key, const family_t *f, const int bf16,
                               const comp_mode_t mode) {
     for (int e = 0; e < (int)valid; e++) { /* int: the noise index a 32-bit vector, not truncated 64-bit ones */
         float x[MAX_STATES];
         for (int j = 0; j < f->states; j++)
-            x[j] = s[j][e] * scale[j]; /* quant8.unpack: decoded * absmax */
+            x[j] = s[j][e] * scale[j]; /* the scale decoding left to this pass (CODEC_PASS_SCALE) */
         const float p32 = load_f32(p, e, bf16), fresh = f->update(p32, load_f32(g, e, bf16), x, k, first + e, n);
         for (int j = 0; j < f->states; j++) {
             s[j][e] = x[j];
@@ -63,7 +86,7 @@ ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t
         else
             ((float *)p)[e] = fresh;
     }
-    for (int e = (int)valid; e < BLOCK; e++) { /* zero-padded: a zero weight and gradient, the new weight dropped */
+    for (int e = (int)valid; e < CODEC_BLOCK; e++) { /* zero-padded: a zero weight and gradient, the new weight dropped */
         float x[MAX_STATES];
         for (int j = 0; j < f->states; j++)
             x[j] = s[j][e] * scale[j];
@@ -78,20 +101,22 @@ ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t
 /* Block i of tensor t (`valid` of its elements in the tensor): decoded, stepped, encoded. */
 ALWAYS_INLINE void block_step(const blockwise_t *a, const family_t *f, int64_t t, int64_t i, const int64_t valid,
                               const float *k, const int bf16, const comp_mode_t mode) {
-    float s[MAX_STATES][BLOCK], scale[MAX_STATES];
+    float s[MAX_STATES][CODEC_BLOCK], scale[MAX_STATES];
     uint32_t top[MAX_STATES], *w[MAX_STATES];
     for (int j = 0; j < f->states; j++) {
-        w[j] = a->codes[j * a->count + t] + i * WORDS;
-        scale[j] = a->absmax[j * a->count + t][i];
-        decode_block(w[j], &a->tables[f->is_signed[j] ? 0 : 1], s[j]);
+        w[j] = a->codes[j * a->count + t] + i * CODEC_WORDS;
+        scale[j] = CODEC_PASS_SCALE(a->absmax[j * a->count + t][i]);
+        CODEC_DECODE(w[j], a->absmax[j * a->count + t][i], CODEC_TABLE(a->tables, f->is_signed[j]), f->is_signed[j],
+                     s[j]);
         top[j] = 0;
     }
-    const int64_t first = i * BLOCK;
+    const int64_t first = i * CODEC_BLOCK;
     block_pass((char *)a->p[t] + first * (bf16 ? 2 : 4), (const char *)a->g[t] + first * (bf16 ? 2 : 4),
                bf16 && mode == KAHAN ? a->c[t] + first : NULL, s, scale, top, k, first, valid, a->numel[t],
                (uint32_t)a->keys[t], f, bf16, mode);
     for (int j = 0; j < f->states; j++)
-        a->absmax[j * a->count + t][i] = store_block(s[j], top[j], &a->tables[f->is_signed[j] ? 0 : 1], w[j]);
+        a->absmax[j * a->count + t][i] = CODEC_STORE(s[j], top[j], CODEC_TABLE(a->tables, f->is_signed[j]),
+                                                     f->is_signed[j], w[j]);
 }
 
 /* Blocks [lo, hi) of tensor t, of one kind (constants where inlined: see with_kind; gradients share the weights'
@@ -104,10 +129,10 @@ ALWAYS_INLINE void blockwise_kind(const void *args, const family_t *f, int64_t t
     const int64_t n = a->numel[t];
     (void)g_bf16;
     for (int64_t i = lo; i < hi; i++) {
-        if ((i + 1) * BLOCK <= n)
-            block_step(a, f, t, i, BLOCK, k, bf16, mode);
+        if ((i + 1) * CODEC_BLOCK <= n)
+            block_step(a, f, t, i, CODEC_BLOCK, k, bf16, mode);
         else
-            block_step(a, f, t, i, n - i * BLOCK, k, bf16, mode);
+            block_step(a, f, t, i, n - i * CODEC_BLOCK, k, bf16, mode);
     }
 }
 
@@ -117,18 +142,18 @@ ALWAYS_INLINE int blockwise_part(const void *args, const family_t *f, int64_t t,
     return 0;
 }
 
-/* Blocks [start, end) of the concatenation of the tensors' blocks (ceil(n / 256) for n elements), with family f: a
- * kernel's range function. */
+/* Blocks [start, end) of the concatenation of the tensors' blocks (ceil(n / CODEC_BLOCK) for n elements), with family
+ * f: a kernel's range function. */
 ALWAYS_INLINE void blockwise_range(const void *args, const family_t *f, int64_t start, int64_t end) {
     const blockwise_t *a = args;
-    walk(blockwise_part, args, f, a->count, a->numel, BLOCK, start, end);
+    walk(blockwise_part, args, f, a->count, a->numel, CODEC_BLOCK, start, end);
 }
 
 /* The step of all the tensors in one call: blocks [start, end) split over `threads` (run_team), each piece by
  * `range`. */
 static inline void blockwise_step(range_fn range, blockwise_t args, int64_t start, int64_t end, int threads) {
-    map_t tables[2];
-    quant8_maps(tables, args.maps);
+    codec_tables_t tables[2];
+    CODEC_TABLES(tables, args.maps);
     args.tables = tables;
     run_team(range, &args, start, end, threads);
 }

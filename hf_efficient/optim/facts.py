@@ -33,7 +33,9 @@ class Codec(Protocol):
 
     ``BLOCK`` elements share one fp32 absmax; a code is ``BITS`` bits; in memory (the kernels' form) a block is
     ``WORDS`` 32-bit words, padded to whole blocks; ``ZERO_CODE[signed]`` is the code of 0.0. The canonical layout
-    (checkpoints) holds a tensor's codes as ``canonical_shape(param shape)`` uint8, in element order.
+    (checkpoints) holds a tensor's codes as ``canonical_shape(param shape)`` uint8, in element order, and keeps dim 0
+    where the rows are whole blocks (FSDP2 shards the codes by rows, as the parameter). ``dequantize_blockwise`` takes
+    the parameter's ``shape``: codes of fewer than 8 bits do not say it.
     """
 
     BLOCK: int
@@ -47,7 +49,8 @@ class Codec(Protocol):
     def to_canonical(self, codes: torch.Tensor, p: torch.Tensor) -> torch.Tensor: ...
     def from_canonical(self, codes: torch.Tensor, p: torch.Tensor, signed: bool) -> torch.Tensor: ...
     def quantize_blockwise(self, x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def dequantize_blockwise(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor: ...
+    def dequantize_blockwise(self, codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
+                             shape=None) -> torch.Tensor: ...
     def pack(self, x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
     def unpack(self, words: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor: ...
 
@@ -90,11 +93,12 @@ def kahan_keys(p: torch.Tensor, group: dict, default=None) -> set[str]:
     return {"kahan_comp"} if group.get("compensation", default) == "kahan" and p.dtype in LOW_PRECISION else set()
 
 
-# the ZeRO rule of every family with quantized state: its embeddings keep full-precision state by default
-_ZERO_EMBEDDINGS = {"embedding_state": (
-    "8bit", "cannot keep 32-bit state for embeddings and small tensors, as it does by default "
-            "(embedding_state=32bit): ZeRO hands the optimizer one flat partition per param group. Set optim_args "
-            "embedding_state=8bit to accept 8-bit state everywhere")}
+def _zero_embeddings(bits: int) -> dict[str, tuple[str, str]]:
+    """The ZeRO rule of every family with quantized state: its embeddings keep full-precision state by default."""
+    return {"embedding_state": (
+        f"{bits}bit", "cannot keep 32-bit state for embeddings and small tensors, as it does by default "
+                      "(embedding_state=32bit): ZeRO hands the optimizer one flat partition per param group. Set "
+                      f"optim_args embedding_state={bits}bit to accept {bits}-bit state everywhere")}
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ class Family:
         if self.required is None:
             object.__setattr__(self, "required", self._default_required)
         if self.deepspeed_options is None:
-            object.__setattr__(self, "deepspeed_options", _ZERO_EMBEDDINGS if self.quantized else {})
+            object.__setattr__(self, "deepspeed_options", _zero_embeddings(self.codec.BITS) if self.quantized else {})
 
     def _default_required(self, p: torch.Tensor, group: dict) -> set[str]:
         return {"step", *(k for k, _ in self.moments)} | (kahan_keys(p, group) if "kahan_comp" in self.state else set())

@@ -224,12 +224,13 @@ def quantize_blockwise(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     return torch.cat(codes).reshape(-1)[: x.numel()].view(x.shape), absmax.flatten()
 
 
-def dequantize_blockwise(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
-    """fp32 values of canonical codes (any shape; the last block may be partial): the kernels' decoded values."""
+def dequantize_blockwise(codes: Tensor, absmax: Tensor, signed: bool, shape=None) -> Tensor:
+    """fp32 values of canonical codes (any shape; the last block may be partial): the kernels' decoded values, of
+    ``shape`` (default: the codes', which is the parameter's)."""
     flat = decode(codes.reshape(-1).float(), signed)
     pad = absmax.numel() * BLOCK - flat.numel()
     out = torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK) * absmax.float().view(-1, 1)
-    return out.reshape(-1)[: codes.numel()].view(codes.shape)
+    return out.reshape(-1)[: codes.numel()].view(codes.shape if shape is None else shape)
 
 
 def _describe(t) -> str:
