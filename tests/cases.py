@@ -82,6 +82,24 @@ def names(*where) -> list:
             if s.backends and not s.fallback and "torch" in s.backends and all(w(s) for w in where)]
 
 
+def bare(name: str, params: list) -> list:
+    """``params`` (tensors, or ``named_parameters()`` pairs) as a test gives them to any optimizer, bare. A Muon name
+    refuses a bare list (it cannot tell a hidden matrix from an embedding without the model): it gets them as param
+    groups, the matrices to Muon, the rest to AdamW (names kept)."""
+    items = list(params)
+    if spec_of(name).facts.math != "muon":
+        return items
+    named = bool(items) and isinstance(items[0], tuple)
+    tensors = [it[1] if named else it for it in items]
+    groups = []
+    for flag in (True, False):
+        pick = [i for i, t in enumerate(tensors) if (t.ndim == 2) == flag]
+        if pick:
+            groups.append({"params": [tensors[i] for i in pick], "muon": flag,
+                           **({"param_names": [items[i][0] for i in pick]} if named else {})})
+    return groups
+
+
 def plain(params: list) -> list[str]:
     """The names of :func:`names`' params (for tests that loop over them in one process, or send them elsewhere:
     pass :func:`packaged` there)."""

@@ -323,30 +323,34 @@ class AdamW(torch.optim.AdamW):
         loss = start_step(self, closure, "AdamW")  # closure, then sparse gradients refused: nothing half-done
         position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
-            items = []
-            for p in group["params"]:
-                if p.grad is not None:
-                    items.append((p, self._init_state(p, group), position))
-                position += 1
-            if not items:
-                continue
-            low = [it for it in items if _sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION]
-            if low:
-                self._step_low_precision_shards(group, low)
-                items = [it for it in items if not (_sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION)]
-                if not items:
-                    continue
-            states = [st for _, st, _ in items]
-            beta1, beta2 = group["betas"]
-            adamw_fp32_state([p for p, _, _ in items], [p.grad for p, _, _ in items],
-                             [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                             [st.get("max_exp_avg_sq") for st in states], [st["step"] for st in states],
-                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                             maximize=group["maximize"], compensation=group["compensation"],
-                             comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
-                             found_inf=getattr(self, "found_inf", None))
+            self._step_group(group, position)
+            position += len(group["params"])
         return loss
+
+    def _step_group(self, group: dict, position: int) -> None:
+        """Step the parameters of ``group`` that have a gradient; ``position``: the index of its first parameter
+        across groups (the noise stream of each). One group at a time, so that a class stepping some groups by
+        another rule (:class:`.muon.Muon`) steps the others with this code."""
+        items = [(p, self._init_state(p, group), i) for i, p in enumerate(group["params"], position)
+                 if p.grad is not None]
+        if not items:
+            return
+        low = [it for it in items if _sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION]
+        if low:
+            self._step_low_precision_shards(group, low)
+            items = [it for it in items if not (_sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION)]
+            if not items:
+                return
+        states = [st for _, st, _ in items]
+        beta1, beta2 = group["betas"]
+        adamw_fp32_state([p for p, _, _ in items], [p.grad for p, _, _ in items],
+                         [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                         [st.get("max_exp_avg_sq") for st in states], [st["step"] for st in states],
+                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                         maximize=group["maximize"], compensation=group["compensation"],
+                         comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
+                         found_inf=getattr(self, "found_inf", None))
 
     def _step_low_precision_shards(self, group: dict, items: list) -> None:
         """bf16/fp16 FSDP2 shards (``items``: parameter, state, position): their local tensors through torch's path,
