@@ -27,9 +27,11 @@ from .optim.adafactor import Adafactor
 from .optim.adamw import ADAMW
 from .optim.adamw8bit import ADAMW8BIT, AdamW8bit
 from .optim.adamw_bf16 import AdamWBF16
-from .optim.facts import PREFIX, Family, StateKey
+from .optim import quant8
+from .optim.facts import PREFIX, Family, StateKey, codes_bytes
 from .optim.lion8bit import LION8BIT, Lion8bit
 from .optim.muon import Muon
+from .optim.muon8bit import Muon8bit
 from .options import OPTIONS, Option
 from .optional import install_hint, version_of
 
@@ -257,6 +259,13 @@ SPECS: dict[str, OptimizerSpec] = {
                     backends={"torch": torch_backend(Muon, backends.muon_memory(backends.fp32_momentum_memory,
                                                                                 backends.torch_adamw_memory))},
                     state_bytes=4.0, bytes_label="4 (AdamW's: 8)"),
+        family_spec(Muon8bit, "as muon, Muon's momentum in blockwise 8-bit state and the AdamW part as adam8bit "
+                    "(embeddings and tensors < min_8bit_size keep 32-bit state)",
+                    backends={"torch": torch_backend(Muon8bit, backends.muon_memory(
+                        backends.torch_8bit_memory(Muon8bit.FACTS, ["momentum_buffer"]),
+                        backends.torch_8bit_memory(ADAMW8BIT)))},
+                    state_bytes=round(codes_bytes(quant8, 1.0), 2),
+                    bytes_label=f"~{codes_bytes(quant8, 1.0):.2f} (AdamW's: ~{ADAMW8BIT.quantized_bytes:.2f})"),
     ]
 }
 # hf_eff_auto is no optimizer of its own: create_optimizer picks one of the above from the model's predicted

@@ -113,14 +113,21 @@ def quantized(spec) -> bool:
     return spec.facts.quantized
 
 
+def _own_kernels(spec) -> bool:
+    """A quantized family whose kernels are its own (not another family's: Muon8bit steps its AdamW groups with
+    AdamW8bit's, tested as AdamW8bit's)."""
+    cls = cls_of(spec)
+    return issubclass(cls, Blockwise8bit) and cls.NAME == spec.facts.name
+
+
 def c_kernel(spec) -> bool:
     """A quantized family with its own C kernel (``{NAME}_cpu.c``)."""
-    return issubclass(cls_of(spec), Blockwise8bit) and cls_of(spec).C_KERNEL
+    return _own_kernels(spec) and cls_of(spec).C_KERNEL
 
 
 def triton_kernel(spec) -> bool:
     """A quantized family with its own Triton kernel (``blockwise_triton.{NAME}``)."""
-    return issubclass(cls_of(spec), Blockwise8bit) and cls_of(spec).TRITON_KERNEL
+    return _own_kernels(spec) and cls_of(spec).TRITON_KERNEL
 
 
 def fp32_model(spec) -> bool:

@@ -132,7 +132,7 @@ class Blockwise8bit(Optimizer):
             cls._op = _make_op(cls.NAME, cls) if cls.C_KERNEL else None
 
     def __init__(self, params, defaults: dict, fp32_state_params=None):
-        self.check_family_keys(defaults)
+        _check_8bit_keys(defaults, self.FACTS, self.FAMILY)
         self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
         self._tables = {}  # id(param group) -> its Triton launches' pointer tables (blockwise_triton.launch)
         super().__init__(params, defaults)

@@ -322,7 +322,8 @@ class MuonSteps:
     :meth:`_muon_state` (a Muon parameter's state, made at its first step) and, where its momentum is not an fp32
     tensor, :meth:`_momentum`."""
 
-    MUON_DEFAULTS = {o.name: o.default for o in _GROUP_OPTIONS} | {"transposed": False}
+    # "muon": no default (None), each group says; kept among the defaults so that saved groups keep it when checked
+    MUON_DEFAULTS = {o.name: o.default for o in _GROUP_OPTIONS} | {"transposed": False, "muon": None}
 
     def _muon_state(self, p: Tensor, group: dict) -> dict:
         raise NotImplementedError
