@@ -33,6 +33,21 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def triton_off_on_cpu_after_the_test(monkeypatch):
+    """The Triton kernels take CPU tensors only in the tests that ask for it: a test that leaves
+    ``_triton.interpret_on_cpu`` on would send every later test of its worker through the interpreted kernels (a
+    run compared with one in a subprocess then differs in the last bits). Such a test fails here, and is undone
+    (checked once the test's monkeypatches are undone: one of them may be what turned it on)."""
+    from hf_efficient.optim import _triton
+
+    yield
+    monkeypatch.undo()
+    if _triton._ON_CPU:
+        _triton.interpret_on_cpu(False)
+        pytest.fail("the test left _triton.interpret_on_cpu(True): use the on_cpu fixture, or turn it off after")
+
+
+@pytest.fixture(autouse=True)
 def example_family(request, monkeypatch):
     """docs/contributing.md's example family in the registry while a test marked ``example_family`` (tests/cases.py
     marks its cases) runs, and out of it after: the package's names stay the package's."""

@@ -41,6 +41,9 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
         result = ("error", traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # every rank past its last collective before any tears its connections down: gloo ends a rank whose peer
+    # closed a pair it still polls with std::terminate (SIGABRT), which lost the results of a passing run
+    dist.barrier()
     faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 

@@ -259,3 +259,65 @@ def test_c_compensation_modes_are_the_python_numbers(tmp_path):
     subprocess.run([*cc, "-I", str(_OPTIM), str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
     modes = (ctypes.c_int * 3).in_dll(ctypes.CDLL(str(lib)), "modes")
     assert list(modes) == [C_MODES["kahan"], C_MODES["stochastic"], C_MODES["none"]]
+
+
+# docs/contributing.md's example family (tests/example_family.py: a torch step only) given the C kernel the guide
+# describes: its coefficient struct, its update of one element, its family_t, and the two functions that hand them to
+# blockwise.h (which walks the tensors, splits the blocks over threads, decodes, encodes and dispatches on dtype and
+# compensation mode).
+SGDM8BIT_C = r"""
+#include "blockwise.h"
+
+/* SGDM8bit.coefficients, in order. */
+typedef struct {
+    float momentum, decay, lr;
+} sgdm_coef_t;
+
+/* SGDM8bit.update on one element: m = m * momentum + g; p * decay - m * lr. */
+ALWAYS_INLINE float sgdm_update(float p, float g, float *s, const void *coef, int64_t i, int64_t n) {
+    const sgdm_coef_t *k = coef;
+    s[0] = s[0] * k->momentum + g;
+    return p * k->decay - s[0] * k->lr;
+}
+
+static const family_t SGDM8BIT = {sgdm_update, 1, sizeof(sgdm_coef_t) / sizeof(float), {1}};
+
+static void sgdm8bit_range(const void *args, int64_t lo, int64_t hi) { blockwise_range(args, &SGDM8BIT, lo, hi); }
+
+void sgdm8bit_step(int64_t count, void *const *p, const void *const *g, uint32_t *const *codes, float *const *absmax,
+                   const int64_t *numel, const int32_t *bf16, uint16_t *const *c, const int32_t *keys,
+                   comp_mode_t mode, const float *maps, const sgdm_coef_t *coef, int64_t start, int64_t end,
+                   int threads) {
+    blockwise_step(sgdm8bit_range, (blockwise_t){count, p, g, codes, absmax, numel, bf16, c, keys, mode, maps,
+                                                 (const float *)coef, NULL}, start, end, threads);
+}
+"""
+
+
+@needs_compiler
+@pytest.mark.parametrize("update", ["s[0] * k->momentum + g", "s[0] * k->momentum + g * 1.0001f"],
+                         ids=["as the family's math", "one operation off"])
+def test_a_family_kernel_is_its_update_and_blockwise_h_does_the_rest(update, tmp_path):
+    """The guide's ~25-line C kernel of the example family passes the probe every 8-bit C kernel passes (three steps,
+    codes and absmaxes exactly the eager kernel's, fp32 and bf16 weights under each compensation, 3 threads, a
+    partial block); the same kernel with its update one operation off fails it."""
+    from example_family import SGDM8bit
+
+    src, lib = tmp_path / "sgdm8bit_cpu.c", tmp_path / "sgdm8bit_cpu.so"
+    src.write_text(SGDM8BIT_C.replace("s[0] * k->momentum + g;", update + ";"))
+    cc = [*shlex.split(_native.c_compiler()), *_native._FLAGS, _native._OPENMP]
+    out = subprocess.run([*cc, "-I", str(_OPTIM), str(src), "-o", str(lib), "-lm"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    declared = "_c_kernel" in SGDM8bit.__dict__
+    saved = dict(_dispatch.C_KERNELS)  # the family is no name of the package: its declaration is dropped after
+    try:
+        handle = ctypes.CDLL(str(lib))
+        handle.openmp = True
+        fn = _native.bind(handle, "sgdm8bit_step", SGDM8bit.c_kernel().argtypes)
+        assert SGDM8bit._probe(fn) is (update == "s[0] * k->momentum + g")
+    finally:
+        _dispatch.C_KERNELS.clear()
+        _dispatch.C_KERNELS.update(saved)
+        if not declared:
+            del SGDM8bit._c_kernel

@@ -181,13 +181,12 @@ def test_bench_cuda_sweep_runs_the_8bit_kernels_under_each_program_shape(tmp_pat
     from hf_efficient.optim import _triton
     from hf_efficient.optim import blockwise_triton as B
 
-    _triton.interpret_on_cpu(True)
-    monkeypatch.setattr(_triton, "_ON_CPU", True)  # put back (off) after the test
+    monkeypatch.setattr(_triton, "_ON_CPU", True)  # interpret_on_cpu(True) for this test only (put back after)
     cuda = _load("bench_cuda")
     seen = []
-    real = B.launch
-    monkeypatch.setattr(B, "launch", lambda *a, **k: ("NB" in k and seen.append((a[6], a[7], k["NB"]))) or real(
-        *a, **k))  # the 8-bit launches (Lion's fp32-state tensors share the launcher, with its own shape)
+    real = _triton.launch
+    monkeypatch.setattr(_triton, "launch", lambda *a, **k: ("NB" in k and seen.append((a[6], k["num_warps"], k["NB"])))
+                        or real(*a, **k))  # the 8-bit launches (Lion's fp32-state tensors share the launcher)
     before = (B.NB, B.NUM_WARPS)
     doc = cuda.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--ffn", "128", "--reps", "1", "--warmup",
                      "0", "--e2e-layers", "0", "--sweep", "--only", "hf_eff_lion8bit NB=4 warps=8", "--out",

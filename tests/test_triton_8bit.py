@@ -254,7 +254,7 @@ def test_every_launched_variant_compiles_for_hopper():
             jobs))
         scalars = {"table": "*i64", "count": "i32", "coef": "*fp32",
                    **{x: "fp32" for x in "lr_hi lr_lo beta1_hi beta1_lo beta2_hi beta2_lo".split()}}
-        infos.append(compile_for_hopper("hf_efficient.optim.blockwise_triton", "adam_scalars_kernel", scalars, {},
+        infos.append(compile_for_hopper("hf_efficient.optim._triton_lib", "adam_scalars_kernel", scalars, {},
                                         num_warps=1))
     assert all(info["cubin"] > 0 for info in infos)
 
@@ -269,7 +269,7 @@ def test_lion_fp32_state_tensors_batched_in_one_launch(on_cpu, monkeypatch, dtyp
 
     launches = Spy(lion_triton.lion_kernel)
     monkeypatch.setattr(lion_triton, "lion_kernel", launches)
-    monkeypatch.setattr(B, "MAX_PROGRAMS", max_programs)
+    monkeypatch.setattr(_triton, "MAX_PROGRAMS", max_programs)
     runs = []
     for compile in (None, False):
         gen = torch.Generator().manual_seed(0)
@@ -294,7 +294,7 @@ def test_a_groups_8bit_tensors_share_one_launch_per_dtype_pair(on_cpu, spy, monk
     and weights the eager kernel's. ``max_programs`` 1: each tensor of two programs gets a launch of its own, its
     programs on the grid's axis 2. Every tensor's state is its own allocation (16-byte aligned) or a view into
     its group's buffer (absmaxes at 4-byte offsets): the launch promises alignment only in the first case."""
-    monkeypatch.setattr(B, "MAX_PROGRAMS", max_programs)
+    monkeypatch.setattr(_triton, "MAX_PROGRAMS", max_programs)
     sizes = [[N, 300, 2 * B.NB * 256 + 256], [B.NB * 256 + 552, 700]]  # programs: 2, 1, 3; 2, 1
     runs = []
     for compile in (None, False):
@@ -320,20 +320,26 @@ def test_a_groups_8bit_tensors_share_one_launch_per_dtype_pair(on_cpu, spy, monk
 
 @needs_interpreter
 def test_adams_scalars_are_computed_once_per_tensor_into_a_buffer_kept_between_steps(on_cpu, monkeypatch):
-    """adam_scalars_kernel: one program per tensor of each 8-bit launch, writing each tensor's step size and bias
-    correction into a buffer kept with the launch's pointer table (not a new one per step): eager's
+    """_triton.adam_scalars: one program per tensor of each 8-bit launch, writing each tensor's step size and bias
+    corrections into a buffer kept with the launch's pointer table (not a new one per step): eager's
     ``_coefficients`` rounded to fp32, at step 1000 too (pow_int's loop over ten bits); the step's codes are then
     the eager kernel's."""
-    assert AdamW8bit.triton_fn(torch.device("cpu")) is not None  # probed first: its launches not counted
+    import math
+
+    from hf_efficient.optim import adamw
+
+    assert AdamW8bit.triton_fn(torch.device("cpu")) is not None  # probed first: their launches not counted
+    assert adamw._triton_kernel(torch.device("cpu")) is not None
     launches = []
-    real = B.adam_scalars_kernel
+    lib = _triton.jit_helpers()
+    real = lib.adam_scalars_kernel
 
     class Counting:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(B, "adam_scalars_kernel", Counting())
+    monkeypatch.setattr(lib, "adam_scalars_kernel", Counting())
     params, opt = make(AdamW8bit, torch.float32, "none")
     ref_params, ref = make(AdamW8bit, torch.float32, "none", compile=False)
     for o, ps in ((opt, params), (ref, ref_params)):
@@ -341,13 +347,14 @@ def test_adams_scalars_are_computed_once_per_tensor_into_a_buffer_kept_between_s
         for p in ps:
             o.state[p]["step"].fill_(999.0)  # the next step is the 1000th
         run(ps, o, 1, seed=2)
-    assert launches == [(1,), (1,)]  # the one 8-bit tensor, each step
+    assert launches == [(1,)] * 4  # each step: the one 8-bit tensor, and the fp32-state one (adamw_triton's kernel)
     buffers = [v for k, v in opt._tables[id(opt.param_groups[0])].items() if k[-1] == "coef"]
-    assert len(buffers) == 1 and buffers[0].shape == (2,)
+    assert len(buffers) == 1 and buffers[0].shape == (3,)
     from hf_efficient.optim.adamw8bit import _coefficients
 
     coef = _coefficients(opt.param_groups[0], 1000)
-    assert buffers[0].tolist() == [_triton.fp32(coef[7]), _triton.fp32(coef[4])]  # step size, 1/sqrt(bc2)
+    bc2_sqrt = math.sqrt(1.0 - opt.param_groups[0]["betas"][1] ** 1000)  # AdamW's fp32 kernels divide by it
+    assert buffers[0].tolist() == [_triton.fp32(coef[7]), _triton.fp32(coef[4]), _triton.fp32(bc2_sqrt)]
     st, rt = opt.state_dict()["state"][0], ref.state_dict()["state"][0]  # the 8-bit tensor
     assert all(torch.equal(st[k], rt[k]) for k in st if k != "step") and float(st["step"]) == 1000.0
 

@@ -267,8 +267,9 @@ def test_one_launch_per_pass_matches_the_eager_step(dtype, compensation, monkeyp
     :func:`test_a_llama_step_is_four_launches` layer in four launches."""
     monkeypatch.setattr(af, "_native_fn", lambda: None)  # the reference: the eager step
     # stats tiles of 256 bytes of gradient (_ROWS_TILE): 4 rows of 16 fp32 columns, 8 rows of 16 bf16 ones
-    for name, value in (("_WIDE", 16), ("_COLS", 16), ("_ROWS_TILE", 64 * 4), ("_TILE", 64), ("_MAX_GRID", 2)):
+    for name, value in (("_WIDE", 16), ("_COLS", 16), ("_ROWS_TILE", 64 * 4), ("_TILE", 64)):
         monkeypatch.setattr(T, name, value)
+    monkeypatch.setattr(_triton, "MAX_PROGRAMS", 2)
     (ps, groups), (ref, ref_groups) = _llama(1, dtype), _llama(1, dtype)
     opt, ref_opt = (Adafactor(g, lr=LR, beta1=0.9, compensation=compensation) for g in (groups, ref_groups))
     grads = _grads(ps, 2)
@@ -347,9 +348,10 @@ def test_every_variant_compiles_for_hopper():
 
 
 # The update pass (it reads g and writes the weights) on bf16 weights under Kahan: sm_90 instructions over a thread's
-# elements of a tile (4 x 1024 over 8 warps: 16), and registers, as measured when written (issue 24: 82.5 and 100),
-# plus a margin. These kernels are bound by their instructions on a GPU, not by memory: a regression shows here first.
-MAX_PER_ELEMENT, MAX_REGS = 86, 104
+# elements of a tile (4 x 1024 over 8 warps: 16), and registers, as measured when written (issue 24: 82.5 and 100;
+# 81.0 and 100 through the shared _triton_lib.write, issue 31), plus a margin. These kernels are bound by their
+# instructions on a GPU, not by memory: a regression shows here first.
+MAX_PER_ELEMENT, MAX_REGS = 85, 104
 
 
 def test_update_pass_instructions_do_not_regress():

@@ -22,7 +22,7 @@ import logging
 import pytest
 import torch
 
-from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, triton  # noqa: F401
+from triton_helpers import compile_for_hopper, needs_interpreter, on_cpu, signature_adamw, triton  # noqa: F401
 from hf_efficient.optim import _dispatch, _triton, adamw, adamw_bf16, adamw_triton
 from hf_efficient.optim.adamw import AdamW
 from hf_efficient.optim.adamw_bf16 import AdamWBF16
@@ -37,7 +37,7 @@ LAYOUTS = {"shared": {}, "alone": {"BLOCKS": 1, "MAX_PROGRAMS": 1}}
 
 def _layout(monkeypatch, layout):
     for name, value in LAYOUTS[layout].items():
-        monkeypatch.setattr(adamw_triton, name, value)
+        monkeypatch.setattr(_triton if name == "MAX_PROGRAMS" else adamw_triton, name, value)
 
 
 def _params(dtype, seed=0):
@@ -116,11 +116,11 @@ def test_fp32_state_kernel_matches_the_torch_path(on_cpu, monkeypatch, mode, dty
     _layout(monkeypatch, layout)
     assert adamw._triton_kernel(torch.device("cpu")) is not None  # probed before counting
     launched = []
-    monkeypatch.setattr(adamw_triton, "launch", _counting(adamw_triton.launch, launched))
+    monkeypatch.setattr(_triton, "launch", _counting(_triton.launch, launched))
     ref_p, tri_p = _params(dtype), _params(dtype)
     ref = _train(AdamW, ref_p, 3, triton_on=False, compensation=mode)
     tri = _train(AdamW, tri_p, 3, triton_on=True, compensation=mode)
-    assert len(launched) == 3 * 2  # per step: one call per param group with tensors
+    assert launched == [adamw_triton.fp32_state_kernel] * (3 * 2)  # per step: one call per group with tensors
     for a, b, sa, sb in zip(tri_p, ref_p, _states(tri, tri_p), _states(ref, ref_p)):
         assert torch.equal(sa["step"], sb["step"])
         for key in ("exp_avg", "exp_avg_sq"):
@@ -144,7 +144,7 @@ def test_fp32_state_kernel_lerps_from_the_gradient_side_too(on_cpu, beta1):
 
 def _counting(fn, calls):
     def wrapped(*args, **kwargs):
-        calls.append(args[1])
+        calls.append(args[0])  # the kernel
         return fn(*args, **kwargs)
     return wrapped
 
@@ -153,14 +153,14 @@ _FP32_STATE_KERNEL = adamw_triton.fp32_state_kernel
 
 
 class _Counting:
-    """A kernel whose launches are recorded: (grid, TABLE, ALIGNED)."""
+    """A kernel whose launches are recorded: (grid, ALIGNED)."""
 
     def __init__(self, kernel, launched):
         self.kernel, self.launched = kernel, launched
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
-            self.launched.append((grid, kwargs["TABLE"], kwargs["ALIGNED"]))
+            self.launched.append((grid, kwargs["ALIGNED"]))
             return self.kernel[grid](*args, **kwargs)
         return run
 
@@ -180,13 +180,13 @@ def _fp32_state_launches(monkeypatch, params, grads):
 
 @needs_interpreter
 @pytest.mark.parametrize("layout,grids", [
-    ("shared", [((3, 1), True, True), ((1, 1), True, True)]),  # (tensors, programs): 3000, 35, 2048; 37 (fp32 grad)
-    ("alone", [((2,), False, False), ((2, 1), True, True), ((1, 1), True, True)]),  # 3000 alone (programs,)
+    ("shared", [((3, 1, 1), True), ((1, 1, 1), True)]),  # (tensors, programs, 1): 3000, 35, 2048; 37 (fp32 grad)
+    ("alone", [((1, 1, 2), True), ((2, 1, 1), True), ((1, 1, 1), True)]),  # 3000 alone: programs on axes 1 and 2
 ])
 def test_fp32_state_kernel_launches(on_cpu, monkeypatch, layout, grids):
     """One launch per (weight, gradient) dtype pair (tensors on the grid's first dimension, the only one with room for
-    more than 65535), except a tensor of more than MAX_PROGRAMS programs: one of its own; empty tensors none. Table
-    launches of 16-byte aligned tensors say so (ALIGNED)."""
+    more than 65535), except a tensor of more than MAX_PROGRAMS programs: one of its own, its programs on axes 1 and
+    2; empty tensors none. Launches of 16-byte aligned tensors say so (ALIGNED)."""
     _layout(monkeypatch, layout)
     params = _params(torch.bfloat16)
     grads = _grads(params, 0)
@@ -207,7 +207,7 @@ def test_misaligned_tensors_take_no_alignment_hint(on_cpu, monkeypatch):
     runs = []
     for params in (aligned, misaligned):
         assert [l[1:] for l in _fp32_state_launches(monkeypatch, params, _grads(params, 0))] == [
-            (True, params is aligned)]
+            (params is aligned,)]
         runs.append(params)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -219,12 +219,13 @@ def test_llama_1b_shapes_take_two_launches_per_step():
     layer = [(d, d)] * 4 + [(ff, d)] * 2 + [(d, ff)]
     groups = [[torch.empty(s, dtype=torch.bfloat16, device="meta") for _ in range(24) for s in layer],
               [torch.empty(d, dtype=torch.bfloat16, device="meta") for _ in range(48)]]
-    plans = [adamw_triton.plan(ps, ps) for ps in groups]
+    span = adamw_triton.BLOCK * adamw_triton.BLOCKS  # elements per program
+    plans = [_triton.plan(ps, ps, span) for ps in groups]
     assert plans == [([], [list(range(168))]), ([], [list(range(48))])]
     big = [torch.empty((128256, d), dtype=torch.bfloat16, device="meta")]  # the embedding: still shared
-    assert adamw_triton.plan(big, big) == ([], [[0]])
-    huge = [torch.empty(adamw_triton.MAX_PROGRAMS * adamw_triton.BLOCK * adamw_triton.BLOCKS + 1, device="meta")]
-    assert adamw_triton.plan(huge, huge) == ([0], [])
+    assert _triton.plan(big, big, span) == ([], [[0]])
+    huge = [torch.empty(_triton.MAX_PROGRAMS * span + 1, device="meta")]
+    assert _triton.plan(huge, huge, span) == ([0], [])
 
 
 @needs_interpreter
@@ -455,7 +456,7 @@ def test_probe_failure_falls_back_with_one_warning(on_cpu, monkeypatch, caplog, 
     probe = "_triton_probe" if cls is AdamW else "_triton_agrees"
     monkeypatch.setattr(mod, probe, lambda *a: False)
     monkeypatch.setattr(_dispatch, "_COMPILED", {k: v for k, v in _dispatch._COMPILED.items() if k[0] != "triton"})
-    monkeypatch.setattr(adamw_triton, "launch", lambda *a, **k: pytest.fail("Triton kernel launched"))
+    monkeypatch.setattr(_triton, "launch", lambda *a, **k: pytest.fail("Triton kernel launched"))
     params = _params(torch.bfloat16)
     with caplog.at_level(logging.WARNING):
         _train(cls, params, 2, triton_on=True, compensation="stochastic")
@@ -469,36 +470,25 @@ def test_probe_failure_falls_back_with_one_warning(on_cpu, monkeypatch, caplog, 
 # Compiled for the GPU (the interpreter accepts what the compiler may refuse)
 # ----------------------------------------------------------------------------------------------------
 
-def _signature(kernel: str, p: str, g: str, table: bool, mode: int, keyed: bool | None, aligned: bool):
-    state = "fp32" if kernel == "fp32_state_kernel" else "bf16"
-    sig = {"flag_ptr": "*fp32", "p_ptr": f"*{p}", "g_ptr": f"*{g}", "m_ptr": f"*{state}", "v_ptr": f"*{state}",
-           "c_ptr": "*bf16" if mode == 0 and p != "fp32" else f"*{p}", "step_ptr": "*fp32",
-           "ptrs": "*i64" if table else "*fp32", "sizes": "*i64" if table else "*fp32", "n": "i64", "key": "i32",
-           "count": "i32"}
-    scalars = ["lr_hi", "lr_lo", "b1_hi", "b1_lo", "b2_hi", "b2_lo"] + (
-        ["b2", "omb2", "lerp_w", "decay", "eps"] if state == "fp32" else ["b1", "omb1", "b2", "omb2", "eps", "decay"])
-    sig.update({s: "fp32" for s in scalars})
-    constexprs = {"MODE": mode, "TABLE": table, "ALIGNED": table and aligned, "BLOCK": adamw_triton.BLOCK,
-                  "BLOCKS": adamw_triton.BLOCKS}
-    if keyed is not None:
-        constexprs["KEYED"] = keyed
-    sig.update({k: "constexpr" for k in constexprs})
-    return sig, constexprs
+def _constexprs(kernel: str, p: str, g: str, mode: int, keyed: bool | None, aligned: bool) -> dict:
+    names = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
+    return {"MODE": mode, "OUT": names[p], "GRAD": names[g], "ALIGNED": aligned,
+            **({} if keyed is None else {"KEYED": keyed}), "BLOCK": adamw_triton.BLOCK, "BLOCKS": adamw_triton.BLOCKS}
 
 
 # every constexpr value and weight dtype of each kernel at least once (each compile takes seconds)
-VARIANTS = [("fp32_state_kernel", "bf16", "fp32", False, 0, False, False),
-            ("fp32_state_kernel", "fp16", "fp16", True, 1, True, True),
-            ("fp32_state_kernel", "fp32", "bf16", True, 2, False, False),
-            ("bf16_state_kernel", "bf16", "fp32", False, 0, None, False),
-            ("bf16_state_kernel", "fp16", "bf16", True, 1, None, False),
-            ("bf16_state_kernel", "bf16", "bf16", True, 2, None, True)]
+VARIANTS = [("fp32_state_kernel", "bf16", "fp32", 0, False, False),
+            ("fp32_state_kernel", "fp16", "fp16", 1, True, True),
+            ("fp32_state_kernel", "fp32", "bf16", 2, False, False),
+            ("bf16_state_kernel", "bf16", "fp32", 0, None, False),
+            ("bf16_state_kernel", "fp16", "bf16", 1, None, False),
+            ("bf16_state_kernel", "bf16", "bf16", 2, None, True)]
 
 
-@pytest.mark.parametrize("kernel,p,g,table,mode,keyed,aligned", VARIANTS)
-def test_kernels_compile_for_hopper(kernel, p, g, table, mode, keyed, aligned):
-    sig, constexprs = _signature(kernel, p, g, table, mode, keyed, aligned)
-    assert compile_for_hopper("hf_efficient.optim.adamw_triton", kernel, sig, constexprs,
+@pytest.mark.parametrize("kernel,p,g,mode,keyed,aligned", VARIANTS)
+def test_kernels_compile_for_hopper(kernel, p, g, mode, keyed, aligned):
+    assert compile_for_hopper("hf_efficient.optim.adamw_triton", kernel, signature_adamw(kernel),
+                              _constexprs(kernel, p, g, mode, keyed, aligned),
                               num_warps=adamw_triton.NUM_WARPS)["cubin"] > 0
 
 
@@ -517,7 +507,7 @@ def test_missing_triton_on_cuda_warns_once(monkeypatch, caplog):
 @needs_interpreter
 def test_fp32_state_c_kernel_false_keeps_the_torch_path(on_cpu, monkeypatch):
     """8-bit AdamW's compile=False (``c_kernel=False``) means eager torch operations: no Triton kernel either."""
-    monkeypatch.setattr(adamw_triton, "launch", lambda *a, **k: pytest.fail("Triton kernel launched"))
+    monkeypatch.setattr(_triton, "launch", lambda *a, **k: pytest.fail("Triton kernel launched"))
     params = _params(torch.bfloat16)
     steps = [torch.tensor(0.0) for _ in params]
     adamw.adamw_fp32_state(params, _grads(params, 0), [torch.zeros(p.shape) for p in params],
@@ -528,15 +518,19 @@ def test_fp32_state_c_kernel_false_keeps_the_torch_path(on_cpu, monkeypatch):
 
 # sm_90 instructions of fp32_state_kernel on bf16 weights under Kahan (the most per element: two bf16 roundings and
 # the buffer), static count over a thread's elements per block, and its registers (they bound the warps an SM holds):
-# issue 24's measure when written (233 and 99), plus a margin. A GPU step of these kernels is bound by their
-# instructions, not by memory: a regression shows here before anyone runs one.
-MAX_PER_ELEMENT, MAX_REGS = 240, 104
+# issue 24's measure when written (233 and 99), 207 and 99 once the float64 bias corrections moved to
+# _triton.adam_scalars (issue 31), plus a margin. A GPU step of these kernels is bound by their instructions, not by
+# memory: a regression shows here before anyone runs one.
+MAX_PER_ELEMENT, MAX_REGS = 217, 104
 
 
 def test_instructions_per_element_do_not_regress():
-    sig, constexprs = _signature("fp32_state_kernel", "bf16", "bf16", True, 0, False, True)
-    info = compile_for_hopper("hf_efficient.optim.adamw_triton", "fp32_state_kernel", sig, constexprs, sass=True,
+    info = compile_for_hopper("hf_efficient.optim.adamw_triton", "fp32_state_kernel",
+                              signature_adamw("fp32_state_kernel"),
+                              _constexprs("fp32_state_kernel", "bf16", "bf16", 0, False, True), sass=True,
                               num_warps=adamw_triton.NUM_WARPS)
     per_element = sum(info["sass"].values()) / (adamw_triton.BLOCK / (32 * adamw_triton.NUM_WARPS))
     assert per_element <= MAX_PER_ELEMENT, info["sass"]
     assert info["regs"] <= MAX_REGS
+    # no float64 in a program: the bias corrections come from _triton.adam_scalars, once per tensor
+    assert not {"DFMA", "DMUL", "DADD"} & set(info["sass"]), info["sass"]

@@ -101,3 +101,20 @@ def signature_8bit(kernel: str) -> dict:
         scalars = "b1 omb1 b2 omb2 decay lr"
     constexprs = ("MODE", "OUT", "GRAD", "ALIGNED", "BLOCK" if kernel == "lion_kernel" else "NB")
     return {**head, **{x: "fp32" for x in scalars.split()}, **{c: "constexpr" for c in constexprs}}
+
+
+def signature_adamw(kernel: str) -> dict:
+    """The argument types of ``adamw_triton``'s ``fp32_state_kernel`` or ``bf16_state_kernel``."""
+    head = {"table": "*i64", "info": "*i64", "flag_ptr": "*fp32", "count": "i32", "coef": "*fp32"}
+    fp32 = kernel == "fp32_state_kernel"
+    scalars = "b2 omb2 lerp_w decay eps" if fp32 else "b1 omb1 b2 omb2 eps decay"
+    constexprs = ("MODE", "OUT", "GRAD", "ALIGNED", *(("KEYED",) if fp32 else ()), "BLOCK", "BLOCKS")
+    return {**head, **{x: "fp32" for x in scalars.split()}, **{c: "constexpr" for c in constexprs}}
+
+
+def signature_adafactor_update() -> dict:
+    """The argument types of ``adafactor_triton._update_kernel``."""
+    scalars = "lr_hi lr_lo clip_hi clip_lo decay omb1"
+    return {"ptrs": "*i64", "sizes": "*i64", "mean_ptr": "*fp64", "cinv_ptr": "*fp32", "over_ptr": "*fp64",
+            "flag_ptr": "*fp32", "count": "i32", **{x: "fp32" for x in scalars.split()},
+            **{c: "constexpr" for c in ("PDT", "GDT", "HAS_EA", "MODE", "ALIGNED", "BR", "BC", "PART")}}

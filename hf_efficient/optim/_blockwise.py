@@ -134,7 +134,7 @@ class Blockwise8bit(Optimizer):
     def __init__(self, params, defaults: dict, fp32_state_params=None):
         _check_8bit_keys(defaults, self.FACTS, self.FAMILY)
         self._fp32_ids = {x if isinstance(x, int) else id(x) for x in (fp32_state_params or ())}
-        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (blockwise_triton.launch)
+        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (_triton.launch)
         super().__init__(params, defaults)
 
     # --- what a family gives -------------------------------------------------------------------------------
@@ -216,13 +216,13 @@ class Blockwise8bit(Optimizer):
 
     @classmethod
     def c_kernel(cls) -> _dispatch.CKernel:
-        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c``, declared once per class (its argument list
-        depends on the number of moments)."""
+        """The family's C function ``{NAME}_step`` of ``{NAME}_cpu.c`` (blockwise.h's arguments), declared once per
+        class (``codes`` / ``absmax``: every tensor's first moment, then every tensor's second...)."""
         if "_c_kernel" not in cls.__dict__:
-            moments = " ".join(f"{kind}{i}:ptrs" for kind in ("codes", "absmax") for i in range(len(cls.MOMENTS)))
+            k = len(cls.MOMENTS)
             cls._c_kernel = _dispatch.CKernel(f"{cls.NAME}_cpu.c", f"{cls.NAME}_step", "count params:ptrs grads:ptrs "
-                                              f"{moments} numel:i64s bf16:i32s comps:ptrs keys:i32s mode:mode "
-                                              "maps:ptr coef:f32s*", cls._probe)
+                                              f"codes:ptrs*{k} absmax:ptrs*{k} numel:i64s bf16:i32s comps:ptrs "
+                                              "keys:i32s mode:mode maps:ptr coef:f32s*", cls._probe)
         return cls._c_kernel
 
     @staticmethod
@@ -268,8 +268,8 @@ class Blockwise8bit(Optimizer):
         :func:`._native.run_split`). ``codes`` / ``absmax`` hold each moment's tensors in turn; bf16 weights are
         written under ``compensation`` (``comps``: Kahan buffers, empty tensors for none; ``keys``: noise keys)."""
         k, count, numel = len(cls.MOMENTS), len(params), [p.numel() for p in params]
-        cls.c_kernel().run(fn, count, params, grads, *(codes[i::k] for i in range(k)),
-                           *(absmax[i::k] for i in range(k)), numel, [p.dtype == torch.bfloat16 for p in params],
+        by_moment = [c for i in range(k) for c in codes[i::k]], [a for i in range(k) for a in absmax[i::k]]
+        cls.c_kernel().run(fn, count, params, grads, *by_moment, numel, [p.dtype == torch.bfloat16 for p in params],
                            comps or [None] * count, keys or [0] * count, compensation, quant8.c_tables(), coef,
                            n=sum(quant8.blocks(n) for n in numel), unit=quant8.BLOCK, threads=threads)
 
@@ -597,7 +597,7 @@ class Blockwise8bit(Optimizer):
         for device, (launch, items) in gpu.items():
             flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
             _triton.advance_steps([it[2]["step"] for it in items], flag)
-            with on_device(device):  # one launch per (weight dtype, gradient dtype): blockwise_triton.launch
+            with on_device(device):  # one launch per (weight dtype, gradient dtype): _triton.launch
                 launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
         if fp32:
             self.step_32bit(group, fp32)

@@ -17,9 +17,16 @@ Conventions, shared by every Triton kernel (the C kernels use the same names and
 - Noise for stochastic rounding: :func:`hash_noise` of (the tensor's key, the element index), the key being
   :func:`weight_key` of (the parameter's position, its step), bit for bit as :mod:`.compensation`'s torch code, so
   a resumed run, the CPU kernels and these round alike.
-- Batching: the tensors of a step share few launches over a :class:`PointerTable` (device arrays of their addresses
-  and sizes, rebuilt only when an address changes): Triton's launcher costs the host tens of microseconds a call,
-  so one launch per tensor made the step wait on the host (see docs/results/bench_cuda.md).
+- Batching, one launch layer for every step kernel (:func:`launch`): the tensors of a step share few launches over a
+  :class:`PointerTable` (device arrays of their addresses and sizes, rebuilt only when an address changes): Triton's
+  launcher costs the host tens of microseconds a call, so one launch per tensor made the step wait on the host (see
+  docs/results/bench_cuda.md). One layout: the table's rows are each tensor's weight, gradient and step count (rows
+  0, 1, 2), then the family's own tensors; the info array is each tensor's size, then its position (or noise key). Grid: the tensors on axis 0, each tensor's programs on axes 1 and 2, at
+  most :data:`MAX_PROGRAMS` each. A kernel finds its tensor with ``_triton_lib.tensor_of_program`` and its pointers
+  with ``address``, and writes its weights with ``write``, the one compensated store.
+- Adam-like steps take each tensor's step size and bias corrections from :func:`adam_scalars` (one program per
+  tensor, in float64, before the step's launch), not from every program: their serial float64 powers, division and
+  square root held each program back before its first load.
 """
 
 from __future__ import annotations
@@ -28,15 +35,19 @@ import functools
 import os
 import threading
 from array import array
+from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 
 from .compensation import C_MODES, WEIGHT_STREAM
 
 __all__ = ["available", "applies", "interpret_on_cpu", "KAHAN", "STOCHASTIC", "NONE", "flag", "zero_flag",
-           "advance_steps", "PointerTable", "jit_helpers", "split64", "fp32"]
+           "advance_steps", "PointerTable", "jit_helpers", "split64", "fp32", "MAX_PROGRAMS", "plan", "launch",
+           "adam_scalars"]
 
 KAHAN, STOCHASTIC, NONE = C_MODES["kahan"], C_MODES["stochastic"], C_MODES["none"]
+MAX_PROGRAMS = 65535  # CUDA's limit on a grid's axes 1 and 2: a tensor of more programs spans both, alone
 _ON_CPU = False
 _LOCK = threading.Lock()
 
@@ -82,6 +93,7 @@ def fp32(x: float) -> float:
     return array("f", [x])[0]
 
 
+@functools.lru_cache(maxsize=256)  # per group and step otherwise: two array round trips on the host each
 def split64(x: float) -> tuple[float, float]:
     """A float64 as two fp32 halves whose sum is within ~2**-48 of it (Triton passes Python floats as fp32): what
     ``pow_int`` and any other float64 constant of a kernel takes."""
@@ -162,3 +174,90 @@ def jit_helpers():
         from . import _triton_lib
         _HELPERS = _triton_lib
     return _HELPERS
+
+
+def plan(params, grads, per_program: int, alone_from: int | None = None) -> tuple[list[int], list[list[int]]]:
+    """``(alone, shared)``: the indices of the tensors that get a launch of their own (more than
+    :data:`MAX_PROGRAMS` programs of ``per_program`` elements, which a shared grid would size for the others, or
+    ``alone_from`` elements or more: probes and tests, to take both kinds), and one list per (weight, gradient) dtype
+    pair of those that share one; empty tensors in neither. Reads only shapes and dtypes (meta tensors will do)."""
+    limit = MAX_PROGRAMS * per_program + 1
+    limit = limit if alone_from is None else min(limit, alone_from)
+    alone, shared = [], {}
+    for i, p in enumerate(params):
+        n = p.numel()
+        if n >= limit:
+            alone.append(i)
+        elif n:
+            shared.setdefault((p.dtype, grads[i].dtype), []).append(i)
+    return alone, list(shared.values())
+
+
+_RECENT: OrderedDict = OrderedDict()  # the tables of callers that keep none (functional calls): the latest 64
+_MAX_RECENT = 64
+
+
+def _kept(tables: dict | None, key):
+    """The dict to keep ``key``'s table in: ``tables``, or the recent ones (used last, the oldest dropped)."""
+    if tables is not None:
+        return tables
+    with _LOCK:
+        if key in _RECENT:
+            _RECENT.move_to_end(key)
+        else:
+            while len(_RECENT) >= _MAX_RECENT - 1:  # room for the table and its prepare's buffer
+                _RECENT.popitem(last=False)
+    return _RECENT
+
+
+def launch(kernel, items, tables: dict | None, flag, scalars: tuple, mode: str, per_program: int, *,
+           num_warps: int = 4, prepare=None, alone_from: int | None = None, **constexprs) -> None:
+    """``kernel`` over ``items`` (``(position, [weight, gradient, step count, *the family's tensors])``, all on one
+    device; a row's tensor that a launch never reads may be the weight, e.g. the Kahan buffer without Kahan): one
+    launch per (weight dtype, gradient dtype), the tensors on grid axis 0, their programs of ``per_program``
+    elements on axes 1 and 2; a tensor :func:`plan` sets apart in a launch of its own. The kernel's arguments: the
+    pointer table (a row per tensor list), the info array (sizes, then positions), ``flag``, the count of tensors,
+    ``prepare``'s, ``scalars``; constexprs ``MODE``, ``OUT``, ``GRAD`` (the weights' and gradients' Triton dtypes),
+    ``ALIGNED`` (every address a multiple of 16 bytes) and ``constexprs``. ``tables``: the caller's dict of
+    :class:`PointerTable`, kept between steps (a table per set of tensors: gradient release steps a different bucket
+    each call, the same ones each step), or None. ``prepare(addresses, count, key, tables)``: a launch's own leading
+    arguments (``key``: its table's, for buffers kept in ``tables`` beside it: :func:`adam_scalars`)."""
+    import triton.language as tl
+
+    dtypes = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    alone, shared = plan([ts[0] for _, ts in items], [ts[1] for _, ts in items], per_program, alone_from)
+    device = items[0][1][0].device if items else None
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext():
+        for idx in shared + [[i] for i in alone]:  # Triton launches on the current device: made the tensors' one
+            batch = [items[i] for i in idx]
+            p, g = batch[0][1][0], batch[0][1][1]
+            key = (kernel, p.dtype, g.dtype, device, *(ts[0].data_ptr() for _, ts in batch))
+            kept = _kept(tables, key)
+            table = kept.setdefault(key, PointerTable())
+            sizes = [ts[0].numel() for _, ts in batch]
+            addresses, info = table.get([list(row) for row in zip(*(ts for _, ts in batch))],
+                                        sizes + [position for position, _ in batch], device)
+            programs = -(-max(sizes) // per_program)
+            grid = (len(batch), min(programs, MAX_PROGRAMS), -(-programs // MAX_PROGRAMS))
+            lead = () if prepare is None else prepare(addresses, len(batch), key, kept)
+            kernel[grid](addresses, info, flag, len(batch), *lead, *scalars, MODE=C_MODES[mode], OUT=dtypes[p.dtype],
+                         GRAD=dtypes[g.dtype], ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False,
+                         **constexprs)
+
+
+def adam_scalars(lr: float, beta1: float, beta2: float):
+    """An Adam-like step's ``prepare`` for :func:`launch`: each tensor's ``lr / (1 - beta1^t)``,
+    ``1 / sqrt(1 - beta2^t)`` and ``sqrt(1 - beta2^t)`` (fp32 roundings of float64 values, as eager computes them in
+    Python), computed once per tensor and step from its step count on the device by
+    ``_triton_lib.adam_scalars_kernel`` (a launch of one program per tensor) into 3 floats per tensor, a buffer kept in
+    the launch's tables beside its pointer table: the kernel's ``coef`` argument."""
+    halves = (*split64(lr), *split64(beta1), *split64(beta2))
+
+    def prepare(addresses, count: int, key, tables: dict) -> tuple:
+        coef = tables.get((key, "coef"))
+        if coef is None or coef.numel() != 3 * count:
+            coef = tables[(key, "coef")] = torch.empty(3 * count, dtype=torch.float32, device=addresses.device)
+        jit_helpers().adam_scalars_kernel[(count,)](addresses, count, coef, *halves, num_warps=1)
+        return (coef,)
+
+    return prepare

@@ -1,8 +1,10 @@
-"""The ``@triton.jit`` device functions every family's Triton kernel calls (see :mod:`._triton` for conventions).
+"""The ``@triton.jit`` functions every family's Triton kernel calls (see :mod:`._triton` for conventions): the
+compensated write and its rounding, the noise, float64 powers, and the launch layer's side of :func:`._triton.launch`
+(a program's tensor and pointers, the one weight store :func:`write`, the per-tensor Adam scalars).
 
-Each mirrors a torch function of :mod:`.compensation` operation for operation, in int32 / fp32 arithmetic, so
-that a Triton kernel rounds bit for bit as the torch code and the C kernels do (tests compare them under Triton's
-interpreter). Imported only where Triton is installed.
+Each rounding function mirrors a torch function of :mod:`.compensation` operation for operation, in int32 / fp32
+arithmetic, so that a Triton kernel rounds bit for bit as the torch code and the C kernels do (tests compare them
+under Triton's interpreter). Imported only where Triton is installed.
 
 On the GPU a conversion rounds to nearest even in one instruction; Triton's interpreter truncates instead, so
 :func:`to_bf16` rounds in integers there only (:data:`_INTERPRET`, read when this module is imported, as Triton reads
@@ -117,3 +119,61 @@ def compensated(old, new, comp, key, idx, MODE: tl.constexpr, OUT: tl.constexpr)
         return round_stochastic(old + (new - old), hash_noise(key, idx), OUT), comp
     else:
         return to_dtype(new, OUT), comp
+
+
+# ----------------------------------------------------------------------------------------------------
+# The launch layer's side (see _triton.launch: the pointer table's rows, the info array, the grid)
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def tensor_of_program(info, BLOCK: tl.constexpr):
+    """This program's tensor ``t`` (grid axis 0), its size ``n`` (``info[t]``) and its first element (int64: tensors
+    over 2**31 bytes); programs of ``BLOCK`` elements numbered over axes 1 and 2."""
+    t = tl.program_id(0)
+    program = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    return t, tl.load(info + t), program.to(tl.int64) * BLOCK
+
+
+@triton.jit
+def address(table, row, count, t, TYPE: tl.constexpr, ALIGN: tl.constexpr):
+    """Tensor ``t``'s address in row ``row`` of a pointer table of ``count`` tensors, as a pointer to ``TYPE``,
+    promised a multiple of ``ALIGN`` bytes (0: nothing promised) so that loads through it are vectors of that size:
+    the compiler cannot see the alignment of an address read from memory, and a misaligned vector load faults."""
+    ptr = tl.load(table + row * count + t).to(tl.pointer_type(TYPE))
+    if ALIGN > 0:
+        ptr = tl.multiple_of(ptr, ALIGN)
+    return ptr
+
+
+@triton.jit
+def write(p_ptr, comp_ptr, offs, mask, old, new, key, idx, MODE: tl.constexpr):
+    """The weights at ``offs`` stepped from ``old`` to ``new`` (fp32), stored in the weights' dtype under compensation
+    ``MODE`` as :func:`compensated` writes them (the Kahan buffer, bf16 at ``comp_ptr``, read and written only under
+    Kahan; noise of ``key`` and the elements' indices ``idx``, int32, under stochastic). ``mask`` None: every element
+    (loads and stores stay whole vectors)."""
+    OUT: tl.constexpr = p_ptr.dtype.element_ty
+    KAHAN: tl.constexpr = MODE == 0 and OUT != tl.float32
+    comp = old  # not read but under Kahan
+    if KAHAN:
+        comp = tl.load(comp_ptr + offs, mask=mask).to(tl.float32)
+    w, comp = compensated(old, new, comp, key, idx, MODE, OUT)
+    tl.store(p_ptr + offs, w, mask=mask)
+    if KAHAN:  # after the weight, whose registers it frees (Lion8bit's bf16 kernel: 106 a thread, not 118)
+        tl.store(comp_ptr + offs, to_bf16(comp), mask=mask)
+
+
+@triton.jit(do_not_specialize=["count"])
+def adam_scalars_kernel(table, count, coef, lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo):
+    """Tensor ``program_id(0)``'s ``lr / (1 - beta1^t)``, ``1 / sqrt(1 - beta2^t)`` and ``sqrt(1 - beta2^t)`` into
+    ``coef[3t .. 3t + 2]`` (fp32), in float64 from its step count on the device (the table's step row), as eager
+    computes them in Python: once per tensor and step (:func:`._triton.adam_scalars`), not in every program of every
+    tensor. Scalars as float64 halves (:func:`._triton.split64`)."""
+    t = tl.program_id(0)
+    step = tl.load(address(table, 2, count, t, tl.float32, 0)).to(tl.int32)  # the table's step row
+    one = tl.full((), 1.0, tl.float64)
+    lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+    # float64 division and square root are correctly rounded on the GPU (PTX has no approximate fp64 forms)
+    bc2_sqrt = tl.sqrt(one - pow_int(beta2_hi, beta2_lo, step))
+    tl.store(coef + 3 * t, (lr / (one - pow_int(beta1_hi, beta1_lo, step))).to(tl.float32))
+    tl.store(coef + 3 * t + 1, (one / bc2_sqrt).to(tl.float32))
+    tl.store(coef + 3 * t + 2, bc2_sqrt.to(tl.float32))

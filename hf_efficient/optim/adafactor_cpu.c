@@ -235,18 +235,6 @@ static inline __attribute__((always_inline)) void p3_vector(void *p, const void 
 
 /* ---------------------------------------------------------------------------------------------- dispatch */
 
-#define WRITE_CASES(CALL)                                                                                          \
-    switch ((bf16 ? 1 + mode : 0) * 2 + beta1) {                                                                   \
-    case 0: CALL(0, NONE, 0); break;                                                                                  \
-    case 1: CALL(0, NONE, 1); break;                                                                                  \
-    case 2: CALL(1, KAHAN, 0); break;                                                                                  \
-    case 3: CALL(1, KAHAN, 1); break;                                                                                  \
-    case 4: CALL(1, STOCHASTIC, 0); break;                                                                                  \
-    case 5: CALL(1, STOCHASTIC, 1); break;                                                                                  \
-    case 6: CALL(1, NONE, 0); break;                                                                                  \
-    default: CALL(1, NONE, 1); break;                                                                                 \
-    }
-
 typedef struct {
     void *const *p;
     const void *const *g;
@@ -340,29 +328,52 @@ static write_t finish_scale(const step_t *s, int64_t t) {
     return w;
 }
 
+/* A unit of P3: rows [i0, i1) of a matrix (rinv, cinv: its factors) or elements [i0, i1) of a vector (m == 0; rinv:
+ * its exp_avg_sq), p, g, m1, comp at its first element (idx0: that element's index), for with_kind. */
+typedef struct {
+    void *p;
+    const void *g;
+    float *m1;
+    uint16_t *comp;
+    const float *rinv, *cinv;
+    int64_t m, idx0;
+    write_t c;
+    int beta1;
+} p3_t;
+
+ALWAYS_INLINE void p3_kind(const void *args, const family_t *f, int64_t t, int64_t i0, int64_t i1, const int bf16,
+                           int g_bf16, const comp_mode_t mode) {
+    const p3_t *a = args;
+    (void)f, (void)t, (void)g_bf16; /* gradients of the weights' dtype */
+    if (a->m == 0 && a->beta1)
+        p3_vector(a->p, a->g, a->m1, a->comp, a->rinv, i0, i1, a->c, bf16, mode, 1);
+    else if (a->m == 0)
+        p3_vector(a->p, a->g, a->m1, a->comp, a->rinv, i0, i1, a->c, bf16, mode, 0);
+    else if (a->beta1)
+        p3_matrix(a->p, a->g, a->m1, a->comp, a->rinv, a->cinv, a->m, i0, i1, a->idx0, a->c, bf16, mode, 1);
+    else
+        p3_matrix(a->p, a->g, a->m1, a->comp, a->rinv, a->cinv, a->m, i0, i1, a->idx0, a->c, bf16, mode, 0);
+}
+
 static void run_p3(const step_t *s, int64_t t, int64_t u) {
     const plan_t *pl = &s->plan[t];
     const int64_t *meta = s->meta + t * NMETA;
     const int bf16 = meta[DTYPE] == 1, beta1 = meta[FIRST] != 0;
-    const comp_mode_t mode = bf16 ? (comp_mode_t)meta[MODE] : NONE;
-    const write_t c = finish_scale(s, t);
     int64_t b, i0, i1;
     unit_rows(pl, u, &b, &i0, &i1);
     if (pl->m == 0) {
-#define WRITE_VECTOR(BF, MODE, B1)                                                                                 \
-    p3_vector(s->p[t], s->g[t], s->exp_avg[t], s->comp[t], s->stat[t], i0, i1, c, BF, MODE, B1)
-        WRITE_CASES(WRITE_VECTOR)
+        const p3_t unit = {s->p[t], s->g[t], s->exp_avg[t], s->comp[t], s->stat[t], NULL, 0, 0, finish_scale(s, t),
+                           beta1};
+        with_kind(p3_kind, &unit, NULL, t, i0, i1, bf16, bf16, (comp_mode_t)meta[MODE]);
         return;
     }
     const int64_t off = b * pl->n * pl->m;
     const size_t esize = bf16 ? 2 : 4;
-    void *p = (char *)s->p[t] + off * esize;
-    const void *g = (const char *)s->g[t] + off * esize;
-    float *m1 = beta1 ? s->exp_avg[t] + off : NULL;
-    uint16_t *comp = s->comp[t] ? s->comp[t] + off : NULL;
-    const float *fs = fscratch(s, t), *rinv = fs + pl->rinv + b * pl->n, *cinv = fs + pl->cinv + b * pl->m;
-#define WRITE_MATRIX(BF, MODE, B1) p3_matrix(p, g, m1, comp, rinv, cinv, pl->m, i0, i1, off, c, BF, MODE, B1)
-    WRITE_CASES(WRITE_MATRIX)
+    const float *fs = fscratch(s, t);
+    const p3_t unit = {(char *)s->p[t] + off * esize, (const char *)s->g[t] + off * esize,
+                       beta1 ? s->exp_avg[t] + off : NULL, s->comp[t] ? s->comp[t] + off : NULL,
+                       fs + pl->rinv + b * pl->n, fs + pl->cinv + b * pl->m, pl->m, off, finish_scale(s, t), beta1};
+    with_kind(p3_kind, &unit, NULL, t, i0, i1, bf16, bf16, (comp_mode_t)meta[MODE]);
 }
 
 /* The tensor among [t0, t1) whose units (P2's if `cols`) hold unit u. */

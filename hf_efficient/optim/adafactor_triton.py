@@ -4,9 +4,10 @@ Imported only where Triton is (see :mod:`._triton` for the conventions every ker
 step counts, ``MODE``, bf16 stores, the compensated write).
 
 Matrices (each a batch of ``B`` contiguous ``n x m`` matrices) of one kind (param group, weight and gradient dtypes,
-first moment, compensation, tile width) take three launches in all, over one :class:`._triton.PointerTable` (each
-matrix's tensors, its sizes, its program counts and its offsets in the launch's one scratch). Grid: matrices on
-dim 0, a matrix's programs on dim 1 (a pass with more than :data:`_MAX_GRID` programs for a matrix loops over them);
+first moment, compensation, tile width) take three launches in all, over one :class:`._triton.PointerTable` in
+:mod:`._triton`'s layout (weights, gradients, step counts, then each matrix's statistics, exp_avg, Kahan buffer; its
+info: sizes, program counts, offsets in the launch's one scratch, positions). Grid: matrices on dim 0, a matrix's
+programs on dim 1 (a pass with more than :data:`._triton.MAX_PROGRAMS` programs for a matrix loops over them);
 programs beyond a smaller matrix's count return at once.
 
 1. :func:`_stats_kernel`, a program per block of whole rows: reads g for the row sums of g*g/k and writes the new
@@ -64,11 +65,11 @@ _COLS = 512  # columns of a program of the column pass
 _STATS_COLS = {4: 512, 2: 1024}
 _WIDE = 1024  # columns of a tile of the update pass; narrower matrices get tiles of their width (a kind each)
 _PART = 256  # elements of the float64 parts summed at a time
-_MAX_GRID = 65535  # programs on a grid's dimension 1 (CUDA's limit): a matrix with more loops over them
 _TILES_PER_PROGRAM = 4  # update-pass tiles a program steps: its setup (table, clip scale, noise key) paid once for them
 
-# the pointer table's lists, in order (a tensor a matrix does not have: its weight's address, never read) ...
-_P, _G, _ROW, _COL, _STEP, _EA, _COMP = (tl.constexpr(i) for i in range(7))
+# the pointer table's lists, in order (_triton's rows first; a tensor a matrix does not have: its weight's address,
+# never read) ...
+_P, _G, _STEP, _ROW, _COL, _EA, _COMP = (tl.constexpr(i) for i in range(7))
 # ... and the size table's fields: sizes, programs per pass, offsets in the scratch's parts, the noise position
 _N, _M, _B, _NP, _R, _NC, _AT_PART, _AT_MEAN, _AT_CINV, _AT_OVER, _POS = (tl.constexpr(i) for i in range(11))
 
@@ -140,16 +141,6 @@ def _row_mean(mean_ptr, b, P, n, PART: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------
 # Reading the tables: matrix t = program_id(0)
 # ----------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _ptr(ptrs, count, t, i: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    """List ``i``'s address for tensor ``t``, as a pointer to ``DT``; 16-byte aligned where ``ALIGNED`` (said to the
-    compiler: it cannot see the alignment of an address it read from memory, and would not load vectors)."""
-    ptr = tl.load(ptrs + i * count + t).to(tl.pointer_type(DT))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
 
 
 @triton.jit
@@ -292,12 +283,12 @@ def _cols_kernel(ptrs, sizes, part_ptr, mean_ptr, cinv_ptr, over_ptr, flag_ptr, 
 
 
 @triton.jit
-def _write(p_ptr, ea_ptr, comp_ptr, offs, idx, mask, u, factor, key, lr_hi, decay, omb1, HAS_EA: tl.constexpr,
-           MODE: tl.constexpr):
+def _update(p_ptr, ea_ptr, comp_ptr, offs, idx, mask, u, factor, key, lr_hi, decay, omb1, HAS_EA: tl.constexpr,
+            MODE: tl.constexpr):
     """The end of every tensor's step: ``exp_avg``, decay and the compensated write of the weight at ``offs``
-    (``idx``: the elements' indices in the tensor, the noise's). ``u``: the normalised update; ``factor``: the clip
-    scale (fp32) with a first moment, else ``-lr * scale`` (fp32), computed once per program."""
-    OUT: tl.constexpr = p_ptr.dtype.element_ty
+    (``idx``: the elements' indices in the tensor, the noise's; :func:`._triton_lib.write`). ``u``: the normalised
+    update; ``factor``: the clip scale (fp32) with a first moment, else ``-lr * scale`` (fp32), computed once per
+    program."""
     if HAS_EA:
         ea = _lerp(tl.load(ea_ptr + offs, mask=mask, other=0.0), u * factor, omb1)
         tl.store(ea_ptr + offs, ea, mask=mask)
@@ -306,23 +297,14 @@ def _write(p_ptr, ea_ptr, comp_ptr, offs, idx, mask, u, factor, key, lr_hi, deca
         upd = u * factor
     old = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     new = old * decay + upd
-    if OUT == tl.float32:
-        tl.store(p_ptr + offs, new, mask=mask)
-    else:
-        if MODE == 2:
-            new = old + (new - old)  # compensation.write stores p32 + delta, not the new value itself
-        comp = tl.zeros(offs.shape, tl.float32)
-        if MODE == 0:
-            comp = tl.load(comp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        fresh, comp = L.compensated(old, new, comp, key, idx, MODE, OUT)
-        tl.store(p_ptr + offs, fresh, mask=mask)
-        if MODE == 0:
-            tl.store(comp_ptr + offs, L.to_bf16(comp), mask=mask)
+    if MODE == 2 and p_ptr.dtype.element_ty != tl.float32:
+        new = old + (new - old)  # compensation.write stores p32 + delta, not the new value itself
+    L.write(p_ptr, comp_ptr, offs, mask, old, new, key, idx, MODE)
 
 
 @triton.jit
 def _factor(scale, lr_hi, lr_lo, HAS_EA: tl.constexpr):
-    """:func:`_write`'s ``factor`` from the float64 clip scale."""
+    """:func:`_update`'s ``factor`` from the float64 clip scale."""
     if HAS_EA:
         return scale.to(tl.float32)
     else:
@@ -380,8 +362,8 @@ def _update_kernel(ptrs, sizes, mean_ptr, cinv_ptr, over_ptr, flag_ptr, count, l
             r = _rsqrt(tl.div_rn(row, tl.full((BR,), 1.0, tl.float32) * mean))
             c = tl.load(cinv_ptr + b.to(tl.int64) * m + c0 + cols, mask=cmask, other=1.0)
             g = tl.load(g_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-            _write(p_ptr + start, ea_ptr + start, comp_ptr + start, offs, start.to(tl.int32) + offs, mask,
-                   (g * r[:, None]) * c[None, :], factor, key, lr_hi, decay, omb1, HAS_EA, MODE)
+            _update(p_ptr + start, ea_ptr + start, comp_ptr + start, offs, start.to(tl.int32) + offs, mask,
+                    (g * r[:, None]) * c[None, :], factor, key, lr_hi, decay, omb1, HAS_EA, MODE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -405,7 +387,7 @@ def _vector_u(g_ptr, v_ptr, offs, mask, eps, w, STORE: tl.constexpr):
 def _vector_kernel(ptrs, sizes, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo, decay, omb1, eps, rate_hi, rate_lo,
                    PDT: tl.constexpr, GDT: tl.constexpr, HAS_EA: tl.constexpr, MODE: tl.constexpr,
                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``t``: vector ``t`` (table lists: p, g, exp_avg_sq, step, exp_avg, kahan_comp; sizes: numels, then
+    """Program ``t``: vector ``t`` (table lists: p, g, step, exp_avg_sq, exp_avg, kahan_comp; sizes: numels, then
     positions), read twice. ``ALIGNED``: its addresses are 16-byte aligned and its length a multiple of 16."""
     if tl.load(flag_ptr) != 0:
         return
@@ -413,19 +395,19 @@ def _vector_kernel(ptrs, sizes, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo,
     numel = tl.load(sizes + t)
     if ALIGNED:
         numel = tl.multiple_of(numel, 16)
-    p_ptr = _ptr(ptrs, count, t, 0, PDT, ALIGNED)
-    g_ptr = _ptr(ptrs, count, t, 1, GDT, ALIGNED)
-    v_ptr = _ptr(ptrs, count, t, 2, tl.float32, ALIGNED)
-    step_ptr = _ptr(ptrs, count, t, 3, tl.float32, False)
+    p_ptr = L.address(ptrs, 0, count, t, PDT, 16 * ALIGNED)
+    g_ptr = L.address(ptrs, 1, count, t, GDT, 16 * ALIGNED)
+    step_ptr = L.address(ptrs, 2, count, t, tl.float32, 0)
+    v_ptr = L.address(ptrs, 3, count, t, tl.float32, 16 * ALIGNED)
     ea_ptr = v_ptr  # not read without a first moment
     comp_ptr = p_ptr
     if HAS_EA:
-        ea_ptr = _ptr(ptrs, count, t, 4, tl.float32, ALIGNED)
+        ea_ptr = L.address(ptrs, 4, count, t, tl.float32, 16 * ALIGNED)
     if MODE == 0 and PDT != tl.float32:  # the last list of the table
         if HAS_EA:
-            comp_ptr = _ptr(ptrs, count, t, 5, tl.bfloat16, ALIGNED)
+            comp_ptr = L.address(ptrs, 5, count, t, tl.bfloat16, 16 * ALIGNED)
         else:
-            comp_ptr = _ptr(ptrs, count, t, 4, tl.bfloat16, ALIGNED)
+            comp_ptr = L.address(ptrs, 4, count, t, tl.bfloat16, 16 * ALIGNED)
     w = _beta2_weight(step_ptr, rate_hi, rate_lo)
     acc = tl.zeros((BLOCK,), tl.float64)
     for i in range(0, numel, BLOCK):
@@ -441,8 +423,8 @@ def _vector_kernel(ptrs, sizes, flag_ptr, count, lr_hi, lr_lo, clip_hi, clip_lo,
         offs = i + tl.arange(0, BLOCK).to(tl.int64)
         mask = offs < numel
         u = _vector_u(g_ptr, v_ptr, offs, mask, eps, w, False)
-        _write(p_ptr, ea_ptr, comp_ptr, offs, offs.to(tl.int32), mask, u, factor, key, lr_hi, decay, omb1, HAS_EA,
-               MODE)
+        _update(p_ptr, ea_ptr, comp_ptr, offs, offs.to(tl.int32), mask, u, factor, key, lr_hi, decay, omb1, HAS_EA,
+                MODE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -499,7 +481,7 @@ def step(items: list, found_inf: torch.Tensor, tables: dict) -> None:
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         for kind, kind_items in kinds.items():
             launch = _step_matrices if kind[-1] else _step_vectors
-            # keyed by the tensors too (as blockwise_triton.launch): gradient release steps the same buckets every
+            # keyed by the tensors too (as _triton.launch): gradient release steps the same buckets every
             # step, each with its own table, instead of rebuilding one table per kind at every bucket
             key = (*kind, *(position for *_, position in kind_items))
             launch(kind_items, kind, found_inf, tables.setdefault(key, _triton.PointerTable()))
@@ -545,7 +527,7 @@ def _scratch_parts(lengths: list, device: torch.device) -> list:
 
 def _grid(count: int, programs) -> tuple:
     """Matrices on dim 0; on dim 1 the most programs a matrix has (a matrix with more loops over them)."""
-    return count, max(1, min(max(programs), _MAX_GRID))
+    return count, max(1, min(max(programs), _triton.MAX_PROGRAMS))
 
 
 def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _triton.PointerTable) -> None:
@@ -557,7 +539,7 @@ def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _tr
     plan = _plan(dims, br1, _sm_count(device))
     offsets, lengths = _layout(dims, plan)
     lists = [[it[0] for it in items], [it[1] for it in items]] + [
-        [it[2][key] for it in items] for key in ("exp_avg_sq_row", "exp_avg_sq_col", "step")] + [
+        [it[2][key] for it in items] for key in ("step", "exp_avg_sq_row", "exp_avg_sq_col")] + [
         [it[2]["exp_avg"] if has_ea else it[0] for it in items],
         [it[2]["kahan_comp"] if mode == _triton.KAHAN else it[0] for it in items]]
     fields = [*zip(*dims), *zip(*plan), *zip(*offsets), [it[4] for it in items]]  # in the order of _N ... _POS
@@ -580,8 +562,8 @@ def _step_matrices(items: list, kind: tuple, found_inf: torch.Tensor, table: _tr
 def _step_vectors(items: list, kind: tuple, found_inf: torch.Tensor, table: _triton.PointerTable) -> None:
     _, pdt, gdt, has_ea, mode, _ = kind
     group = items[0][3]
-    lists = [[it[0] for it in items], [it[1] for it in items], [it[2]["exp_avg_sq"] for it in items],
-             [it[2]["step"] for it in items]]
+    lists = [[it[0] for it in items], [it[1] for it in items], [it[2]["step"] for it in items],
+             [it[2]["exp_avg_sq"] for it in items]]
     if has_ea:
         lists.append([it[2]["exp_avg"] for it in items])
     if mode == _triton.KAHAN:

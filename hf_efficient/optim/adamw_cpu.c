@@ -10,13 +10,13 @@
  * whole step's traffic; for the biases and norms beside 8-bit state it is ~100 small operations a step, each with
  * its fixed cost (times: docs/results/bench_step.md).
  *
- * coef: an adamw_coef_t per tensor (adamw._c_coefficients). Gradients fp32, or bf16 where g_bf16[t]. keys: each
- * tensor's weight noise key.
+ * The kernel is this update and its coefficients; elementwise.h drives it (threads, tensors, dtypes, modes).
+ * coef: an adamw_coef_t per tensor (adamw._c_coefficients).
  */
 #include <math.h>
 #include <stdint.h>
 
-#include "native.h"
+#include "elementwise.h"
 
 /* torch's fused step's scalars, in the order adamw._c_coefficients writes them. */
 typedef struct {
@@ -30,67 +30,27 @@ typedef struct {
 } adamw_coef_t;
 _Static_assert(sizeof(adamw_coef_t) == 8 * sizeof(float), "adamw._c_coefficients writes 8 floats per tensor");
 
-/* Elements [start, end) of one tensor, with the gradient's dtype and the mode constants where it is inlined: a branch
- * on either inside the loop would stop the vectorizer. body: the first element of the scalar tail (see above). */
-ALWAYS_INLINE void step_loop(uint16_t *restrict p, const void *g, float *restrict m, float *restrict v,
-                             uint16_t *restrict c, uint32_t key, const adamw_coef_t *k, int64_t body, int64_t start,
-                             int64_t end, const int g_bf16, const comp_mode_t mode) {
-    const float lerp = k->lerp, b2 = k->beta2, omb2 = k->one_minus_beta2, bc2_sqrt = k->bias_correction2_sqrt;
-    const float eps = k->eps, decay = k->decay, neg_step = k->neg_step_size;
-    const int toward_m = k->toward_m != 0.0f;
-    for (int64_t i = start; i < end; i++) {
-        float p32 = bf16_to_f32(p[i]), g32 = load_f32(g, i, g_bf16);
-        float m32 = m[i];
-        float mk = fmaf(lerp, g32 - m32, toward_m ? m32 : g32);
-        float vk = i < body ? fmaf(omb2 * g32, g32, v[i] * b2) : fmaf(v[i], b2, (omb2 * g32) * g32);
-        m[i] = mk;
-        v[i] = vk;
-        float fresh = p32 * decay + (neg_step * mk) / (sqrtf(vk) / bc2_sqrt + eps);
-        p[i] = write_weight(p32, fresh, c, key, i, mode);
-    }
+/* torch's fused AdamW on element i of n (s: exp_avg, exp_avg_sq); exp_avg_sq's multiply-add as torch's vectorized
+ * body or, on each tensor's last n % 8 elements, as its scalar tail (see above). */
+ALWAYS_INLINE float adamw_update(float p, float g, float *s, const void *coef, int64_t i, int64_t n) {
+    const adamw_coef_t *k = coef;
+    const float m = fmaf(k->lerp, g - s[0], k->toward_m != 0.0f ? s[0] : g);
+    const float v = i < n - n % 8 ? fmaf(k->one_minus_beta2 * g, g, s[1] * k->beta2)
+                                  : fmaf(s[1], k->beta2, (k->one_minus_beta2 * g) * g);
+    s[0] = m;
+    s[1] = v;
+    return p * k->decay + (k->neg_step_size * m) / (sqrtf(v) / k->bias_correction2_sqrt + k->eps);
 }
 
-static void step_one(uint16_t *restrict p, const void *g, int g_bf16, float *restrict m, float *restrict v,
-                     uint16_t *restrict c, int32_t key, const adamw_coef_t *k, comp_mode_t mode, int64_t body,
-                     int64_t start, int64_t end) {
-    const uint32_t u = (uint32_t)key;
-    if (g_bf16) {
-        if (mode == KAHAN)
-            step_loop(p, g, m, v, c, u, k, body, start, end, 1, KAHAN);
-        else if (mode == STOCHASTIC)
-            step_loop(p, g, m, v, c, u, k, body, start, end, 1, STOCHASTIC);
-        else
-            step_loop(p, g, m, v, c, u, k, body, start, end, 1, NONE);
-    } else {
-        if (mode == KAHAN)
-            step_loop(p, g, m, v, c, u, k, body, start, end, 0, KAHAN);
-        else if (mode == STOCHASTIC)
-            step_loop(p, g, m, v, c, u, k, body, start, end, 0, STOCHASTIC);
-        else
-            step_loop(p, g, m, v, c, u, k, body, start, end, 0, NONE);
-    }
-}
+static const family_t ADAMW = {adamw_update, 2, sizeof(adamw_coef_t) / sizeof(float), {0}};
 
-/* Elements [start, end) of the concatenation of `count` tensors (c: Kahan buffers, NULL unless mode is KAHAN). */
-static void step_range(int64_t count, uint16_t *const *p, const void *const *g, float *const *states,
-                       uint16_t *const *c, const int64_t *numel, const int32_t *g_bf16, const int32_t *keys,
-                       const adamw_coef_t *coef, comp_mode_t mode, int64_t start, int64_t end) {
-    int64_t lo, hi;
-    for (int64_t t = 0, offset = 0; t < count && offset < end; offset += numel[t], t++)
-        if (piece(start, end, offset, numel[t], &lo, &hi))
-            step_one(p[t], g[t], g_bf16[t], states[t], states[count + t], c ? c[t] : NULL, keys[t], &coef[t], mode,
-                     numel[t] - numel[t] % 8, lo, hi);
-}
+static void adamw_range(const void *args, int64_t start, int64_t end) { elementwise_range(args, &ADAMW, start, end); }
 
-/* The step of all the tensors in one call (states: every exp_avg, then every exp_avg_sq): [start, end) split over
- * `threads` (see native.h's thread_range). */
+/* The step of all the tensors in one call (states: every exp_avg, then every exp_avg_sq), [start, end) split over
+ * `threads` (see native.h's run_team). */
 void adamw_step(int64_t count, uint16_t *const *p, const void *const *g, float *const *states, uint16_t *const *c,
                 const int64_t *numel, const int32_t *g_bf16, const int32_t *keys, const adamw_coef_t *coef,
                 comp_mode_t mode, int64_t start, int64_t end, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t lo, hi;
-        if (thread_range(start, end, &lo, &hi))
-            step_range(count, p, g, states, c, numel, g_bf16, keys, coef, mode, lo, hi);
-    }
+    elementwise_step(adamw_range, (elementwise_t){count, p, g, states, c, numel, g_bf16, keys, (const float *)coef,
+                                                  mode}, start, end, threads);
 }

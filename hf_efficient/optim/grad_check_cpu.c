@@ -25,30 +25,34 @@ static int any_nonfinite(const void *data, int kind, int64_t a, int64_t b) {
     return bad;
 }
 
-/* The first tensor in [start, end) holding an inf, a NaN or (fp32, bf16) |x| >= 2**64, or -1. */
-static int64_t scan_range(int64_t count, const void *const *data, const int64_t *numel, const int32_t *kind,
-                          int64_t start, int64_t end) {
-    int64_t lo, hi;
-    for (int64_t t = 0, offset = 0; t < count && offset < end; offset += numel[t], t++)
-        if (piece(start, end, offset, numel[t], &lo, &hi) && any_nonfinite(data[t], kind[t], lo, hi))
-            return t;
-    return -1;
+typedef struct {
+    int64_t count;
+    const void *const *data;
+    const int64_t *numel;
+    const int32_t *kind;
+    int64_t *first; /* the answer, shared by the team */
+} args_t;
+
+static int scan_part(const void *args, const family_t *f, int64_t t, int64_t lo, int64_t hi) {
+    (void)f;
+    return any_nonfinite(((const args_t *)args)->data[t], ((const args_t *)args)->kind[t], lo, hi);
+}
+
+/* This thread's first such tensor in [start, end), kept where it comes before the others' (run_team's range). */
+static void scan_range(const void *args, int64_t start, int64_t end) {
+    const args_t *a = args;
+    const int64_t found = walk(scan_part, args, NULL, a->count, a->numel, 1, start, end);
+    if (found >= 0) {
+#pragma omp critical
+        if (*a->first < 0 || found < *a->first)
+            *a->first = found;
+    }
 }
 
 /* The index of the first of `count` tensors that holds such a value, or -1; [start, end) split over threads. */
 int64_t first_nonfinite(int64_t count, const void *const *data, const int64_t *numel, const int32_t *kind,
                         int64_t start, int64_t end, int threads) {
     int64_t first = -1;
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t lo, hi, found = -1;
-        if (thread_range(start, end, &lo, &hi))
-            found = scan_range(count, data, numel, kind, lo, hi);
-        if (found >= 0) {
-#pragma omp critical
-            if (first < 0 || found < first)
-                first = found;
-        }
-    }
+    run_team(scan_range, &(args_t){count, data, numel, kind, &first}, start, end, threads);
     return first;
 }

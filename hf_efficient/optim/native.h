@@ -1,12 +1,14 @@
 /* Shared by this package's C kernels: the compensation modes, bf16 conversions as torch's, the compensated write of a
- * bf16 weight, the tensors a range of their concatenation covers, the split of a range over threads, and the clamps
- * that keep moments finite.
+ * bf16 weight, the clamps that keep moments finite, and what drives a kernel, written once: the split of a range over
+ * threads (run_team), the walk over a concatenation of tensors (walk), and the dispatch on weight dtype, gradient dtype
+ * and compensation mode (with_kind). elementwise.h and blockwise.h build a family's kernel from them and its family_t.
  *
  * The kernels' interface: a compensation mode is a comp_mode_t; a kernel's per-tensor scalars are a struct of named
  * floats (the Python builder writes them in the struct's order, one float each); weight decay is the multiplicative
  * `decay` = 1 - lr * wd (torch's decoupled p *= 1 - lr * wd) unless a kernel's reference needs another form (its
  * struct then names it otherwise and says why). Kernels are specialized by always-inline functions called with
- * constant arguments, never by macros that take code. */
+ * constant arguments, never by macros that take code: a constant function pointer passed to an always-inline
+ * function is a direct call once inlined, and GCC inlines it (with -O3 it does; the benchmarks check the speed). */
 #ifndef HF_EFF_NATIVE_H
 #define HF_EFF_NATIVE_H
 #include <stddef.h>
@@ -68,63 +70,19 @@ static inline uint16_t write_bf16(float p32, float delta, uint16_t *c, uint32_t 
     return f32_to_bf16(p32 + delta);
 }
 
-/* The new value `fresh` of element i of a bf16 weight (p32 before the step) as compensation.write_all writes it:
- * write_bf16 of the step's delta (c: the Kahan buffer under KAHAN; key: the weight noise key under STOCHASTIC), or
- * under NONE `fresh` itself rounded, as torch's copy_ (not p32 + (fresh - p32)). */
-ALWAYS_INLINE uint16_t write_weight(float p32, float fresh, uint16_t *c, uint32_t key, int64_t i, comp_mode_t mode) {
+/* The new value `fresh` of a bf16 weight (p32 before the step) as compensation.write_all writes it: write_bf16 of the
+ * step's delta (c: the element's Kahan buffer entry under KAHAN; noise: its hash32 under STOCHASTIC), or under NONE
+ * `fresh` itself rounded, as torch's copy_ (not p32 + (fresh - p32)). */
+ALWAYS_INLINE uint16_t write_weight(float p32, float fresh, uint16_t *c, uint32_t noise, comp_mode_t mode) {
     if (mode == NONE)
         return f32_to_bf16(fresh);
-    return write_bf16(p32, fresh - p32, mode == KAHAN ? &c[i] : NULL, hash32(key, (uint32_t)i), mode);
+    return write_bf16(p32, fresh - p32, c, noise, mode);
 }
 
 /* Element i of x (fp32, or bf16 where is_bf16) as fp32. */
 ALWAYS_INLINE float load_f32(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* The vector twins of the conversions, hash and writes above, 16 elements at a time: same integer arithmetic, same
- * results (the fused kernels' registers never pass through a buffer). */
-static inline __m512 bf16x16_load(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-
-static inline __m512i f32x16_to_bf16(__m512 f) { /* f32_to_bf16 of each, in the low 16 bits */
-    __m512i b = _mm512_castps_si512(f);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
-}
-
-static inline __m512 bf16x16_value(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
-
-static inline void bf16x16_store(uint16_t *x, __m512i h) {
-    _mm256_storeu_si256((__m256i *)x, _mm512_cvtepi32_epi16(h));
-}
-
-static inline __m512i hash32x16(uint32_t key, __m512i idx) { /* hash32 of each */
-    __m512i h = _mm512_add_epi32(_mm512_mullo_epi32(idx, _mm512_set1_epi32((int)0x9E3779B1u)), _mm512_set1_epi32((int)key));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xC2B2AE35u));
-    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-}
-
-/* write_bf16 of 16 weights p32 + delta under KAHAN (*c holds the buffer's bits, in the low 16, and gets the new ones)
- * or STOCHASTIC (with `noise`): the new weights' bits, in each lane's low 16. Round to nearest (NONE) is
- * f32x16_to_bf16 of the new value itself. */
-static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512i noise, comp_mode_t mode) {
-    if (mode == KAHAN) {
-        __m512 y = _mm512_add_ps(delta, bf16x16_value(*c));
-        __m512i h = f32x16_to_bf16(_mm512_add_ps(p32, y));
-        *c = f32x16_to_bf16(_mm512_sub_ps(y, _mm512_sub_ps(bf16x16_value(h), p32)));
-        return h;
-    }
-    __m512i b = _mm512_castps_si512(_mm512_add_ps(p32, delta));
-    return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_srli_epi32(noise, 16)), 16);
-}
-#endif
 
 /* Largest finite values: a second moment at most this large stays finite in its storage (fp32 max rounds to bf16
  * inf). */
@@ -135,9 +93,7 @@ static inline __m512i write_bf16x16(__m512 p32, __m512 delta, __m512i *c, __m512
 static inline float clamp_max(float x, float limit) { return x > limit ? limit : x; }
 
 /* The part of [start, end) of a concatenation that falls in its tensor of `items` items at `offset`, as items
- * [*lo, *hi) numbered within that tensor; returns whether it is not empty. A kernel walks its tensors with it:
- *     for (int64_t t = 0, offset = 0; t < count && offset < end; offset += items(t), t++)
- *         if (piece(start, end, offset, items(t), &lo, &hi)) step_one(t, lo, hi); */
+ * [*lo, *hi) numbered within that tensor; returns whether it is not empty (walk's step). */
 ALWAYS_INLINE int piece(int64_t start, int64_t end, int64_t offset, int64_t items, int64_t *lo, int64_t *hi) {
     *lo = start > offset ? start - offset : 0;
     *hi = end - offset < items ? end - offset : items;
@@ -159,5 +115,70 @@ ALWAYS_INLINE int thread_range(int64_t start, int64_t end, int64_t *lo, int64_t 
     *lo = start + per * me;
     *hi = *lo + per < end ? *lo + per : end;
     return *lo < *hi;
+}
+/* --------------------------------------------------------------------------------------------- what drives a kernel */
+
+#define MAX_STATES 2  /* state values per element a family keeps (AdamW's two moments) */
+#define MAX_COEFS 16  /* floats of a family's coefficient struct, at most */
+
+/* A family's update of one element: its new weight from the weight p and the gradient g (fp32), its state values s[]
+ * (fp32, updated in place) and its per-tensor scalars k (its coefficient struct); i: the element's index in its
+ * tensor of n elements (torch's fused AdamW rounds its vectorized body and its scalar tail apart). */
+typedef float (*update_fn)(float p, float g, float *s, const void *k, int64_t i, int64_t n);
+
+/* A family's math as the drivers (elementwise.h, blockwise.h) take it: a static const object, so that a driver inlined
+ * with its address folds every field to a constant (the update inlined, the loops over states unrolled). */
+typedef struct {
+    update_fn update;
+    int states;                /* state values per element: s[0 .. states) */
+    int coefs;                 /* floats of its coefficient struct (at most MAX_COEFS) */
+    int is_signed[MAX_STATES]; /* 8-bit state: each moment's map (quant8's signed or unsigned) */
+} family_t;
+
+/* The split over threads, written once: range(args, lo, hi) on each thread's piece of [start, end) (thread_range)
+ * on `threads` OpenMP threads, or once without OpenMP. A kernel's `range` comes as a pointer, called once a thread:
+ * GCC outlines a parallel region before it inlines, so a region inside an inlined driver could not see it constant. */
+typedef void (*range_fn)(const void *args, int64_t start, int64_t end);
+static inline void run_team(range_fn range, const void *args, int64_t start, int64_t end, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t lo, hi;
+        if (thread_range(start, end, &lo, &hi))
+            range(args, lo, hi);
+    }
+    (void)threads;
+}
+
+/* The walk over a concatenation, written once: part(args, f, t, lo, hi) on each tensor's part [lo, hi) of the units
+ * [start, end) of the concatenation of `count` tensors (numel[t] elements each, counted in units of `unit` elements:
+ * 1, or blocks, a tensor's last one partial), in order, until a part returns non-zero; returns that part's tensor, or
+ * -1. f: the family the parts step (NULL for a kernel of its own). */
+typedef int (*part_fn)(const void *args, const family_t *f, int64_t t, int64_t lo, int64_t hi);
+ALWAYS_INLINE int64_t walk(part_fn part, const void *args, const family_t *f, int64_t count, const int64_t *numel,
+                           int64_t unit, int64_t start, int64_t end) {
+    int64_t lo, hi;
+    for (int64_t t = 0, offset = 0; t < count && offset < end; offset += (numel[t] + unit - 1) / unit, t++)
+        if (piece(start, end, offset, (numel[t] + unit - 1) / unit, &lo, &hi) && part(args, f, t, lo, hi))
+            return t;
+    return -1;
+}
+
+/* The dispatch on a part's kind, written once: body(args, f, t, lo, hi, p_bf16, g_bf16, mode) with the weights' dtype,
+ * the gradients' (bf16, or fp32) and the compensation mode as constants, so that each kind is a loop of its own that
+ * the compiler vectorizes (a branch on any of them inside the loop would stop it). fp32 weights are written as
+ * computed: mode NONE. Kinds a kernel never meets (weights always bf16, gradients of the weights' dtype) fold away
+ * where its arguments are constants or one value. */
+typedef void (*kind_fn)(const void *args, const family_t *f, int64_t t, int64_t lo, int64_t hi, int p_bf16,
+                        int g_bf16, comp_mode_t mode);
+ALWAYS_INLINE void with_kind(kind_fn body, const void *args, const family_t *f, int64_t t, int64_t lo, int64_t hi,
+                             int p_bf16, int g_bf16, comp_mode_t mode) {
+    if (!p_bf16)
+        g_bf16 ? body(args, f, t, lo, hi, 0, 1, NONE) : body(args, f, t, lo, hi, 0, 0, NONE);
+    else if (mode == KAHAN)
+        g_bf16 ? body(args, f, t, lo, hi, 1, 1, KAHAN) : body(args, f, t, lo, hi, 1, 0, KAHAN);
+    else if (mode == STOCHASTIC)
+        g_bf16 ? body(args, f, t, lo, hi, 1, 1, STOCHASTIC) : body(args, f, t, lo, hi, 1, 0, STOCHASTIC);
+    else
+        g_bf16 ? body(args, f, t, lo, hi, 1, 1, NONE) : body(args, f, t, lo, hi, 1, 0, NONE);
 }
 #endif

@@ -1,8 +1,9 @@
-/* The blockwise 8-bit codec of quant8.py in C, shared by every 8-bit kernel: the maps' tables, decoding a block's
- * codes, encoding a block's normalized values, the block's absmax, and the in-memory layout (64 words per block,
- * byte 4j+k holding element 64k+j). Decoding and encoding have an AVX-512 version (byte-table lookups need VBMI)
- * beside the plain one: same tables, same arithmetic, same codes (the plain one is what other CPUs run; the tests
- * compare both with the compiled kernel). Compiled with -ffp-contract=off, every operation rounds as torch's.
+/* The blockwise 8-bit codec of quant8.py in C, shared by every 8-bit kernel (through blockwise.h): the maps' tables,
+ * a block's codes decoded into its values (decode_block) and its values encoded into codes and an absmax
+ * (store_block), in the in-memory layout (64 words per block, byte 4j+k holding element 64k+j). Decoding and encoding
+ * have an AVX-512 version (decoding's byte-table lookups need VBMI) beside the plain one: same tables, same
+ * arithmetic, same codes (the plain one is what other CPUs run; the tests compare the builds bit for bit). Compiled
+ * with -ffp-contract=off, every operation rounds as torch's.
  *
  * maps (quant8.c_tables()): the signed and the unsigned map's decoded values (256 floats each, quant8.decode's),
  * then their encoding thresholds (7 decade midpoints and the top one, 8 floats each, quant8.THRESHOLDS).
@@ -126,16 +127,21 @@ static inline __m512i encode16(__m512 v, const map_t *restrict t) {
                                   _mm512_sub_ps(J, one), one);
     return _mm512_cvttps_epi32(code);
 }
+
+/* The 16 in-memory words of 64 codes (int32 each): q[k] holds elements 64k + j, byte k of word j. */
+static inline __m512i pack16(const __m512i q[4]) {
+    const __m512i low = _mm512_set1_epi32(255);
+    __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(q[0], low),
+                                          _mm512_slli_epi32(_mm512_and_si512(q[1], low), 8),
+                                          _mm512_slli_epi32(_mm512_and_si512(q[2], low), 16), 0xFE); /* a | b | c */
+    return _mm512_or_si512(w, _mm512_slli_epi32(q[3], 24));
+}
 #endif
 
 /* quant8.encode of 256 values: the nearest code of each (x in [-1, 1] signed, [0, 1] unsigned), but never
  * the unsigned map's 0 for a positive x. The decade is the count of midpoints at or below |x|, as eager's chain of
- * comparisons finds it. */
-static void encode_block(const float *restrict x, const map_t *restrict t, uint32_t *restrict q) {
-#if defined(__AVX512F__)
-    for (int e = 0; e < BLOCK; e += 16)
-        _mm512_storeu_si512(q + e, encode16(_mm512_loadu_ps(x + e), t));
-#else
+ * comparisons finds it. (AVX-512: store_block encodes 16 at a time with encode16 itself.) */
+static inline void encode_codes(const float *restrict x, const map_t *restrict t, uint32_t *restrict q) {
     for (int e = 0; e < BLOCK; e++) {
         float a = t->is_signed ? fabsf(x[e]) : x[e];
         int count = 0;
@@ -147,7 +153,6 @@ static void encode_block(const float *restrict x, const map_t *restrict t, uint3
         code = !t->is_signed && x[e] > 0.0f && code < 1.0f ? 1.0f : code;
         q[e] = (uint32_t)(int32_t)code;
     }
-#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
@@ -170,83 +175,22 @@ static inline void decode16(const uint32_t *restrict w, const map_t *restrict t,
         out[k] = _mm512_castsi512_ps(_mm512_mask_blend_epi8(0xCCCCCCCCCCCCCCCCull, lo, hi));
     }
 }
-
-/* The 16 in-memory words of 64 codes (int32 each): q[k] holds elements 64k + j, byte k of word j. */
-static inline __m512i pack16(const __m512i q[4]) {
-    const __m512i low = _mm512_set1_epi32(255);
-    __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(q[0], low), _mm512_slli_epi32(_mm512_and_si512(q[1], low), 8),
-                                          _mm512_slli_epi32(_mm512_and_si512(q[2], low), 16), 0xFE); /* a | b | c */
-    return _mm512_or_si512(w, _mm512_slli_epi32(q[3], 24));
-}
 #endif
 
+/* The 256 values of a block from its 64 in-memory words and its absmax `scale` (quant8.unpack: decoded * scale). */
+static void decode_block(const uint32_t *restrict w, float scale, const map_t *restrict t, float *restrict out) {
 #if defined(QUANT8_VBMI)
-/* What the kernels' fused passes over whole blocks share: 16 weights or
- * gradients at element i of x (fp32, or bf16 where is_bf16) as fp32, ... */
-static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16x16_load((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
-}
-
-/* ... the new values `fresh` of 16 weights at element i of p (fp32 values `old` before the step) written as
- * block_store writes them (store_bf16 under compensation `mode` for bf16: c the tensor's Kahan buffer, key its
- * noise key), ... */
-static inline void store_weights16(void *p, int64_t i, int is_bf16, __m512 old, __m512 fresh, uint16_t *c,
-                                   uint32_t key, comp_mode_t mode) {
-    if (!is_bf16) {
-        _mm512_storeu_ps((float *)p + i, fresh);
-        return;
-    }
-    uint16_t *pe = (uint16_t *)p + i;
-    if (mode == NONE) { /* store_bf16: fresh itself rounded, not old + (fresh - old) */
-        bf16x16_store(pe, f32x16_to_bf16(fresh));
-        return;
-    }
-    __m512i comp = mode == KAHAN ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(c + i)))
-                             : _mm512_setzero_si512();
-    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i noise = mode == STOCHASTIC ? hash32x16(key, _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i), lanes))
-                              : _mm512_setzero_si512();
-    bf16x16_store(pe, write_bf16x16(old, _mm512_sub_ps(fresh, old), &comp, noise, mode));
-    if (mode == KAHAN)
-        bf16x16_store(c + i, comp);
-}
-
-/* ... and store_block's second half: a block of values x whose absmax has the bit pattern `bits` (the largest of
- * their |x| bits: NaN wins) normalized, encoded into its 64 words; returns the absmax. */
-static inline float store_block_max(const float *restrict x, uint32_t bits, const map_t *restrict t,
-                                    uint32_t *restrict w) {
-    float a;
-    memcpy(&a, &bits, 4);
-    a = block_scale(a);
-    const __m512 inv = _mm512_set1_ps(1.0f / (a > 0.0f ? a : 1.0f));
-    for (int cw = 0; cw < WORDS / 16; cw++) {
-        __m512i q[4];
-        for (int k = 0; k < 4; k++)
-            q[k] = encode16(_mm512_mul_ps(_mm512_loadu_ps(x + WORDS * k + 16 * cw), inv), t);
-        _mm512_storeu_si512(w + 16 * cw, pack16(q));
-    }
-    return a;
-}
-
-/* The running absmax bits of store_block_max, with 16 more values. */
-static inline __m512i absmax16(__m512i bits, __m512 x) {
-    return _mm512_max_epu32(bits, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
-}
-#endif
-
-/* The 256 decoded values of a block's codes, in element order. */
-static void decode_block(const uint32_t *restrict w, const map_t *restrict t, float *restrict out) {
-#if defined(QUANT8_VBMI)
+    const __m512 s = _mm512_set1_ps(scale);
     for (int c = 0; c < WORDS / 16; c++) {
         __m512 runs[4];
         decode16(w + 16 * c, t, runs);
         for (int k = 0; k < 4; k++)
-            _mm512_storeu_ps(out + WORDS * k + 16 * c, runs[k]);
+            _mm512_storeu_ps(out + WORDS * k + 16 * c, _mm512_mul_ps(runs[k], s));
     }
 #else
     for (int k = 0; k < 4; k++)
         for (int j = 0; j < WORDS; j++)
-            out[WORDS * k + j] = t->decoded[(w[j] >> (8 * k)) & 255u];
+            out[WORDS * k + j] = t->decoded[(w[j] >> (8 * k)) & 255u] * scale;
 #endif
 }
 
@@ -256,97 +200,40 @@ static void quant8_maps(map_t tables[2], const float *maps) {
     build_map(&tables[1], maps + 256, maps + 520, 0);
 }
 
-/* The largest |x| of a block, as the largest bit pattern of |x|: the same order for non-negative floats,
- * vectorizable, and a NaN (above inf) wins as in torch's amax. */
-static inline float block_absmax(const float *restrict x) {
-    uint32_t bits = 0;
-    for (int e = 0; e < BLOCK; e++) {
-        uint32_t a;
-        memcpy(&a, &x[e], 4);
-        a &= 0x7FFFFFFFu;
-        bits = a > bits ? a : bits;
-    }
-    float out;
-    memcpy(&out, &bits, 4);
-    return out;
+/* The running absmax of a block's values, as the largest bit pattern of |x|: the same order for non-negative floats,
+ * vectorizable (a reduction over integers), and a NaN (above inf) wins as in torch's amax. */
+ALWAYS_INLINE uint32_t absmax_bits(uint32_t top, float x) {
+    uint32_t a;
+    memcpy(&a, &x, 4);
+    a &= 0x7FFFFFFFu;
+    return a > top ? a : top;
 }
 
-/* x (a block of values, overwritten) normalized by its absmax (quant8.pack's reciprocal) and encoded into the
- * block's 64 in-memory words; returns the absmax. */
-static inline float store_block(float *restrict x, const map_t *restrict t, uint32_t *restrict w) {
-    const float a = block_scale(block_absmax(x));
+/* A block of values x whose absmax_bits are `top`, normalized by its absmax (quant8.pack's reciprocal) and encoded into
+ * the block's 64 in-memory words; returns the absmax (quant8.block_scale's). x is overwritten. Neither this nor
+ * decode_block is inlined into blockwise.h's block step: inlined, the fp32-weight 8-bit steps ran 3-30% slower on a
+ * Zen 4 (how much varied from process to process); called, as fast as the hand-fused kernels they replaced. */
+static float store_block(float *restrict x, uint32_t top, const map_t *restrict t, uint32_t *restrict w) {
+    float a;
+    memcpy(&a, &top, 4);
+    a = block_scale(a);
     const float inv = 1.0f / (a > 0.0f ? a : 1.0f);
+#if defined(__AVX512F__)
+    for (int cw = 0; cw < WORDS / 16; cw++) {
+        __m512i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = encode16(_mm512_mul_ps(_mm512_loadu_ps(x + WORDS * k + 16 * cw), _mm512_set1_ps(inv)), t);
+        _mm512_storeu_si512(w + 16 * cw, pack16(q));
+    }
+#else
     for (int e = 0; e < BLOCK; e++)
         x[e] = x[e] * inv;
     uint32_t q[BLOCK];
-    encode_block(x, t, q);
+    encode_codes(x, t, q);
     for (int j = 0; j < WORDS; j++)
         w[j] = (q[j] & 255u) | (q[WORDS + j] & 255u) << 8 | (q[2 * WORDS + j] & 255u) << 16 |
                (q[3 * WORDS + j] & 255u) << 24;
+#endif
     return a;
-}
-
-/* A block's values from its in-memory words and absmax (quant8.unpack). */
-static inline void load_codes(const uint32_t *restrict w, float scale, const map_t *restrict t, float *restrict x) {
-    decode_block(w, t, x);
-    for (int e = 0; e < BLOCK; e++)
-        x[e] = x[e] * scale;
-}
-/* Block i of tensor x (fp32, or bf16 where is_bf16) into 256 floats, zero-padded past `valid` elements. */
-static inline void load_block(float *restrict out, const void *x, int64_t i, int64_t valid, int is_bf16) {
-    memset(out, 0, BLOCK * sizeof(float));
-    if (is_bf16)
-        for (int64_t e = 0; e < valid; e++)
-            out[e] = bf16_to_f32(((const uint16_t *)x)[i * BLOCK + e]);
-    else
-        memcpy(out, (const float *)x + i * BLOCK, valid * sizeof(float));
-}
-
-/* The new weights `fresh` of a block of bf16 weights p (`valid` elements, numbered from `first` in their tensor) from
- * their fp32 values before the step (`old`), under compensation `mode` (native.h's write_bf16; c: the block's
- * Kahan buffer under KAHAN; key: the weights' noise key under STOCHASTIC). One loop per mode: each vectorizes. */
-static inline void store_bf16(uint16_t *restrict p, const float *restrict fresh, const float *restrict old,
-                              uint16_t *restrict c, int64_t valid, uint32_t key, int64_t first, comp_mode_t mode) {
-    if (mode == KAHAN)
-        for (int64_t e = 0; e < valid; e++)
-            p[e] = write_bf16(old[e], fresh[e] - old[e], &c[e], 0, KAHAN);
-    else if (mode == STOCHASTIC)
-        for (int64_t e = 0; e < valid; e++)
-            p[e] = write_bf16(old[e], fresh[e] - old[e], NULL, hash32(key, (uint32_t)(first + e)), STOCHASTIC);
-    else
-        for (int64_t e = 0; e < valid; e++)
-            p[e] = f32_to_bf16(fresh[e]); /* round to nearest, as torch's copy_ */
-}
-
-/* A block the plain step works on through buffers: a partial block (zero-padded: a zero weight and gradient keep
- * zero moments there) or one of bf16 weights. */
-typedef struct {
-    float p[BLOCK], g[BLOCK], old[BLOCK]; /* weights (stepped in place), gradients, weights before the step */
-} block_buf_t;
-
-/* Blocks of a tensor of n elements (quant8.blocks). */
-ALWAYS_INLINE int64_t quant8_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
-
-/* Elements of block i of a tensor of n elements. */
-ALWAYS_INLINE int64_t block_valid(int64_t n, int64_t i) { return n - i * BLOCK < BLOCK ? n - i * BLOCK : BLOCK; }
-
-/* Block i of weights p and gradients g (fp32, or bf16 where is_bf16) into b, keeping the weights before the step
- * where a compensated bf16 write needs them. */
-static inline void block_load(block_buf_t *restrict b, const void *p, const void *g, int64_t i, int64_t valid,
-                              int is_bf16, comp_mode_t mode) {
-    load_block(b->p, p, i, valid, is_bf16);
-    load_block(b->g, g, i, valid, is_bf16);
-    if (is_bf16 && mode != NONE)
-        memcpy(b->old, b->p, sizeof b->old);
-}
-
-/* b's stepped weights back into block i of p: bf16 by store_bf16 under compensation `mode` (c: the tensor's Kahan
- * buffer or NULL; key: its weights' noise key), fp32 as they are. */
-static inline void block_store(const block_buf_t *restrict b, void *p, uint16_t *c, uint32_t key, int64_t i,
-                               int64_t valid, int is_bf16, comp_mode_t mode) {
-    if (is_bf16)
-        store_bf16((uint16_t *)p + i * BLOCK, b->p, b->old, c ? c + i * BLOCK : NULL, valid, key, i * BLOCK, mode);
-    else
-        memcpy((float *)p + i * BLOCK, b->p, valid * sizeof(float));
 }
 #endif
