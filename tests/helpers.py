@@ -53,6 +53,14 @@ def net_options(name) -> dict:
     return {"muon_include": "fc.weight"} if "muon_include" in hfe.registry.get_spec(name).accepted else {}
 
 
+def matrices_options(name, model) -> dict:
+    """What ``name`` needs to step every 2-D parameter of ``model`` (a test model without blocks) as a matrix: a Muon
+    name is told to take them all by name (Muon steps them whole, on an owner rank under FSDP2)."""
+    if "muon_include" not in hfe.registry.get_spec(name).accepted:
+        return {}
+    return {"muon_include": "|".join(n for n, p in model.named_parameters() if p.ndim == 2)}
+
+
 def make(name, backend, dtype, compensation="auto", **options):
     """A fresh :class:`Net` of ``dtype`` and its optimizer ``name`` on ``backend`` (skipped if torchao is missing)."""
     if backend == "torchao":
