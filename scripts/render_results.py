@@ -447,7 +447,10 @@ def convergence_md(doc: dict) -> str:
              "buffer), `none` (round to nearest: the stale weights, shown for contrast); compared with the same fp32 "
              "reference as the name on fp32 weights"]
     for math, ref in doc["references"].items():
-        if ref["label"] != baseline and any(r["run"].get("math") == math for r in results):
+        if ref["label"] != baseline and any(r["run"].get("math") == math for r in results) and not ref["betas"]:
+            text.append(f"- {math} runs compare with `{ref['label']}` (fp32 state, the same split, decay groups and "
+                        "lr; fp32 AdamW's row is the other comparison)")
+        elif ref["label"] != baseline and any(r["run"].get("math") == math for r in results):
             text.append(f"- {math} runs use betas {tuple(ref['betas'])} (its own, as the paper, bitsandbytes and "
                         f"torch-optimi) and compare with `{ref['label']}`: fp32 state, the same math, decay groups, "
                         "betas and lr")

@@ -114,6 +114,10 @@ def test_convergence_quick(tmp_path):
     lion = next(r for r in runs if r.name == "lion8bit" and not r.options)
     ref = by[lion.reference]
     assert ref["run"]["name"] is None and ref["backend"] == "torch-optimi" and ref["run"]["lr_scale"] == lion.lr_scale
+    # Muon8bit compares with hf_eff_muon's run (the math's fp32-state name), hf_eff_muon with fp32 AdamW
+    muon8bit = next(r for r in runs if r.name == "muon8bit" and not r.options)
+    assert by[muon8bit.reference]["run"]["name"] == "muon" and by["hf_eff_muon"]["run"]["reference"] == conv.BASELINE
+    assert by["hf_eff_muon8bit"]["state_bytes"] < by["hf_eff_muon"]["state_bytes"]
     kahan = by["hf_eff_adamw_bf16 compensation=kahan"]
     assert kahan["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
     # the lowest-memory run: gradient release leaves at most a bucket and the tied embedding's gradient alive
