@@ -744,6 +744,36 @@ def fsdp2_memory_md(doc: dict) -> str:
         md_table(["name", *worlds], resumes)]) + "\n"
 
 
+def muon_pretrain_md(doc: dict) -> str:
+    s, runs = doc["settings"], doc["runs"]
+    base = next((r for r in runs if r["optimizer"] == "adamw"), None)
+    rows = [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4),
+             "—" if base is None or r is base else _pct(r["final_eval_loss"] / base["final_eval_loss"] - 1),
+             fmt(r["state_bytes"] / 2**20, 2), fmt(r["state_bytes"] / r["num_params"], 2),
+             fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
+    steps = [c["step"] for c in runs[0]["curve"]]
+    curves = [[step, *(fmt(next(c["eval_loss"] for c in r["curve"] if c["step"] == step), 4) for r in runs)]
+              for step in steps]
+    return "\n".join([
+        "# Muon pre-training check: a small Llama from random init", "",
+        f"Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min)", "",
+        machine_md(doc["machine"], doc.get("loadavg_after")), "",
+        f"- Model: `LlamaForCausalLM` (random init, untied head), hidden {s['hidden']}, {s['layers']} layers, "
+        f"{runs[0]['num_params']:,} parameters, fp32; byte-level (vocabulary 256)",
+        f"- Data: Python's documentation (`pydoc_data.topics`), paragraphs shuffled (seed {s['seed']}), "
+        f"{doc['train_bytes']:,} training bytes, {doc['eval_bytes']:,} held out; batch {s['batch']} windows of "
+        f"{s['seq']} bytes drawn at random; eval: mean loss over {s['eval_windows']} fixed held-out windows",
+        f"- Schedule: {s['steps']} steps, lr {s['lr']} (linear warm-up over {s['warmup']} steps, cosine to 10%), "
+        f"betas (0.9, 0.95), weight decay {s['weight_decay']} (hf_efficient decay groups), gradient norm clipped at "
+        "1; every run the same init and data order; Muon's update scaled to AdamW's RMS (`match_rms_adamw`), one lr "
+        "for both halves",
+        "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
+        md_table(["run", "final eval loss", "vs hf_eff_adamw", "optimizer state MiB", "state B/param",
+                  "s (train + evals)"], rows), "",
+        "## Eval loss over the steps", "",
+        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves)]) + "\n"
+
+
 PAGES = {  # page -> (markdown, plot or None)
     "bench_step": (bench_step_md, bench_step_png),
     "bench_cuda": (bench_cuda_md, None),
@@ -752,6 +782,7 @@ PAGES = {  # page -> (markdown, plot or None)
     "memory_release": (memory_release_md, memory_release_png),
     "convergence": (convergence_md, convergence_png),
     "fsdp2_memory": (fsdp2_memory_md, None),
+    "muon_pretrain": (muon_pretrain_md, None),
 }
 
 

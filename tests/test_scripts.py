@@ -158,6 +158,21 @@ def test_convergence_quick(tmp_path):
     assert len(kept["results"]) == len(labels) - 1 and kept["merged"][-1]["dropped"] == ["hf_eff_adamw"]
 
 
+def test_muon_pretrain_check_quick(tmp_path):
+    """Every Muon name and AdamW from the same init on the same bytes; the page rendered from its JSON."""
+    check = _load("muon_pretrain_check")
+    doc = check.main(["--steps", "2", "--eval-every", "1", "--warmup", "1", "--eval-windows", "2", "--hidden", "32",
+                      "--layers", "1", "--batch", "2", "--seq", "16", "--threads", "1", "--out", str(tmp_path)])
+    assert [r["optimizer"] for r in doc["runs"]] == list(check.KINDS) == ["adamw", "muon", "muon8bit"]
+    first = {r["optimizer"]: r["curve"][0]["train_loss"] for r in doc["runs"]}
+    assert len(set(first.values())) == 1, first  # the same model and batch: the first loss is before any step
+    state = {r["optimizer"]: r["state_bytes"] for r in doc["runs"]}
+    assert state["muon8bit"] < state["muon"] < state["adamw"]
+    md = (tmp_path / "muon_pretrain.md").read_text()
+    assert json.loads((tmp_path / "muon_pretrain.json").read_text()) == json.loads(json.dumps(doc))
+    assert "| hf_eff_muon8bit |" in md and not VERDICT.search(md)
+
+
 def test_bench_cuda_cpu_smoke_then_render_only(tmp_path):
     """bench_cuda on CPU (the script's smoke mode): a row per candidate in its JSON, and --render-only rewrites the
     page from that JSON alone."""
