@@ -95,7 +95,7 @@ def bench_step_md(doc: dict) -> str:
             "only the scan of the small ones; the check's time in backward is in the forward + backward + step "
             "section below. Still vouched for by the backward scan after the last timed step (no step changed a "
             f"gradient): {'yes' if doc['vouched'] else 'NO: the rows with the check rescanned them'}\n",
-            figure("bench_step", "Median step time of each row (log scale; the tick: the bandwidth limit of its bytes) "
+            figure(doc.get("page", "bench_step"), "Median step time of each row (log scale; the tick: the bandwidth limit of its bytes) "
                    "and its optimizer state in bytes per parameter, coloured by state format") + "\n",
             md_table(headers, table), "\n## The registry's picks against the other options of their format\n",
             *(_bench_picks(rows) or ["- no rows ran"])]
@@ -783,6 +783,7 @@ PAGES = {  # page -> (markdown, plot or None)
     "convergence": (convergence_md, convergence_png),
     "fsdp2_memory": (fsdp2_memory_md, None),
     "muon_pretrain": (muon_pretrain_md, None),
+    "bench_muon": (bench_step_md, bench_step_png),  # bench_step.py --only Muon --page bench_muon: its rows alone
 }
 
 
