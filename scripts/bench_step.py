@@ -232,6 +232,9 @@ def ours(device: str) -> list[Candidate]:
         if res is not None and "nonfinite" in spec.options:  # the inf/NaN gradient check off, to show its cost
             out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=res.backend, nonfinite="ignore"),
                                  spec.trainer_name, res.backend, note="nonfinite=ignore"))
+        if res is not None and "ns_dtype" in spec.options:  # Newton-Schulz in fp32: CPUs without bf16 GEMMs
+            out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=res.backend, ns_dtype="fp32"),
+                                 spec.trainer_name, res.backend, note="ns_dtype=fp32"))
         if dtype == torch.bfloat16 and "compensation" in spec.options:
             out.append(Candidate(spec.trainer_name, "bf16 stochastic", dtype,
                                  build(spec.name, compensation="stochastic"), spec.trainer_name, "torch",

@@ -747,8 +747,13 @@ def fsdp2_memory_md(doc: dict) -> str:
 def muon_pretrain_md(doc: dict) -> str:
     s, runs = doc["settings"], doc["runs"]
     base = next((r for r in runs if r["optimizer"] == "adamw"), None)
-    rows = [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4),
-             "—" if base is None or r is base else _pct(r["final_eval_loss"] / base["final_eval_loss"] - 1),
+    muon = next((r for r in runs if r["optimizer"] == "muon"), None)  # muon8bit's fp32-state twin
+
+    def vs(r, ref):
+        return "—" if ref is None or r is ref else _pct(r["final_eval_loss"] / ref["final_eval_loss"] - 1)
+
+    rows = [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4), vs(r, base),
+             vs(r, muon) if r["optimizer"] == "muon8bit" else "—",
              fmt(r["state_bytes"] / 2**20, 2), fmt(r["state_bytes"] / r["num_params"], 2),
              fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
     steps = [c["step"] for c in runs[0]["curve"]]
@@ -768,7 +773,7 @@ def muon_pretrain_md(doc: dict) -> str:
         "1; every run the same init and data order; Muon's update scaled to AdamW's RMS (`match_rms_adamw`), one lr "
         "for both halves",
         "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
-        md_table(["run", "final eval loss", "vs hf_eff_adamw", "optimizer state MiB", "state B/param",
+        md_table(["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
                   "s (train + evals)"], rows), "",
         "## Eval loss over the steps", "",
         md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves)]) + "\n"
