@@ -10,8 +10,10 @@ per group (:meth:`Muon8bit.moments_of`), so checkpoints hold the canonical layou
 
 The momentum of a Muon matrix is decoded whole to fp32 when its update is made, advanced there, and encoded back
 (:class:`QuantizedMomentum`): the update is orthogonalised from the fp32 values, as the 8-bit AdamW steps from its
-fp32 moments before storing them; one matrix's fp32 copy at a time. Newton-Schulz dominates the step (tens of flops
-per element for each element coded), so this is eager torch, no kernel of its own.
+fp32 moments before storing them; one matrix's fp32 copy at a time. The codec runs as torch operations
+(:func:`.quant8.pack` / :func:`.quant8.unpack`), no kernel of its own: on one CPU thread they cost more than
+Newton-Schulz itself (docs/results/bench_muon.md: this step ~2.5x hf_eff_muon's), the first thing to move to the C
+codec (``quant8.h``) where the step time matters.
 """
 
 from __future__ import annotations
