@@ -17,6 +17,7 @@ Checkpoints, resume, gradient release, the guard, compensation, FSDP2 and the Tr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hf_efficient as hfe
@@ -66,6 +67,24 @@ def test_8bit_momentum_tracks_fp32_momentum():
         assert "exp_avg" not in state, n  # a Muon matrix keeps Muon's state only
         bound = STEPS * LR * update_scale(ours[n].shape) * EIGHT_BIT_TOL
         assert (ref[n] - ours[n]).abs().max() <= bound, n
+
+
+def test_c_codec_steps_as_the_eager_codec(monkeypatch):
+    """On CPU the momentum's blocks go through quant8_cpu.c (probed): the same weights and codes, bit for bit, as
+    through quant8.pack / unpack."""
+    from hf_efficient.optim import _native
+    from hf_efficient.optim.muon8bit import _DECODE, _ENCODE
+
+    if _native.c_compiler() is None:
+        pytest.skip("no C compiler")
+    assert _ENCODE.fn() is not None and _DECODE.fn() is not None
+    _, c_path, c_opt = _pair("muon")
+    monkeypatch.setattr(QuantizedMomentum, "_c", lambda self, kernel: None)
+    _, eager, eager_opt = _pair("muon")
+    for n, p in c_path.items():
+        assert torch.equal(p, eager[n]), n
+        for key, value in c_opt.state[p].items():
+            assert torch.equal(value, eager_opt.state[eager[n]][key]), (n, key)
 
 
 def test_quantized_momentum_round_trips_through_the_codec():

@@ -10,10 +10,9 @@ per group (:meth:`Muon8bit.moments_of`), so checkpoints hold the canonical layou
 
 The momentum of a Muon matrix is decoded whole to fp32 when its update is made, advanced there, and encoded back
 (:class:`QuantizedMomentum`): the update is orthogonalised from the fp32 values, as the 8-bit AdamW steps from its
-fp32 moments before storing them; one matrix's fp32 copy at a time. The codec runs as torch operations
-(:func:`.quant8.pack` / :func:`.quant8.unpack`), no kernel of its own: on one CPU thread they cost more than
-Newton-Schulz itself (docs/results/bench_muon.md: this step ~2.5x hf_eff_muon's), the first thing to move to the C
-codec (``quant8.h``) where the step time matters.
+fp32 moments before storing them; one matrix's fp32 copy at a time. On CPU the codec is ``quant8_cpu.c`` (quant8.h's
+block codec, probed against the eager one bit for bit): the eager :func:`.quant8.pack` / :func:`.quant8.unpack`
+cost more than Newton-Schulz itself on a CPU thread; elsewhere (CUDA, no compiler) they run.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _sharded, quant8
+from . import _dispatch, _sharded, quant8
 from ._blockwise import Blockwise8bit, _check_8bit_keys
 from .adamw8bit import AdamW8bit
 from .facts import KAHAN, STEP, Codec, Family, codes
@@ -39,6 +38,51 @@ MUON8BIT = Family("muon8bit", {"step": STEP, "momentum_buffer": codes(quant8, si
 MOMENTUM = (("momentum_buffer", True),)  # the quantized key of a Muon matrix, signed
 
 
+def _probe_values() -> Tensor:
+    """Blocks the probes code: 200 (a range that splits over 3 threads in whole 64-block pieces: a kernel that
+    leaves a thread's share undone fails), random values at scales from 1e-40 (below fp32's normal range:
+    block_scale's floor) to 1e30, an all-zero block, and exact zeros inside blocks."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, quant8.BLOCK, generator=g) * torch.logspace(-40, 30, 8).repeat(25)[:, None]
+    x[3] = 0.0
+    x[5, ::7] = 0.0
+    return x
+
+
+def _probe_encode(fn) -> bool:
+    """quant8_encode gives the eager codec's words and absmaxes, both maps, over 1 and 3 threads."""
+    x = _probe_values()
+    for signed in (True, False):
+        v = x if signed else x.abs()
+        words, absmax = quant8.pack(v, signed)
+        for threads in (1, 3):
+            w, a = torch.zeros_like(words), torch.zeros_like(absmax)
+            _ENCODE.run(fn, v, w, a, int(signed), quant8.c_tables(), n=len(v), unit=quant8.BLOCK, threads=threads)
+            if not (torch.equal(w.view(torch.int32), words.view(torch.int32)) and torch.equal(a, absmax)):
+                return False
+    return True
+
+
+def _probe_decode(fn) -> bool:
+    """quant8_decode gives the eager codec's values, both maps, over 1 and 3 threads."""
+    x = _probe_values()
+    for signed in (True, False):
+        words, absmax = quant8.pack(x if signed else x.abs(), signed)
+        values = quant8.unpack(words, absmax, signed)
+        for threads in (1, 3):
+            out = torch.full_like(values, float("nan"))
+            _DECODE.run(fn, out, words, absmax, int(signed), quant8.c_tables(), n=len(out), unit=quant8.BLOCK,
+                        threads=threads)
+            if not torch.equal(out, values):
+                return False
+    return True
+
+
+_SIGNATURE = "values:ptr words:ptr absmax:ptr signed:int maps:ptr"
+_ENCODE = _dispatch.CKernel("quant8_cpu.c", "quant8_encode", _SIGNATURE, _probe_encode)
+_DECODE = _dispatch.CKernel("quant8_cpu.c", "quant8_decode", _SIGNATURE, _probe_decode)
+
+
 class QuantizedMomentum:
     """A matrix's momentum held in a codec's in-memory blocks (:class:`._blockwise.Blockwise8bit`'s layout: codes of
     whole blocks, zero-padded, and an absmax per block; an FSDP2 parameter's: its rows', which are whole blocks), as
@@ -50,13 +94,29 @@ class QuantizedMomentum:
         self._words = _sharded.local(state[key]).view(-1).view(torch.float32).view(-1, codec.WORDS)
         self._absmax = _sharded.local(state[f"{key}_absmax"]).view(-1)
 
+    def _c(self, kernel):
+        """``kernel``'s C function where it steps these blocks (quant8's codec on CPU, built and probed), else None."""
+        return kernel.fn() if self._codec is quant8 and self._words.device.type == "cpu" else None
+
     def decode(self) -> Tensor:
-        n = math.prod(self._rows)
-        return self._codec.unpack(self._words, self._absmax, self._signed).view(-1)[:n].view(self._rows)
+        n, blocks = math.prod(self._rows), self._absmax.numel()
+        fn = self._c(_DECODE)
+        if fn is None:
+            values = self._codec.unpack(self._words, self._absmax, self._signed)
+        else:
+            values = torch.empty(blocks, self._codec.BLOCK)
+            _DECODE.run(fn, values, self._words, self._absmax, int(self._signed), quant8.c_tables(), n=blocks,
+                        unit=quant8.BLOCK)
+        return values.view(-1)[:n].view(self._rows)
 
     def encode_(self, values: Tensor) -> None:
         flat = values.reshape(-1)
         padded = F.pad(flat, (0, self._absmax.numel() * self._codec.BLOCK - flat.numel()))
+        fn = self._c(_ENCODE)
+        if fn is not None:  # straight into the state's words and absmaxes
+            _ENCODE.run(fn, padded, self._words, self._absmax, int(self._signed), quant8.c_tables(),
+                        n=self._absmax.numel(), unit=quant8.BLOCK)
+            return
         words, absmax = self._codec.pack(padded.view(-1, self._codec.BLOCK), self._signed)
         self._words.copy_(words)
         self._absmax.copy_(absmax)
