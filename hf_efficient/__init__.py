@@ -10,11 +10,12 @@ from . import _autoload
 from .factory import create_optimizer, optimizer_info
 from .estimate import estimate_memory
 from .memory import optimizer_state_bytes
-from .param_groups import build_param_groups, split_parameters
+from .param_groups import build_muon_param_groups, build_param_groups, split_parameters
 from .registry import available_optimizers, resolve
 
 __all__ = [
     "available_optimizers",
+    "build_muon_param_groups",
     "build_param_groups",
     "create_optimizer",
     "estimate_memory",

@@ -18,7 +18,7 @@ import torch
 
 from .memory import MB, Described, MemoryEstimate, UnsupportedSharding, describe_params, predict
 from .options import parse_options
-from .registry import PREFIX, get_spec
+from .registry import AUTO_CANDIDATES, PREFIX, get_spec
 
 __all__ = ["choose_auto", "AutoChoice", "free_memory_bytes", "AUTO_MARGIN", "AUTO_ORDER", "AUTO_ORDER_BF16"]
 
@@ -31,7 +31,7 @@ AUTO_MARGIN = 0.2  # share of the available memory left for activations, the all
 AUTO_ORDER = ("adamw", "adam8bit", "adam4bit", "adafactor")
 # bf16 models: hf_eff_adamw keeps fp32 moments and writes the weights compensated (8 B/param, 10 under Kahan), so it
 # leads; adamw_bf16 (bf16 moments and Kahan buffer, 6 B/param) is the next most accurate where adamw does not fit
-AUTO_ORDER_BF16 = ("adamw", "adamw_bf16", "adam8bit", "adam4bit", "adafactor")
+AUTO_ORDER_BF16 = AUTO_CANDIDATES  # the registry's list (its options are those auto takes)
 
 
 @dataclass(frozen=True)

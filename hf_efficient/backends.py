@@ -23,12 +23,14 @@ from .optim import quant4
 from .optim.facts import Family, codes_bytes, keeps_quantized_state
 from .optim.quant8 import BLOCK, dequantize_blockwise, dynamic_map
 from .optional import require
+from .param_groups import MuonPatterns
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_torch_adamw", "class_builder", "bnb_builder", "build_torchao_adamw8bit", "Layout", "bnb_layout", "torchao_layout", "bnb_keeps_8bit",
            "torchao_keeps_8bit", "torch_keeps_8bit", "adamw_memory", "bnb_memory", "torchao_memory",
-           "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory", "torch_adamw_memory"]
+           "torch_8bit_memory", "adafactor_memory", "adamw_bf16_memory", "torch_adamw_memory", "muon_memory",
+           "fp32_momentum_memory"]
 
 
 def _with_cls(load: Callable[[], type]):
@@ -412,13 +414,13 @@ def _torch_keeps_8bit_shape(t, opts: Mapping, codec) -> bool:
                                  min_8bit_size=opts["min_8bit_size"], keep_32bit=_keeps_32bit(t, opts))
 
 
-def torch_8bit_memory(family: Family) -> Callable:
+def torch_8bit_memory(family: Family, keys=None) -> Callable:
     """This package's quantized optimizers (``family``'s): per moment its codec's codes padded to whole blocks + a
     float32 absmax per block (:func:`.optim.facts.codes_bytes`; an FSDP2 shard of a quantized tensor is whole rows
     of whole blocks: no padding) where :func:`_torch_keeps_8bit_shape` says so; else float32 moments. Step: float32.
     The code books are module constants, not state. bf16/fp16 weights under compensation=kahan: their bf16
-    buffer."""
-    moments = [family.state[k].codec for k, _ in family.moments]
+    buffer. ``keys``: the quantized keys each tensor holds (default: all of the family's)."""
+    moments = [family.state[k].codec for k in (keys or [k for k, _ in family.moments])]
 
     def rule(ts, opts: Mapping) -> int:
         total = 0
@@ -447,3 +449,24 @@ def adamw_bf16_memory(ts, opts: Mapping) -> int:
     """optim/adamw_bf16.py: exp_avg, exp_avg_sq (and, for bf16/fp16 params with ``compensation=kahan``,
     kahan_comp) shaped and typed like the parameter; a float32 step."""
     return sum(t.count * (2 * t.numel * t.dtype.itemsize + _STEP) + _kahan_bytes(t, opts) for t in ts)
+
+
+def fp32_momentum_memory(ts, opts: Mapping) -> int:
+    """optim/muon.py's Muon matrices: an fp32 ``momentum_buffer`` and a float32 step each; under compensation=kahan
+    the bf16 buffer of bf16/fp16 weights."""
+    return sum(t.count * (4 * t.numel + _STEP) + _kahan_bytes(t, opts) for t in ts)
+
+
+def muon_memory(muon_rule: Callable, adamw_rule: Callable) -> Callable:
+    """A Muon name's rule: ``muon_rule`` for the tensors Muon steps, ``adamw_rule`` for the rest. Which is which:
+    the model's split (``ParamShape.muon``, :func:`.param_groups.split_muon`'s rule), then the options
+    ``muon_include`` / ``muon_exclude`` as :func:`.param_groups.split_muon` applies them (and refuses a pattern
+    that matches nothing)."""
+    def rule(ts, opts: Mapping) -> int:
+        patterns = MuonPatterns.parse(opts.get("muon_include"), opts.get("muon_exclude"))
+        patterns.check([(t.name, len(t.shape)) for t in ts], "the model")
+        said = [patterns.decide(t.name, len(t.shape)) for t in ts]
+        takes = [t.muon if s is None else s for t, s in zip(ts, said)]
+        return (muon_rule([t for t, m in zip(ts, takes) if m], opts)
+                + adamw_rule([t for t, m in zip(ts, takes) if not m], opts))
+    return rule

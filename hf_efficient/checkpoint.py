@@ -167,9 +167,10 @@ def _is_codes(value) -> bool:
 def _required_keys(family: Family, st: dict, p: torch.Tensor, group: dict) -> set[str]:
     """Keys a state of ``family`` must hold for ``p`` in ``group`` (the saved group: its flags decide), and the
     absmaxes of its codes where the state is 8-bit."""
-    codes = [k for k, f in family.state.items() if f.format == "codes"]
+    required = set(family.required(p, group))  # a family whose groups differ (Muon8bit) requires some codes only
+    codes = [k for k, f in family.state.items() if f.format == "codes" and k in required]
     quantized = bool(_codes(family, st)) and _is_codes(st[_codes(family, st)[0]])
-    return set(family.required(p, group)) | ({f"{k}_absmax" for k in codes} if quantized else set())
+    return required | ({f"{k}_absmax" for k in codes} if quantized else set())
 
 
 def _dtype_error(family: Family, st: dict, key: str, value: torch.Tensor) -> str | None:

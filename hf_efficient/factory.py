@@ -67,7 +67,9 @@ def build_optimizer(model, name: str, raw_options: Mapping[str, Any], *, source:
     options = parse_options(spec.name, spec.accepted, raw_options, source=source)
     if isinstance(model, nn.Module):
         split = split_parameters(model, decay_embeddings=options["decay_embeddings"])
-        groups = build_param_groups(model, weight_decay, split=split)
+        grouping = spec.facts.param_groups  # the family's own grouping (Muon's split), else the decay groups
+        groups = (grouping(model, weight_decay, split, options) if grouping
+                  else build_param_groups(model, weight_decay, split=split))
         keep_fp32 = [split.params[n] for n in split.embeddings] if options.get("embedding_state") == "32bit" else []
     else:
         split, groups, keep_fp32 = None, _as_groups(model), []

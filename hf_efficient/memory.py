@@ -33,6 +33,7 @@ To compare several names on one model (``hf_eff_auto`` does), describe it once (
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 import resource
 import sys
@@ -46,7 +47,7 @@ from .backends import adamw_memory
 from .info import unwrap
 from .optim.compensation import LOW_PRECISION
 from .options import parse_options
-from .param_groups import split_parameters
+from .param_groups import split_muon, split_parameters
 from .registry import PREFIX, compensation_of, get_spec, resolve
 from .release import BUCKET_BYTES
 
@@ -158,7 +159,8 @@ def peak_memory(device: torch.device | str) -> tuple[str, int]:
 class ParamShape:
     """What the memory rules need of one parameter: size, shape, dtype, whether it is an embedding matrix, whether
     it trains, and how many parameters are alike (``count``: a bare count's identical matrices are one entry, not
-    millions)."""
+    millions); its name and whether Muon's split gives it to Muon by default (the Muon names' rule applies
+    ``muon_include`` / ``muon_exclude`` to them)."""
 
     numel: int
     shape: tuple[int, ...]
@@ -167,6 +169,8 @@ class ParamShape:
     trainable: bool = True
     count: int = 1
     shard_of: tuple[int, ...] | None = None  # an FSDP2 row shard of a tensor of this global shape (None: whole)
+    name: str = ""
+    muon: bool = False  # param_groups.split_muon's rule gives it to Muon
 
     @property
     def elements(self) -> int:
@@ -286,7 +290,7 @@ def _shard_rows(t: ParamShape, world_size: int) -> ParamShape:
         return t
     rows = -(-t.shape[0] // world_size)
     shape = (rows, *t.shape[1:])
-    return ParamShape(math.prod(shape), shape, t.dtype, t.embedding, t.trainable, t.count, t.shard_of or t.shape)
+    return dataclasses.replace(t, numel=math.prod(shape), shape=shape, shard_of=t.shard_of or t.shape)
 
 
 def _per_rank(tensors: list[ParamShape], world_size: int, sharding: str | None) -> list[ParamShape]:
@@ -317,7 +321,7 @@ def _bytes(tensors: list[ParamShape], world_size: int, flat: bool) -> int:
 
 
 def _as_fp32(t: ParamShape) -> ParamShape:
-    return ParamShape(t.numel, t.shape, torch.float32, t.embedding, t.trainable, t.count, t.shard_of)
+    return dataclasses.replace(t, dtype=torch.float32)
 
 
 class Described(NamedTuple):
@@ -362,10 +366,11 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
             raise ValueError(f"a parameter count must be positive and at most {MAX_PARAMS:.0e} (the largest models "
                              f"have ~2e12), got {model!r}: check the number")
         full, rest = divmod(n, _ASSUMED_TENSOR)
-        tensors = [ParamShape(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32, count=c)
-                   for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
+        tensors = [ParamShape(s, (-(-s // ASSUMED_COLUMNS), ASSUMED_COLUMNS), dtype or torch.float32, count=c,
+                              muon=True) for s, c in ((_ASSUMED_TENSOR, full), (rest, 1)) if s and c]
         assumption = (f"{n:,} parameters counted as 2-D matrices of {ASSUMED_COLUMNS} columns, "
-                      f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small")
+                      f"{full + bool(rest):,} tensors of <= {_ASSUMED_TENSOR:,} elements; no embeddings, none small "
+                      "(Muon: every one a hidden matrix)")
         return tensors, assumption, default_dev, False, 0
     if hasattr(model, "to_dict") and hasattr(model, "model_type") and not isinstance(model, nn.Module):
         raise TypeError(f"model is a transformers config ({type(model).__name__}): the core builds no transformers "
@@ -374,16 +379,19 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
                         "estimate_memory(model_from_config(config), ...)")
     if isinstance(model, nn.Module):
         split = split_parameters(model)
-        embeddings = set(split.embeddings)
+        embeddings, muon = set(split.embeddings), set(split_muon(model, decay=split).muon)
         params = dict(model.named_parameters())
-        tensors = [ParamShape(p.numel(), tuple(p.shape), dtype or p.dtype, n in embeddings, n in split.params)
-                   for n, p in params.items()]
+        tensors = [ParamShape(p.numel(), tuple(p.shape), dtype or p.dtype, n in embeddings, n in split.params,
+                              name=n, muon=n in muon) for n, p in params.items()]
         devices = {p.device for p in params.values()}
     else:
         items = list(model)
-        params = [p for g in items for p in g["params"]] if items and isinstance(items[0], dict) else items
-        params = [p[1] if isinstance(p, tuple) else p for p in params]
-        tensors = [ParamShape(p.numel(), tuple(p.shape), dtype or p.dtype) for p in params]
+        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+        named = [(name, p, bool(g.get("muon"))) for gi, g in enumerate(groups) for name, p in zip(
+            _names_of(g, gi), [g["params"]] if torch.is_tensor(g["params"]) else g["params"])]
+        params = [p[1] if isinstance(p, tuple) else p for _, p, _ in named]
+        tensors = [ParamShape(p.numel(), tuple(p.shape), dtype or p.dtype, name=name, muon=muon)
+                   for (name, _, muon), p in zip(named, params)]
         devices = {p.device for p in params}
     if not tensors:
         raise ValueError(f"{type(model).__name__} has no parameters to estimate")
@@ -392,6 +400,16 @@ def _read_params(model, param_dtype) -> tuple[list[ParamShape], str | None, torc
     if len(devices) != 1 or (dev := devices.pop()).type == "meta":
         return tensors, None, default_dev, False, mesh
     return tensors, None, dev, True, mesh
+
+
+def _names_of(group: dict, gi: int) -> list[str]:
+    """Names of a group's parameters for the estimate: its ``param_names``, a ``named_parameters()`` pair's name, or
+    ``group{gi}.param{i}``; a group's ``"muon"`` flag (:func:`.param_groups.build_muon_param_groups`) gives its
+    parameters to Muon."""
+    params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+    given = group.get("param_names") or [None] * len(params)
+    return [n or (p[0] if isinstance(p, tuple) else f"group{gi}.param{i}")
+            for i, (n, p) in enumerate(zip(given, params))]
 
 
 def _as_dtype(dtype) -> torch.dtype | None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 __all__ = ["DecaySplit", "split_parameters", "build_param_groups", "is_norm_module", "group_names", "named_params",
-           "MuonSplit", "split_muon", "build_muon_param_groups"]
+           "MuonSplit", "split_muon", "build_muon_param_groups", "MuonPatterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,41 @@ def _patterns(value, option: str) -> list[str]:
     return patterns
 
 
+@dataclass(frozen=True)
+class MuonPatterns:
+    """``muon_include`` / ``muon_exclude`` parsed: what they decide of a parameter, before the rule of
+    :func:`split_muon` (and the memory estimate, which applies them to a model described once) decides the rest."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, muon_include=None, muon_exclude=None) -> "MuonPatterns":
+        return cls(tuple(_patterns(muon_include, "muon_include")), tuple(_patterns(muon_exclude, "muon_exclude")))
+
+    def check(self, named: list[tuple[str, int]], owner: str) -> None:
+        """Refuse a pattern that matches nothing it could apply to in ``named`` ((name, ndim) of the trainable
+        parameters of ``owner``, a model's class name): a misspelt name would otherwise change nothing, silently."""
+        for option, patterns, matrices_only in (("muon_include", self.include, True),
+                                                ("muon_exclude", self.exclude, False)):
+            candidates = [n for n, ndim in named if ndim == 2 or not matrices_only]
+            for pattern in patterns:
+                if not any(fnmatch.fnmatchcase(n, pattern) for n in candidates):
+                    what = "2-D trainable parameter" if matrices_only else "trainable parameter"
+                    sample = ", ".join(candidates)
+                    raise ValueError(f"{option}: pattern {pattern!r} matches no {what} of {owner} (fnmatch on full "
+                                     f"names such as: {sample[:300]}{'...' if len(sample) > 300 else ''})")
+
+    def decide(self, name: str, ndim: int) -> bool | None:
+        """False: AdamW (an exclusion, which wins); True: Muon (a 2-D parameter an inclusion names); None: neither
+        says, the rule decides."""
+        if any(fnmatch.fnmatchcase(name, pat) for pat in self.exclude):
+            return False
+        if ndim == 2 and any(fnmatch.fnmatchcase(name, pat) for pat in self.include):
+            return True
+        return None
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -218,25 +253,20 @@ def split_muon(model: nn.Module, muon_include=None, muon_exclude=None, decay: De
     Raises:
         ValueError: a pattern that matches nothing it could apply to (a misspelt name), naming a few names.
     """
-    include, exclude = _patterns(muon_include, "muon_include"), _patterns(muon_exclude, "muon_exclude")
+    patterns = MuonPatterns.parse(muon_include, muon_exclude)
     decay = decay or split_parameters(model)
     owners, inside, head = _owners(model), _inside_blocks(model), _output_head(model)
     named = list(decay.params.items())  # trainable, a tied weight once (by its first name)
     embeddings = set(decay.embeddings)
-    for option, patterns, matrices_only in (("muon_include", include, True), ("muon_exclude", exclude, False)):
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(n, pattern) for n, p in named if p.ndim == 2 or not matrices_only):
-                what = "2-D trainable parameter" if matrices_only else "trainable parameter"
-                sample = ", ".join(n for n, p in named if p.ndim == 2 or not matrices_only)
-                raise ValueError(f"{option}: pattern {pattern!r} matches no {what} of {type(model).__name__} "
-                                 f"(fnmatch on full names such as: {sample[:300]}{'...' if len(sample) > 300 else ''})")
+    patterns.check([(n, p.ndim) for n, p in named], type(model).__name__)
     split = MuonSplit()
     for name, p in named:
         split.params[name] = p
         uses = owners.get(id(p), [])
-        if any(fnmatch.fnmatchcase(name, pat) for pat in exclude):
+        said = patterns.decide(name, p.ndim)
+        if said is False:
             reason = "muon_exclude"
-        elif p.ndim == 2 and any(fnmatch.fnmatchcase(name, pat) for pat in include):
+        elif said:
             reason = None
         elif name in embeddings:
             reason = "embedding"
@@ -261,25 +291,29 @@ def split_muon(model: nn.Module, muon_include=None, muon_exclude=None, decay: De
 
 
 def build_muon_param_groups(model: nn.Module, weight_decay: float = 0.0, decay_embeddings: bool = True,
-                            muon_include=None, muon_exclude=None) -> list[dict]:
+                            muon_include=None, muon_exclude=None, split: DecaySplit | None = None) -> list[dict]:
     """:func:`build_param_groups`' decay groups, each cut in two along :func:`split_muon`: the Muon groups first
     (``"muon": True``), then AdamW's (``"muon": False``), empty ones dropped; each with ``param_names`` and its
-    ``weight_decay``. The split is logged once (counts and bytes), and a warning says when Muon gets nothing."""
-    decay = split_parameters(model, decay_embeddings)
+    ``weight_decay``. A Muon group holds matrices stored as ``nn.Linear``'s ``(out, in)`` or, marked
+    ``"transposed": True``, as transformers' ``Conv1D``'s ``(in, out)`` (``adjust_lr="original"`` scales by the
+    output features), never both. The split is logged once (counts and bytes), and a warning says when Muon gets
+    nothing. ``split``: the model's :func:`split_parameters` under ``decay_embeddings``, if already made."""
+    decay = split or split_parameters(model, decay_embeddings)
     muon = split_muon(model, muon_include, muon_exclude, decay)
     (logger.warning if not muon.muon else logger.info)(
         "hf_efficient Muon split: %s%s", muon.summary(),
         "" if muon.muon else ": Muon steps nothing; it takes the linear layers inside blocks (elements of an "
         "nn.ModuleList / nn.Sequential) and what muon_include names")
     groups = build_param_groups(model, weight_decay, decay_embeddings, split=decay)
-    chosen = set(muon.muon)
+    chosen, transposed = set(muon.muon), set(muon.transposed)
     out = []
-    for use_muon in (True, False):
+    for use_muon, flip in ((True, False), (True, True), (False, False)):
         for g in groups:
-            names = [n for n in g["param_names"] if (n in chosen) == use_muon]
+            names = [n for n in g["param_names"] if (n in chosen) == use_muon and (n in transposed) == flip]
             if names:
                 out.append({"params": [muon.params[n] for n in names], "param_names": names,
-                            "weight_decay": g["weight_decay"], "muon": use_muon})
+                            "weight_decay": g["weight_decay"], "muon": use_muon,
+                            **({"transposed": flip} if use_muon else {})})
     return out
 
 

@@ -29,12 +29,16 @@ from .optim.adamw import ADAMW
 from .optim.adamw4bit import AdamW4bit
 from .optim.adamw8bit import ADAMW8BIT, AdamW8bit
 from .optim.adamw_bf16 import AdamWBF16
-from .optim.facts import PREFIX, Family, StateKey
+from .optim import quant8
+from .optim.facts import PREFIX, Family, StateKey, codes_bytes
 from .optim.lion8bit import LION8BIT, Lion8bit
+from .optim.muon import Muon
+from .optim.muon8bit import Muon8bit
 from .options import OPTIONS, Option
 from .optional import install_hint, version_of
 
 __all__ = ["Backend", "StateKey", "Family", "EstimateRow", "OptimizerSpec", "Resolution", "SPECS", "PREFIX", "PLAIN",
+           "AUTO_CANDIDATES",
            "families", "torch_backend", "bnb_backend", "family_spec", "get_spec", "resolve",
            "available_optimizers", "compensation_of", "all_options"]
 
@@ -162,12 +166,12 @@ _BNB_NO_DTENSOR = "bitsandbytes' 8-bit kernels have no DTensor sharding rule"
 
 def torch_backend(cls: type, memory: Callable | None = None) -> Backend:
     """This package's optimizer class ``cls`` (it declares ``FACTS``, its Family) as a name's ``torch`` backend:
-    built by passing what its signature takes (:func:`.backends.class_builder`); ``memory``: its memory rule, derived
-    from its Family where it keeps quantized state (which then also needs a compiler for its kernels, else the
-    registry prefers another backend)."""
+    built by passing what its signature takes (:func:`.backends.class_builder`); ``memory``: its memory rule, by
+    default derived from its Family where it keeps quantized state (which then also needs a compiler for its kernels,
+    else the registry prefers another backend)."""
     facts = cls.FACTS
     if facts.quantized:
-        return Backend("torch", None, _ANY, backends.class_builder(cls), backends.torch_8bit_memory(facts),
+        return Backend("torch", None, _ANY, backends.class_builder(cls), memory or backends.torch_8bit_memory(facts),
                        needs=backends.compiler_missing, keeps_8bit=backends.torch_keeps_8bit, compensates=True)
     return Backend("torch", None, _ANY, backends.class_builder(cls), memory, compensates=True)
 
@@ -261,15 +265,33 @@ SPECS: dict[str, OptimizerSpec] = {
                     backends={"torch": torch_backend(AdamWBF16, backends.adamw_bf16_memory)},
                     state_bytes=6.0, bytes_label="6",
                     estimate_rows=(EstimateRow(" (bf16 params)", param_dtype=torch.bfloat16),)),
+        family_spec(Muon, "Muon (momentum 0.95, Nesterov, 5 bf16 Newton-Schulz steps) on the 2-D weights of the linear "
+                    "layers inside the model's blocks, AdamW (fp32 moments) on the rest (embeddings, head, norms, "
+                    "biases; muon_include / muon_exclude move tensors); adjust_lr=match_rms_adamw: AdamW's lr and "
+                    "weight decay carry over",
+                    backends={"torch": torch_backend(Muon, backends.muon_memory(backends.fp32_momentum_memory,
+                                                                                backends.torch_adamw_memory))},
+                    state_bytes=4.0, bytes_label="4 (AdamW's: 8)"),
+        family_spec(Muon8bit, "as muon, Muon's momentum in blockwise 8-bit state and the AdamW part as adam8bit "
+                    "(embeddings and tensors < min_8bit_size keep 32-bit state)",
+                    backends={"torch": torch_backend(Muon8bit, backends.muon_memory(
+                        backends.torch_8bit_memory(Muon8bit.FACTS, ["momentum_buffer"]),
+                        backends.torch_8bit_memory(ADAMW8BIT)))},
+                    state_bytes=round(codes_bytes(quant8, 1.0), 2),
+                    bytes_label=f"~{codes_bytes(quant8, 1.0):.2f} (AdamW's: ~{ADAMW8BIT.quantized_bytes:.2f})"),
     ]
 }
 # hf_eff_auto is no optimizer of its own: create_optimizer picks one of the above from the model's predicted
 # footprint (auto.choose_auto) and passes on the options that name takes.
 AUTO = Family("auto", {}, "auto", lambda p, group: set())
+# Its candidates, most accurate first on bf16 models (auto.AUTO_ORDER_BF16); they decide the options it takes. Not
+# Muon: it changes the algorithm and what works as its learning rate, not the memory alone (docs/muon.md).
+AUTO_CANDIDATES = ("adamw", "adamw_bf16", "adam8bit", "adam4bit", "adafactor")
 SPECS["auto"] = OptimizerSpec(
     "auto", AUTO, float("nan"), "that of the name picked", "the most accurate of adamw > adamw_bf16 (bf16 models) > "
     "adam8bit > adam4bit > adafactor whose predicted params + grads + state fit free memory (or budget_gb)", {}, {"default": ()},
-    tuple(sorted({o for s in SPECS.values() for o in s.options} - {"backend"})) + ("budget_gb",), estimate_rows=())
+    tuple(sorted({o for n in AUTO_CANDIDATES for o in SPECS[n].options} - {"backend"})) + ("budget_gb",),
+    estimate_rows=())
 PLAIN = ADAMW  # the state torch's own optimizers write: what an untagged state without marks is read as
 
 

@@ -59,12 +59,14 @@ from hf_efficient.registry import SPECS  # noqa: E402
 LR, WD = 1e-4, 0.01
 BASELINE = "torch AdamW fused"
 # state format of each family's rows (registry family name): rows of one format are alternatives to each other
-FORMATS = {"adamw": "fp32", "adamw8bit": "8-bit blockwise", "adamw4bit": "4-bit blockwise", "lion8bit": "8-bit blockwise",
-           "adafactor": "factored", "adamw_bf16": "bf16 + Kahan"}
+MUON_FP32, MUON_8BIT = "Muon + AdamW, fp32", "Muon + AdamW, 8-bit"  # another math: compared with each other
+FORMATS = {"adamw": "fp32", "adamw8bit": "8-bit blockwise", "adamw4bit": "4-bit blockwise",
+           "lion8bit": "8-bit blockwise", "adafactor": "factored",
+           "adamw_bf16": "bf16 + Kahan", "muon": MUON_FP32, "muon8bit": MUON_8BIT}
 BF16_8BIT = "8-bit, bf16 weights"  # 8-bit state on bf16 weights, compensated
 FP32_BF16 = "fp32, bf16 weights"  # hf_eff_adamw's fp32 moments on bf16 weights, compensated
 FORMAT_ORDER = ["fp32", "8-bit blockwise", "4-bit blockwise", "factored", "bf16 + Kahan", "bf16 stochastic",
-                "bf16 nearest", FP32_BF16, BF16_8BIT, "factored, bf16 weights"]
+                "bf16 nearest", FP32_BF16, BF16_8BIT, "factored, bf16 weights", MUON_FP32, MUON_8BIT]
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -125,6 +127,26 @@ def _groups(model):
     return hfe.build_param_groups(model, weight_decay=WD)
 
 
+class TorchMuonAdamW:
+    """What a user assembles from torch alone: ``torch.optim.Muon`` (``adjust_lr_fn="match_rms_adamw"``, as ours) on
+    the package's Muon split, torch's fused AdamW on the rest; one ``step()`` steps both."""
+
+    def __init__(self, model: nn.Module):
+        groups = hfe.build_muon_param_groups(model, weight_decay=WD)
+        plain = lambda g: {"params": g["params"], "weight_decay": g["weight_decay"]}  # noqa: E731
+        self.muon = torch.optim.Muon([plain(g) for g in groups if g["muon"]], lr=LR, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW([plain(g) for g in groups if not g["muon"]], lr=LR, fused=True)
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.muon.state, **self.adamw.state}
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+
 def peers(device: str) -> list[Candidate]:
     """The optimizers a user would pick instead of ours (built lazily: a missing package is a row's error)."""
     def torch_adamw(**kw):
@@ -178,6 +200,8 @@ def peers(device: str) -> list[Candidate]:
         Candidate("torchao _AdamW bf16_stochastic_round", "bf16 stochastic", bf16, torchao_bf16_sr),
         Candidate("torch AdamW fused on bf16 params", "bf16 nearest", bf16, torch_adamw(fused=True),
                   note="stale weights: updates below half a bf16 ulp are lost"),
+        Candidate("torch Muon + torch AdamW fused", MUON_FP32, torch.float32, TorchMuonAdamW,
+                  note="the package's split"),
     ]
 
 
@@ -209,6 +233,9 @@ def ours(device: str) -> list[Candidate]:
         if res is not None and "nonfinite" in spec.options:  # the inf/NaN gradient check off, to show its cost
             out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=res.backend, nonfinite="ignore"),
                                  spec.trainer_name, res.backend, note="nonfinite=ignore"))
+        if res is not None and "ns_dtype" in spec.options:  # Newton-Schulz in fp32: CPUs without bf16 GEMMs
+            out.append(Candidate(spec.trainer_name, fmt_, dtype, build(spec.name, backend=res.backend, ns_dtype="fp32"),
+                                 spec.trainer_name, res.backend, note="ns_dtype=fp32"))
         if dtype == torch.bfloat16 and "compensation" in spec.options:
             out.append(Candidate(spec.trainer_name, "bf16 stochastic", dtype,
                                  build(spec.name, compensation="stochastic"), spec.trainer_name, "torch",
@@ -277,6 +304,10 @@ def run(args) -> dict:
     order = {f: i for i, f in enumerate(FORMAT_ORDER)}  # a family's format not listed there: after them
     cands = sorted(peers(device) + ours(device) + bf16_weights(device) + inductor_kernels(device),
                    key=lambda c: order.get(c.fmt, len(order)))
+    if args.only:  # the rows whose label or format names one of these, and the baseline (every ratio's)
+        words = [w.strip() for w in args.only.split(",")]
+        cands = [c for c in cands if c.label == BASELINE and c.fmt == "fp32" and c.dtype == torch.float32
+                 or any(w in c.label or w in c.fmt for w in words)]
     shared = {dt: make_layers(args.hidden, args.layers, dt, device) for dt in (torch.float32, torch.bfloat16)}
     for c in cands:
         if c.error:
@@ -618,6 +649,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true",
                    help="run torch.compile'd optimizers eagerly (smoke tests: skips minutes of compilation)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    p.add_argument("--only", default="", help="comma-separated words: only the step rows whose label or state "
+                   "format holds one (and the baseline), e.g. 'Muon' for Muon's rows")
+    p.add_argument("--page", default="bench_step", choices=("bench_step", "bench_muon"),
+                   help="the page written into --out (bench_muon: Muon's rows, --only Muon)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.quick:
@@ -642,16 +677,16 @@ def main(argv: list[str] | None = None) -> dict:
         dynamo.config.disable = dynamo_disabled
         if args.no_compile:  # frames first run with dynamo off stay skipped: a later torch.compile(fullgraph) fails
             dynamo.reset()
-    config = {k: getattr(args, k) for k in ("hidden", "layers", "reps", "warmup", "probe_mb", "threads",
+    config = {k: getattr(args, k) for k in ("hidden", "layers", "reps", "warmup", "probe_mb", "threads", "only",
                                             "trainer_reps", "trainer_steps", "trainer_hidden", "backward_reps",
                                             "backward_warmup", "backward_tokens", "no_compile")}
-    doc = {"command": command_line(__file__, argv), "machine": info,
+    doc = {"command": command_line(__file__, argv), "page": args.page, "machine": info,
            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "config": {**config, "lr": LR, "weight_decay": WD},
            "tensors": len(list(make_layers(8, args.layers, torch.float32, "cpu").parameters())),
            "bandwidth_bytes_per_s": result["bandwidth"], "copy_bandwidth_bytes_per_s": result["copy_bandwidth"],
            "probes": result["probes"], "vouched": result["vouched"], "rows": rows, "trainer_overhead": overhead,
            "backward": backward}
-    print(render_results.write(args.out, "bench_step", doc))
+    print(render_results.write(args.out, args.page, doc))
     return doc
 
 

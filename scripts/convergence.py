@@ -84,15 +84,18 @@ class Reference:
 
     AdamW math compares with torch's fused AdamW (the baseline). Lion compares with torch-optimi's ``Lion``, an
     implementation independent of ours (so a mistake in our fp32 Lion cannot hide in both), on the same decay
-    groups and betas: its gap isolates what the 8-bit state costs. Families whose math has no entry (Adafactor)
-    compare with the baseline.
+    groups and betas: its gap isolates what the 8-bit state costs. Muon compares with its own fp32-state name's run
+    (``name``): ``hf_eff_muon`` is tested equal to ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the same split
+    (tests/test_muon.py), and one optimizer object is what the schedule needs. Families whose math has no entry
+    (Adafactor) compare with the baseline.
     """
 
     label: str
     backend: str  # the table's backend column
-    build: Callable[..., torch.optim.Optimizer]  # (groups, lr, betas, weight_decay) -> fp32 optimizer
+    build: Callable[..., torch.optim.Optimizer] | None  # (groups, lr, betas, weight_decay) -> fp32 optimizer
     betas: tuple[float, float] | None = None  # the math's own betas, used by every run of it (None: AdamW's)
     lr_scales: tuple[float, ...] = (1.0,)  # default factors of --lr to run it at (--lr-scale overrides)
+    name: str | None = None  # an hf_eff name with fp32 state whose run is the reference (instead of ``build``)
 
 
 def _torch_adamw(groups, lr, betas, weight_decay):
@@ -111,6 +114,8 @@ REFERENCES = {
     # Lion did best at AdamW's own lr: 5.13 at lr, 5.22 at lr/1.5, 5.36 at lr/2, 5.61 at lr/3, 5.94 at lr/5
     # (docs/results/convergence.md; above lr not tried)
     "lion": Reference("fp32 Lion (torch-optimi)", "torch-optimi", _optimi_lion, (0.9, 0.99), (1.0,)),
+    # Muon (match_rms_adamw: AdamW's lr and decay carry over) on the blocks' matrices, AdamW on the rest
+    "muon": Reference("hf_eff_muon", "torch", None, name="muon"),
 }
 
 
@@ -171,7 +176,10 @@ def planned_runs(device: str = "cpu", all_backends: bool = False,
         for scale in lr_scales.get(math, ref.lr_scales if ref else (1.0,)):
             at = lr_label(scale)
             reference = BASELINE if ref is None or ref.label == BASELINE and scale == 1.0 else ref.label + at
-            if reference != BASELINE and all(r.label != reference for r in runs):
+            if ref is not None and ref.name == spec.name:  # the math's fp32-state name: its reference is fp32 AdamW
+                reference = BASELINE
+            if ref is not None and ref.build is not None and reference != BASELINE and all(r.label != reference
+                                                                                            for r in runs):
                 runs.append(Run(reference, None, math=math, lr_scale=scale))
             common = dict(math=math, lr_scale=scale, reference=reference)
             modes = COMPENSATIONS if "compensation" in spec.options else ()

@@ -1,19 +1,20 @@
-"""A quick check that Muon's math trains: a small Llama from random init, byte-level, on Python's documentation.
+"""Pre-training check of the Muon names: a small Llama from random init, byte-level, on Python's documentation.
 
-    python scripts/muon_pretrain_check.py --steps 300 --threads 2            # AdamW, then Muon + AdamW
-    python scripts/muon_pretrain_check.py --only muon --lr 3e-3 --out /tmp/m.json
+    python scripts/muon_pretrain_check.py --steps 300 --threads 2            # adamw, muon, muon8bit
+    python scripts/muon_pretrain_check.py --only muon --lr 3e-3 --out /tmp/m   # /tmp/m/muon_pretrain.json and .md
 
-Not the issue's measurement (that goes through scripts/convergence.py once Muon is a registered name): a plain loop
-of the functional core (:func:`hf_efficient.optim.muon.muon` on :func:`~hf_efficient.param_groups
-.build_muon_param_groups`' Muon groups, ``torch.optim.AdamW`` on the rest) against ``torch.optim.AdamW`` on every
-parameter, with the same init, data order, learning rate and its schedule (linear warm-up, cosine to 10%), weight
-decay and decay groups: only the optimizer of the blocks' matrices differs. Muon's update is scaled to match
-AdamW's RMS (``match_rms_adamw``), so one learning rate serves both halves.
+Each run is one name through ``hf_efficient.create_optimizer`` (``adamw``: fp32 AdamW, torch's fused kernel on the
+decay groups; ``muon`` / ``muon8bit``: Muon on the blocks' matrices, AdamW on the rest, the package's split), with
+the same init, data order, learning rate and its schedule (linear warm-up, cosine to 10%), betas (0.9, 0.95),
+weight decay, decay groups and gradient clipping (norm 1): only the optimizer of the blocks' matrices differs (and,
+for ``muon8bit``, the precision of every state). Muon's update is scaled to match AdamW's RMS
+(``match_rms_adamw``), so one learning rate serves both halves. scripts/convergence.py is the fine-tuning side.
 
 Data: ``pydoc_data.topics`` (``examples/data.py``'s text), its paragraphs in a seeded shuffle, 90% for training and
 10% for evaluation, as UTF-8 bytes (vocabulary 256: no tokenizer to download, and the blocks hold most parameters).
 Training windows are drawn at random from the training bytes; the eval loss is the mean over fixed windows of the
-held-out bytes. Prints one JSON line per evaluation and a summary; ``--out`` writes them as a JSON file.
+held-out bytes. Prints one JSON line per evaluation and a summary; writes ``muon_pretrain.json`` into ``--out``
+(default docs/results) and renders ``muon_pretrain.md`` from it (scripts/render_results.py).
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import render_results  # noqa: E402
+from _bench_common import RESULTS, command_line, machine  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def byte_splits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,34 +57,13 @@ def build_model(args):
     return LlamaForCausalLM(cfg)
 
 
-class Optimizers:
-    """``adamw``: torch's AdamW on the decay groups; ``muon``: Muon on the Muon groups, torch's AdamW on the rest."""
+KINDS = ("adamw", "muon", "muon8bit")  # hf_efficient names
 
-    def __init__(self, model, kind: str, lr: float, weight_decay: float):
-        from hf_efficient.param_groups import build_muon_param_groups, build_param_groups
 
-        self.kind, self.muon_groups = kind, []
-        if kind == "adamw":
-            groups = build_param_groups(model, weight_decay)
-        else:
-            groups = build_muon_param_groups(model, weight_decay)
-            self.muon_groups = [dict(g, lr=lr, bufs=[torch.zeros_like(p) for p in g["params"]])
-                                for g in groups if g["muon"]]
-            groups = [g for g in groups if not g["muon"]]
-        self.adamw = torch.optim.AdamW([{k: v for k, v in g.items() if k != "muon"} for g in groups], lr=lr,
-                                       betas=(0.9, 0.95), foreach=True)
+def build_optimizer(model, kind: str, args):
+    import hf_efficient as hfe
 
-    def set_lr(self, lr: float) -> None:
-        for g in self.adamw.param_groups + self.muon_groups:
-            g["lr"] = lr
-
-    @torch.no_grad()
-    def step(self) -> None:
-        from hf_efficient.optim.muon import muon
-
-        for g in self.muon_groups:
-            muon(g["params"], [p.grad for p in g["params"]], g["bufs"], lr=g["lr"], weight_decay=g["weight_decay"])
-        self.adamw.step()
+    return hfe.create_optimizer(model, kind, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
 
 def lr_at(step: int, args) -> float:
@@ -101,30 +86,34 @@ def evaluate(model, data: torch.Tensor, args) -> float:
 
 
 def run(kind: str, train: torch.Tensor, evals: torch.Tensor, args) -> dict:
+    import hf_efficient as hfe
+
     model = build_model(args)
-    opt = Optimizers(model, kind, args.lr, args.weight_decay)
+    opt = build_optimizer(model, kind, args)
     g = torch.Generator().manual_seed(args.seed + 1)
     curve, start = [], time.perf_counter()
     for step in range(args.steps):
-        opt.set_lr(lr_at(step, args))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
         idx = torch.randint(0, len(train) - args.seq - 1, (args.batch,), generator=g)
         x = torch.stack([train[s:s + args.seq + 1] for s in idx.tolist()])
         loss = F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        model.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             row = {"optimizer": kind, "step": step + 1, "train_loss": round(loss.item(), 4),
                    "eval_loss": round(evaluate(model, evals, args), 4), "seconds": round(time.perf_counter() - start, 1)}
             curve.append(row)
             print(json.dumps(row), flush=True)
-    return {"optimizer": kind, "final_eval_loss": curve[-1]["eval_loss"], "curve": curve}
+    return {"optimizer": kind, "final_eval_loss": curve[-1]["eval_loss"], "curve": curve,
+            "state_bytes": hfe.optimizer_state_bytes(opt), "num_params": sum(p.numel() for p in model.parameters())}
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=("adamw", "muon"), action="append", help="run only these (repeatable)")
+    p.add_argument("--only", choices=KINDS, action="append", help="run only these (repeatable)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -137,18 +126,21 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-windows", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=RESULTS, help="where muon_pretrain.json and .md go")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     train, evals = byte_splits(args.seed)
-    runs = [run(kind, train, evals, args) for kind in (args.only or ["adamw", "muon"])]
-    doc = {"command": " ".join(["python", *sys.argv]), "settings": vars(args) | {"out": str(args.out)},
-           "train_bytes": len(train), "eval_bytes": len(evals), "runs": runs}
-    summary = {r["optimizer"]: r["final_eval_loss"] for r in runs}
-    print(json.dumps({"final_eval_loss": summary}))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=1))
+    info = machine("cpu")
+    info["torch_threads"] = torch.get_num_threads()
+    t0 = time.perf_counter()
+    runs = [run(kind, train, evals, args) for kind in (args.only or KINDS)]
+    doc = {"command": command_line(__file__, list(argv if argv is not None else sys.argv[1:])), "machine": info,
+           "loadavg_after": [round(x, 2) for x in os.getloadavg()], "wall_s": time.perf_counter() - t0,
+           "settings": {k: v for k, v in vars(args).items() if k != "out"}, "train_bytes": len(train),
+           "eval_bytes": len(evals), "runs": runs}
+    print(json.dumps({"final_eval_loss": {r["optimizer"]: r["final_eval_loss"] for r in runs}}))
+    render_results.write(args.out, "muon_pretrain", doc)
     return doc
 
 

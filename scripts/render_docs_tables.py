@@ -83,7 +83,7 @@ def _values(option) -> str:
     elif option.type is bool:
         values = "`true` / `false`"
     else:
-        values = {int: "an integer", float: "a number"}[option.type]
+        values = {int: "an integer", float: "a number", str: "text"}[option.type]
         values += f", {option.check_text}" if option.check_text else ""
     if option.optional and "none" not in option.choices:
         values += " or `none`"

@@ -95,7 +95,7 @@ def bench_step_md(doc: dict) -> str:
             "only the scan of the small ones; the check's time in backward is in the forward + backward + step "
             "section below. Still vouched for by the backward scan after the last timed step (no step changed a "
             f"gradient): {'yes' if doc['vouched'] else 'NO: the rows with the check rescanned them'}\n",
-            figure("bench_step", "Median step time of each row (log scale; the tick: the bandwidth limit of its bytes) "
+            figure(doc.get("page", "bench_step"), "Median step time of each row (log scale; the tick: the bandwidth limit of its bytes) "
                    "and its optimizer state in bytes per parameter, coloured by state format") + "\n",
             md_table(headers, table), "\n## The registry's picks against the other options of their format\n",
             *(_bench_picks(rows) or ["- no rows ran"])]
@@ -448,7 +448,10 @@ def convergence_md(doc: dict) -> str:
              "buffer), `none` (round to nearest: the stale weights, shown for contrast); compared with the same fp32 "
              "reference as the name on fp32 weights"]
     for math, ref in doc["references"].items():
-        if ref["label"] != baseline and any(r["run"].get("math") == math for r in results):
+        if ref["label"] != baseline and any(r["run"].get("math") == math for r in results) and not ref["betas"]:
+            text.append(f"- {math} runs compare with `{ref['label']}` (fp32 state, the same split, decay groups and "
+                        "lr; fp32 AdamW's row is the other comparison)")
+        elif ref["label"] != baseline and any(r["run"].get("math") == math for r in results):
             text.append(f"- {math} runs use betas {tuple(ref['betas'])} (its own, as the paper, bitsandbytes and "
                         f"torch-optimi) and compare with `{ref['label']}`: fp32 state, the same math, decay groups, "
                         "betas and lr")
@@ -742,6 +745,41 @@ def fsdp2_memory_md(doc: dict) -> str:
         md_table(["name", *worlds], resumes)]) + "\n"
 
 
+def muon_pretrain_md(doc: dict) -> str:
+    s, runs = doc["settings"], doc["runs"]
+    base = next((r for r in runs if r["optimizer"] == "adamw"), None)
+    muon = next((r for r in runs if r["optimizer"] == "muon"), None)  # muon8bit's fp32-state twin
+
+    def vs(r, ref):
+        return "—" if ref is None or r is ref else _pct(r["final_eval_loss"] / ref["final_eval_loss"] - 1)
+
+    rows = [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4), vs(r, base),
+             vs(r, muon) if r["optimizer"] == "muon8bit" else "—",
+             fmt(r["state_bytes"] / 2**20, 2), fmt(r["state_bytes"] / r["num_params"], 2),
+             fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
+    steps = [c["step"] for c in runs[0]["curve"]]
+    curves = [[step, *(fmt(next(c["eval_loss"] for c in r["curve"] if c["step"] == step), 4) for r in runs)]
+              for step in steps]
+    return "\n".join([
+        "# Muon pre-training check: a small Llama from random init", "",
+        f"Command: `{doc['command']}` ({doc['wall_s'] / 60:.1f} min)", "",
+        machine_md(doc["machine"], doc.get("loadavg_after")), "",
+        f"- Model: `LlamaForCausalLM` (random init, untied head), hidden {s['hidden']}, {s['layers']} layers, "
+        f"{runs[0]['num_params']:,} parameters, fp32; byte-level (vocabulary 256)",
+        f"- Data: Python's documentation (`pydoc_data.topics`), paragraphs shuffled (seed {s['seed']}), "
+        f"{doc['train_bytes']:,} training bytes, {doc['eval_bytes']:,} held out; batch {s['batch']} windows of "
+        f"{s['seq']} bytes drawn at random; eval: mean loss over {s['eval_windows']} fixed held-out windows",
+        f"- Schedule: {s['steps']} steps, lr {s['lr']} (linear warm-up over {s['warmup']} steps, cosine to 10%), "
+        f"betas (0.9, 0.95), weight decay {s['weight_decay']} (hf_efficient decay groups), gradient norm clipped at "
+        "1; every run the same init and data order; Muon's update scaled to AdamW's RMS (`match_rms_adamw`), one lr "
+        "for both halves",
+        "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
+        md_table(["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
+                  "s (train + evals)"], rows), "",
+        "## Eval loss over the steps", "",
+        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves)]) + "\n"
+
+
 PAGES = {  # page -> (markdown, plot or None)
     "bench_step": (bench_step_md, bench_step_png),
     "bench_cuda": (bench_cuda_md, None),
@@ -750,6 +788,8 @@ PAGES = {  # page -> (markdown, plot or None)
     "memory_release": (memory_release_md, memory_release_png),
     "convergence": (convergence_md, convergence_png),
     "fsdp2_memory": (fsdp2_memory_md, None),
+    "muon_pretrain": (muon_pretrain_md, None),
+    "bench_muon": (bench_step_md, bench_step_png),  # bench_step.py --only Muon --page bench_muon: its rows alone
 }
 
 

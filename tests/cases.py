@@ -84,6 +84,24 @@ def names(*where) -> list:
             if s.backends and not s.fallback and "torch" in s.backends and all(w(s) for w in where)]
 
 
+def bare(name: str, params: list) -> list:
+    """``params`` (tensors, or ``named_parameters()`` pairs) as a test gives them to any optimizer, bare. A Muon name
+    refuses a bare list (it cannot tell a hidden matrix from an embedding without the model): it gets them as param
+    groups, the matrices to Muon, the rest to AdamW (names kept)."""
+    items = list(params)
+    if spec_of(name).facts.math != "muon":
+        return items
+    named = bool(items) and isinstance(items[0], tuple)
+    tensors = [it[1] if named else it for it in items]
+    groups = []
+    for flag in (True, False):
+        pick = [i for i, t in enumerate(tensors) if (t.ndim == 2) == flag]
+        if pick:
+            groups.append({"params": [tensors[i] for i in pick], "muon": flag,
+                           **({"param_names": [items[i][0] for i in pick]} if named else {})})
+    return groups
+
+
 def plain(params: list) -> list[str]:
     """The names of :func:`names`' params (for tests that loop over them in one process, or send them elsewhere:
     pass :func:`packaged` there)."""
@@ -97,14 +115,21 @@ def quantized(spec) -> bool:
     return spec.facts.quantized
 
 
+def _own_kernels(spec) -> bool:
+    """A quantized family whose kernels are its own (not another family's: Muon8bit steps its AdamW groups with
+    AdamW8bit's, tested as AdamW8bit's)."""
+    cls = cls_of(spec)
+    return issubclass(cls, Blockwise8bit) and cls.NAME == spec.facts.name
+
+
 def c_kernel(spec) -> bool:
     """A quantized family with its own C kernel (``{NAME}_cpu.c``)."""
-    return issubclass(cls_of(spec), Blockwise8bit) and cls_of(spec).C_KERNEL
+    return _own_kernels(spec) and cls_of(spec).C_KERNEL
 
 
 def triton_kernel(spec) -> bool:
     """A quantized family with its own Triton kernel (``blockwise_triton.{NAME}``)."""
-    return issubclass(cls_of(spec), Blockwise8bit) and cls_of(spec).TRITON_KERNEL
+    return _own_kernels(spec) and cls_of(spec).TRITON_KERNEL
 
 
 def fp32_model(spec) -> bool:

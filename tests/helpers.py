@@ -47,13 +47,27 @@ def loss_of(model, seed=0):
     return nn.functional.cross_entropy(model(x).mean(1), y)
 
 
+def net_options(name) -> dict:
+    """What ``name`` needs to train :class:`Net` as it would a transformer: Net has no blocks, so a Muon name is told
+    to take its hidden matrix (``fc.weight``) by name."""
+    return {"muon_include": "fc.weight"} if "muon_include" in hfe.registry.get_spec(name).accepted else {}
+
+
+def matrices_options(name, model) -> dict:
+    """What ``name`` needs to step every 2-D parameter of ``model`` (a test model without blocks) as a matrix: a Muon
+    name is told to take them all by name (Muon steps them whole, on an owner rank under FSDP2)."""
+    if "muon_include" not in hfe.registry.get_spec(name).accepted:
+        return {}
+    return {"muon_include": "|".join(n for n, p in model.named_parameters() if p.ndim == 2)}
+
+
 def make(name, backend, dtype, compensation="auto", **options):
     """A fresh :class:`Net` of ``dtype`` and its optimizer ``name`` on ``backend`` (skipped if torchao is missing)."""
     if backend == "torchao":
         pytest.importorskip("torchao")
     model = Net(dtype)
     opt = hfe.create_optimizer(model, name, lr=1e-2, weight_decay=0.01, backend=backend, compensation=compensation,
-                               **options)
+                               **{**net_options(name), **options})
     return model, opt
 
 
@@ -77,6 +91,28 @@ def assert_unchanged(model, opt, snap):
     for a, b in zip(model.parameters(), params):
         assert torch.equal(a, b)
     assert snapshot(model, opt)[1] == state
+
+
+def muon_f64(params, grads, bufs, *, lr: float, weight_decay: float, momentum: float = 0.95, nesterov: bool = True,
+             ns_steps: int = 5, adjust_lr: str = "match_rms_adamw") -> None:
+    """One Muon step in float64, matrix by matrix, written out from the papers independently of the package (a
+    reference): ``params`` and ``bufs`` (float64, of each matrix's shape, ``nn.Linear``'s (out, in)) in place.
+    torch.optim.Muon's momentum (an average), Keller Jordan's quintic after Frobenius normalisation, on the wide
+    orientation; Moonlight's scale (match_rms_adamw) or the reference's (original); decoupled decay."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    for p, g, buf in zip(params, grads, bufs):
+        g = g.double()
+        buf.mul_(momentum).add_(g, alpha=1 - momentum)
+        u = (1 - momentum) * g + momentum * buf if nesterov else buf
+        tall = u.shape[0] > u.shape[1]
+        x = u.T if tall else u
+        x = x / max(x.norm().item(), 1e-7)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        rows, cols = u.shape
+        scale = 0.2 * max(rows, cols) ** 0.5 if adjust_lr == "match_rms_adamw" else max(1, rows / cols) ** 0.5
+        p.mul_(1 - lr * weight_decay).sub_(x.T if tall else x, alpha=lr * scale)
 
 
 # --- a tiny masked LM and batches of uneven token counts (gradient accumulation) ---------------------------------

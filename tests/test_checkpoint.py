@@ -209,11 +209,16 @@ def _fc(sd: dict) -> dict:
     return _by_name(sd)["fc.weight"]
 
 
-def _corrupt_state(name: str, backend):
+def _fc_group(opt) -> tuple:
+    """fc.weight and its param group in ``opt``."""
+    return next((p, g) for g in opt.param_groups for n, p in zip(g["param_names"], g["params"]) if n == "fc.weight")
+
+
+def _corrupt_state(name: str, backend, opt):
     """(what to do to a state dict, message expected) for every way a parameter's state can be broken."""
     fam = get_spec(name).facts
     eight_bit = fam.quantized
-    required = fam.required(Net().fc.weight, {})  # a matrix's state, with the default options
+    required = fam.required(*_fc_group(opt))  # a matrix's state, with the default options (Muon's: a Muon matrix)
     tensors = [k for k, f in fam.state.items() if k in required and f.format in ("param", "codes", "row", "col")]
     # a moment: unsigned where the family has one (AdamW's second, Adafactor's row statistics), else its only one
     moment = next((k for k in tensors if not fam.state[k].signed), tensors[-1])
@@ -228,13 +233,15 @@ def _corrupt_state(name: str, backend):
         (lambda sd: _fc(sd).__setitem__(tensors[-1], torch.zeros_like(_fc(sd)[tensors[-1]], dtype=torch.int64)),
          r"of dtype torch.int64, but"),
     ]
-    absmaxes = [f"{k}_absmax" for k, _ in fam.moments]
+    absmaxes = [f"{k}_absmax" for k, _ in fam.moments if k in required]
     nonfinite = absmaxes[-1] if eight_bit else moment
     cases += [
         (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, float("nan")), rf"{nonfinite} holding non-finite"),
-        (lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0), rf"{nonfinite} holding negative values"),
         (lambda sd: _fc(sd).__setitem__("step", torch.tensor(2.5)), r"has step 2\.5: .*whole number"),
     ]
+    if eight_bit or not fam.state[moment].signed:  # a scale or a second moment (a Muon matrix's fp32 state has none)
+        cases.append((lambda sd: _fc(sd)[nonfinite].view(-1).__setitem__(0, -1.0),
+                      rf"{nonfinite} holding negative values"))
     first = f"{first}_absmax" if eight_bit else first
     blocks = fam.codec.blocks(Net().fc.weight.numel()) if eight_bit else None
     if first:  # finite, but beyond any first moment: the first step would move weights ~1e27
@@ -256,15 +263,16 @@ def _corrupt_state(name: str, backend):
     return cases
 
 
-def _corrupt_groups(name: str):
+def _corrupt_groups(name: str, group: dict):
     group_cases = [
         ("lr", "fast", r"param group 0 .*lr='fast'"),
         ("lr", float("nan"), r"param group 0 .*lr=nan"),
         ("weight_decay", -1.0, r"param group 0 .*weight_decay=-1.0"),
     ]
     spec = get_spec(name)
-    # each of its family's options refused as text, which a group never holds (Adafactor: beta1, decay_rate, ...)
-    group_cases += [(o.name, "x", f"{o.name}='x'") for o in spec.facts.options]
+    # each of its family's options its groups carry refused as text, which a group never holds (Adafactor: beta1,
+    # decay_rate, ...; not Muon's muon_include / muon_exclude, which make the groups)
+    group_cases += [(o.name, "x", f"{o.name}='x'") for o in spec.facts.options if o.name in group]
     if spec.facts.option("beta1"):  # Adafactor's, checked by its option's rule
         group_cases.append(("beta1", 1.5, r"beta1.*must be in \[0, 1\)"))
     if not spec.uses_betas:
@@ -280,8 +288,8 @@ def test_incomplete_or_corrupt_state_is_refused_before_anything_loads(name, back
     good = opt.state_dict()
     train(model, opt, 1, start=2)  # what the refused loads must leave alone differs from the checkpoint
     snap = snapshot(model, opt)
-    cases = _corrupt_state(name, backend) + [
-        (lambda sd, k=k, v=v: sd["param_groups"][0].__setitem__(k, v), match) for k, v, match in _corrupt_groups(name)]
+    cases = _corrupt_state(name, backend, opt) + [(lambda sd, k=k, v=v: sd["param_groups"][0].__setitem__(k, v), match)
+                                                  for k, v, match in _corrupt_groups(name, opt.param_groups[0])]
     for corrupt, match in cases:
         sd = copy.deepcopy(good)
         corrupt(sd)

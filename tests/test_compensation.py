@@ -1,8 +1,9 @@
 """compensation=kahan|stochastic|none for every name on bf16/fp16 weights (optim/compensation.py).
 
 The stale-weights problem: weights near 1.0 (bf16 spacing 2**-7) and updates of ~1e-4 per step, 1/78 of that
-spacing. Rounded to nearest (``none``) every update is lost; Kahan and stochastic rounding must track the same
-optimizer run on fp32 weights. Tolerances: Kahan holds each weight within one bf16 spacing of the fp32 run (the
+spacing (each name at the learning rate that moves a weight by that much a step on average: Muon's update has an
+RMS of 0.2 lr, AdamW's here ~lr). Rounded to nearest (``none``) every update is lost; Kahan and stochastic rounding
+must track the same optimizer run on fp32 weights. Tolerances: Kahan holds each weight within one bf16 spacing of the fp32 run (the
 buffer keeps what the weight could not absorb; weight decay 0, so the update does not depend on the weight);
 stochastic rounding is unbiased, so the mean over 8192 weights is within 0.1 spacing of the fp32 run's mean
 (its per-weight error is a random walk of a few spacings).
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import hf_efficient as hfe
-from cases import c_kernel, names, specs
+from cases import bare, c_kernel, names, specs
 from hf_efficient.optim import _native
 
 NAMES = names()  # every name: each writes bf16/fp16 weights compensated
@@ -37,18 +38,39 @@ def _weights(dtype, seed=0):
     return torch.nn.Parameter(w.to(torch.bfloat16).to(dtype))
 
 
-def _drive(opt, p, steps, seed=0):
-    """``steps`` steps on a constant-sign gradient (each update ~LR), the same gradients for the same seed."""
+def _grads(shape, seed=0):
+    """Constant-sign gradients, the same for the same seed: a fixed matrix of full rank (so that an orthogonalised
+    update moves each weight the same way at every step, as AdamW's does) and a little noise."""
     g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        p.grad = (1.0 + 0.1 * torch.randn(p.shape, generator=g)).to(p.dtype)
+    base = 1.0 + 0.5 * torch.rand(shape, generator=g)
+    while True:
+        yield base + 0.1 * torch.randn(shape, generator=g)
+
+
+def _drive(opt, p, steps, seed=0):
+    """``steps`` steps on :func:`_grads` (each update ~LR)."""
+    for _, g in zip(range(steps), _grads(p.shape, seed)):
+        p.grad = g.to(p.dtype)
         opt.step()
+
+
+_LRS: dict = {}
+
+
+def _lr(name) -> float:
+    """The learning rate at which ``name``'s first fp32 step moves a weight by LR on average."""
+    if name not in _LRS:
+        p = _weights(torch.float32)
+        start = p.detach().clone()
+        _drive(hfe.create_optimizer(bare(name, [p]), name, lr=LR, weight_decay=0.0), p, 1)
+        _LRS[name] = LR * LR / (p.detach() - start).abs().mean().item()
+    return _LRS[name]
 
 
 def _run(name, dtype, steps, seed=0, **options):
     """``steps`` steps of ``name`` on a (64, 128) weight (:func:`_drive`)."""
     p = _weights(dtype, seed)
-    opt = hfe.create_optimizer([p], name, lr=LR, weight_decay=0.0, **options)
+    opt = hfe.create_optimizer(bare(name, [p]), name, lr=_lr(name), weight_decay=0.0, **options)
     _drive(opt, p, steps, seed)
     return p, opt
 
@@ -57,8 +79,8 @@ def _run(name, dtype, steps, seed=0, **options):
 def test_stale_weights_shown_and_fixed(name):
     start = _weights(torch.float32)
     ref, _ = _run(name, torch.float32, 60)
-    moved = (start - ref).mean().item()
-    assert moved > 60 * LR * 0.5  # the fp32 run moves (~0.8 spacing for Adam-like updates of ~LR a step)
+    moved = (start - ref).abs().mean().item()
+    assert moved > 60 * LR * 0.5  # the fp32 run moves (~0.8 spacing: updates of ~LR a step, in one direction)
     stale, _ = _run(name, torch.bfloat16, 60, compensation="none")
     assert torch.equal(stale.float(), start)  # every update rounded away
     kahan, opt = _run(name, torch.bfloat16, 60, compensation="kahan")
@@ -112,10 +134,9 @@ def test_resume_is_exact_with_the_compensation(name, mode):
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
     q = torch.nn.Parameter(p.detach().clone())
-    opt2 = hfe.create_optimizer([q], name, lr=LR, weight_decay=0.0, compensation=mode)
+    opt2 = hfe.create_optimizer(bare(name, [q]), name, lr=_lr(name), weight_decay=0.0, compensation=mode)
     opt2.load_state_dict(sd)
-    g = torch.Generator().manual_seed(1)
-    grads = [(1.0 + 0.1 * torch.randn(q.shape, generator=g)).to(torch.bfloat16) for _ in range(6)]
+    grads = [g.to(torch.bfloat16) for _, g in zip(range(6), _grads(q.shape))]
     for grad in grads[3:]:  # _drive's gradients 4 to 6
         q.grad = grad
         opt2.step()
@@ -127,7 +148,7 @@ def test_cross_family_checkpoints_carry_the_buffer(src, dst):
     p, opt = _run(src, torch.bfloat16, 3, compensation="kahan")
     sd = opt.state_dict()
     q = torch.nn.Parameter(p.detach().clone())
-    opt2 = hfe.create_optimizer([q], dst, lr=LR, weight_decay=0.0, compensation="kahan")
+    opt2 = hfe.create_optimizer(bare(dst, [q]), dst, lr=LR, weight_decay=0.0, compensation="kahan")
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state[q]["kahan_comp"], opt.state[p]["kahan_comp"])
     q.grad = torch.ones_like(q)
@@ -162,7 +183,7 @@ def test_c_kernel_equals_eager_under_each_mode(name, mode):
     runs = []
     for compile in (None, False):  # automatic: the C kernel; False: the eager one
         p = _weights(torch.bfloat16)
-        opt = hfe.create_optimizer([p], name, lr=LR, weight_decay=0.0, compensation=mode)
+        opt = hfe.create_optimizer(bare(name, [p]), name, lr=LR, weight_decay=0.0, compensation=mode)
         opt.param_groups[0]["compile"] = compile
         _drive(opt, p, 4)
         uses_c = type(opt).choose(p, p.grad, compile) is type(opt)._op
@@ -288,7 +309,7 @@ def test_fp32_state_tensors_follow_the_groups_compile_option(name, monkeypatch):
     for compile, expected in ((None, True), (False, False), (True, False)):
         calls.clear()
         p = _weights(torch.bfloat16)
-        opt = hfe.create_optimizer([p], name, lr=LR, weight_decay=0.0, compensation="stochastic",
+        opt = hfe.create_optimizer(bare(name, [p]), name, lr=LR, weight_decay=0.0, compensation="stochastic",
                                    min_8bit_size=p.numel() + 1)
         opt.param_groups[0]["compile"] = compile
         _drive(opt, p, 2)

@@ -1,9 +1,10 @@
 """FSDP2 (torch's ``fully_shard``: DTensor parameters, Shard(0) on a 1-D mesh) on 1, 2 and 4 gloo CPU processes.
 
 Adafactor and the 8-bit families (AdamW8bit, Lion8bit) step the shards and equal one process stepping the merged
-batch; their state is DTensors that torch.distributed.checkpoint (DCP) saves on 2 ranks and loads on 1, 2 and 4;
-hf_eff_adamw resumes through DCP's loader; a mesh the step cannot serve and a checkpoint of another model are refused
-before anything changes.
+batch; their state is DTensors that torch.distributed.checkpoint (DCP) saves on 2 ranks and loads on 1, 2 and 4. The
+Muon names, told to take every 2-D parameter (helpers.matrices_options), orthogonalise each matrix whole on an owner
+rank and equal one process too, the 3-D tensor and the vectors in their AdamW half. hf_eff_adamw resumes through
+DCP's loader; a mesh the step cannot serve and a checkpoint of another model are refused before anything changes.
 
 Three launches in all (2 ranks, then 1 and 4), each running every case for its world size: a launch costs more
 than its cases. The single-process references run in the test process.
@@ -21,6 +22,7 @@ from torch import nn
 import hf_efficient
 from cases import names, plain, quantized, shardable
 from fsdp_helpers import full, run_ranks, shard
+from helpers import matrices_options
 from hf_efficient.registry import get_spec
 
 pytestmark = pytest.mark.example_family  # SHARDED holds the example family: registered here for each test
@@ -107,7 +109,7 @@ def params_of(model) -> dict:
 def reference(name: str, steps=None) -> tuple[list[float], dict]:
     """One process, the merged batches: what every mesh must reproduce."""
     model = model_for(name)
-    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name], **matrices_options(name, model))
     losses = train(model, optimizer, batches() if steps is None else steps)
     return losses, params_of(model)
 
@@ -134,7 +136,7 @@ def fresh_run(name: str, save_to: str | None = None) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model = shard(model_for(name))
-    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name], **matrices_options(name, model))
     steps = batches()
     losses = train(model, optimizer, steps[:SAVE_AT])
     whole = None
@@ -155,7 +157,7 @@ def resumed_run(name: str, load_from: str) -> dict:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     model = shard(model_for(name))
-    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name], **matrices_options(name, model))
     sd = _dcp_state(model, optimizer)
     dcp.load(sd, checkpoint_id=load_from)
     set_model_state_dict(model, sd["model"])
@@ -234,7 +236,8 @@ def stochastic_bf16(name: str, world: int) -> dict:
              for _ in range(3)]
     if world:
         shard(model)
-    optimizer = hf_efficient.create_optimizer(model, name, compensation="stochastic", **OPTS[name])
+    optimizer = hf_efficient.create_optimizer(model, name, compensation="stochastic", **OPTS[name],
+                                              **matrices_options(name, model))
     for group in optimizer.param_groups:
         group.update(EAGER.get(name, {}))
     for step in grads:
@@ -391,7 +394,7 @@ def test_a_whole_state_taken_on_two_ranks_resumes_in_one_process(ranks, name):
     model_sd, optim_sd = run["whole"]
     model = model_for(name)
     model.load_state_dict(model_sd)
-    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name])
+    optimizer = hf_efficient.create_optimizer(model, name, **OPTS[name], **matrices_options(name, model))
     optimizer.load_state_dict(optim_sd)
     losses = train(model, optimizer, batches()[SAVE_AT:])
     _close(params_of(model), run["params"], name)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hf_efficient as hfe
-from cases import names
+from cases import bare, names
 from hf_efficient import nonfinite
 from hf_efficient.registry import get_spec
 
@@ -61,7 +61,7 @@ def _raises_and_untouched(opt, model, match="'weight'"):
 
 
 def _named(model, name="adamw", **kw):
-    return hfe.create_optimizer(list(model.named_parameters()), name, lr=1e-3, **kw)
+    return hfe.create_optimizer(bare(name, model.named_parameters()), name, lr=1e-3, **kw)
 
 
 # --- the fast path --------------------------------------------------------------------------------------------------

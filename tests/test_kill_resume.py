@@ -17,6 +17,8 @@ CASES = [  # (optim, optim_args, parameter dtype)
     ("hf_eff_adam8bit", "backend=torchao", "float32"),
     ("hf_eff_adafactor", "", "float32"),
     ("hf_eff_adamw_bf16", "", "bfloat16"),
+    ("hf_eff_muon", "", "float32"),  # Muon on tiny_bert's encoder layers, AdamW on the rest
+    ("hf_eff_muon8bit", "", "float32"),
 ]
 
 

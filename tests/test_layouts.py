@@ -32,6 +32,7 @@ from hf_efficient.optim.compensation import COMPENSATIONS
 from hf_efficient.registry import SPECS
 
 from cases import cases
+from helpers import muon_f64
 
 # the interpreter computes in numpy, which warns where a probe's gradient squared overflows fp32
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
@@ -89,6 +90,13 @@ def _reference(math: str, params, group):
     elif math in ("lion", "sgdm"):
         states, step = {}, {"lion": _lion, "sgdm": _sgdm}[math]
         return lambda grads: step(params, grads, states, group)
+    elif math == "muon":  # a Muon name's groups: Muon's matrices, AdamW the rest
+        if not group["muon"]:
+            return _reference("adamw", params, group)
+        bufs = [torch.zeros_like(p) for p in params]
+        return lambda grads: muon_f64(params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
+                                      momentum=group["momentum"], nesterov=group["nesterov"],
+                                      ns_steps=group["ns_steps"], adjust_lr=group["adjust_lr"])
     else:
         raise AssertionError(f"no float64 reference for the math {math!r}: add one to this test")
 
@@ -122,7 +130,11 @@ def test_a_weight_that_is_not_row_major_steps_as_the_math_says(name, backend, dt
     model = nn.Module()
     model.weight, model.bias = nn.Parameter(lay(values[0])), nn.Parameter(values[1])
     assert not model.weight.is_contiguous()
-    opt = hfe.create_optimizer(model, name, lr=LR, weight_decay=0.1, backend=backend, compensation=compensation)
+    # a Muon name: Muon takes the 2-D weight, with Newton-Schulz in fp32 (bf16's error is no layout's)
+    muon = {"muon_include": "weight", "ns_dtype": "fp32"} if "muon_include" in SPECS[name].accepted and len(
+        shape) == 2 else {}
+    opt = hfe.create_optimizer(model, name, lr=LR, weight_decay=0.1, backend=backend, compensation=compensation,
+                               **muon)
     facts = SPECS[name].facts
     ref_params = {p: v.double() for p, v in zip((model.weight, model.bias), values)}
     groups = [(g["params"], _reference(facts.math, [ref_params[p] for p in g["params"]], g))

@@ -28,6 +28,7 @@ from hf_efficient import nonfinite
 from hf_efficient.optim import _dispatch, _native
 from hf_efficient.optim import adamw8bit as m8
 from hf_efficient.optim import adamw_bf16 as mbf
+from hf_efficient.optim import muon8bit
 
 needs_compiler = pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: the C kernels are not built")
 CPU = torch.device("cpu")
@@ -121,6 +122,7 @@ def test_probes_refuse_a_kernel_that_splits_wrongly(monkeypatch, caplog):
     monkeypatch.setattr(_native, "bind", lambda *a, **k: _first_share_only(real_bind(*a, **k)))
     assert m8.AdamW8bit.native_fn() is None
     assert mbf._native_fn() is None
+    assert muon8bit._ENCODE.fn() is None and muon8bit._DECODE.fn() is None  # the codec alone (quant8_cpu.c)
     assert "disagrees" in caplog.text
 
 

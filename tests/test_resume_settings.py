@@ -15,7 +15,7 @@ import torch
 
 import hf_efficient as hfe
 from hf_efficient.optim.compensation import COMPENSATIONS
-from cases import cls_of, names, plain, quantized, spec_of
+from cases import bare, cls_of, names, plain, quantized, spec_of
 from hf_efficient.optim._blockwise import Blockwise8bit
 
 COMPENSATING = names(lambda spec: spec.backends["torch"].compensates)
@@ -28,7 +28,7 @@ def _grad(p, seed):
 
 
 def _built(name, p, mode):
-    return hfe.create_optimizer([p], name, lr=1e-3, weight_decay=0.0, compensation=mode)
+    return hfe.create_optimizer(bare(name, [p]), name, lr=1e-3, weight_decay=0.0, compensation=mode)
 
 
 def _as_if_saved_under(sd, mode, p):
@@ -92,9 +92,9 @@ def _flag_hook(optimizer):
 def test_a_load_hook_may_store_a_non_dict_in_the_state(name, how, recwarn):
     p = torch.nn.Parameter(torch.ones(16, 32, dtype=torch.bfloat16))
     if how == "class":
-        opt = hfe.resolve(name, device="cpu").optimizer_cls([p], lr=1e-3)
+        opt = hfe.resolve(name, device="cpu").optimizer_cls(bare(name, [p]), lr=1e-3)
     else:
-        opt = hfe.create_optimizer([p], name, lr=1e-3)
+        opt = hfe.create_optimizer(bare(name, [p]), name, lr=1e-3)
     opt.register_load_state_dict_post_hook(_flag_hook)
     p.grad = torch.ones_like(p)
     opt.step()
@@ -107,8 +107,8 @@ def test_a_load_hook_may_store_a_non_dict_in_the_state(name, how, recwarn):
 @pytest.mark.parametrize("name", names(lambda spec: not issubclass(cls_of(spec), Blockwise8bit)))  # torch's loader
 def test_a_parameters_state_that_is_not_a_dict_is_refused(name):
     p = torch.nn.Parameter(torch.ones(16, 32, dtype=torch.bfloat16))
-    opt = hfe.create_optimizer([p], name, lr=1e-3)
-    opt = opt._hf_eff_base([p], lr=1e-3)  # the family's class, without create_optimizer's protection
+    opt = hfe.create_optimizer(bare(name, [p]), name, lr=1e-3)
+    opt = opt._hf_eff_base(bare(name, [p]), lr=1e-3)  # the family's class, without create_optimizer's protection
     p.grad = torch.ones_like(p)
     opt.step()
     sd = opt.state_dict()
@@ -127,9 +127,9 @@ EIGHT_BIT = names(quantized)
 def test_absurd_finite_state_is_refused(name, how):
     """An edited checkpoint: a fractional step, or a first moment's absmax beyond any gradient's (x 1e30)."""
     p = torch.nn.Parameter(torch.rand(64, 128))
-    opt = hfe.create_optimizer([p], name, lr=1e-3, backend="torch")
+    opt = hfe.create_optimizer(bare(name, [p]), name, lr=1e-3, backend="torch")
     if how == "class":
-        opt = opt._hf_eff_base([p], lr=1e-3)
+        opt = opt._hf_eff_base(bare(name, [p]), lr=1e-3)
     p.grad = torch.ones_like(p)
     opt.step()
     good = opt.state_dict()

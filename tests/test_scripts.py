@@ -114,6 +114,10 @@ def test_convergence_quick(tmp_path):
     lion = next(r for r in runs if r.name == "lion8bit" and not r.options)
     ref = by[lion.reference]
     assert ref["run"]["name"] is None and ref["backend"] == "torch-optimi" and ref["run"]["lr_scale"] == lion.lr_scale
+    # Muon8bit compares with hf_eff_muon's run (the math's fp32-state name), hf_eff_muon with fp32 AdamW
+    muon8bit = next(r for r in runs if r.name == "muon8bit" and not r.options)
+    assert by[muon8bit.reference]["run"]["name"] == "muon" and by["hf_eff_muon"]["run"]["reference"] == conv.BASELINE
+    assert by["hf_eff_muon8bit"]["state_bytes"] < by["hf_eff_muon"]["state_bytes"]
     kahan = by["hf_eff_adamw_bf16 compensation=kahan"]
     assert kahan["state_bytes"] == pytest.approx(0.75 * base["state_bytes"], rel=0.01)  # 6 vs 8 B
     # the lowest-memory run: gradient release leaves at most a bucket and the tied embedding's gradient alive
@@ -152,6 +156,21 @@ def test_convergence_quick(tmp_path):
     kept = json.loads((tmp_path / "convergence.json").read_text())
     assert "hf_eff_adamw" not in [r["run"]["label"] for r in kept["results"]]
     assert len(kept["results"]) == len(labels) - 1 and kept["merged"][-1]["dropped"] == ["hf_eff_adamw"]
+
+
+def test_muon_pretrain_check_quick(tmp_path):
+    """Every Muon name and AdamW from the same init on the same bytes; the page rendered from its JSON."""
+    check = _load("muon_pretrain_check")
+    doc = check.main(["--steps", "2", "--eval-every", "1", "--warmup", "1", "--eval-windows", "2", "--hidden", "32",
+                      "--layers", "1", "--batch", "2", "--seq", "16", "--threads", "1", "--out", str(tmp_path)])
+    assert [r["optimizer"] for r in doc["runs"]] == list(check.KINDS) == ["adamw", "muon", "muon8bit"]
+    first = {r["optimizer"]: r["curve"][0]["train_loss"] for r in doc["runs"]}
+    assert len(set(first.values())) == 1, first  # the same model and batch: the first loss is before any step
+    state = {r["optimizer"]: r["state_bytes"] for r in doc["runs"]}
+    assert state["muon8bit"] < state["muon"] < state["adamw"]
+    md = (tmp_path / "muon_pretrain.md").read_text()
+    assert json.loads((tmp_path / "muon_pretrain.json").read_text()) == json.loads(json.dumps(doc))
+    assert "| hf_eff_muon8bit |" in md and not VERDICT.search(md)
 
 
 def test_bench_cuda_cpu_smoke_then_render_only(tmp_path):

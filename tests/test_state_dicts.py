@@ -17,7 +17,7 @@ from torch import nn
 import hf_efficient as hfe
 
 from cases import CASES
-from helpers import INF, Net, assert_unchanged, loss_of, make, snapshot, train
+from helpers import INF, Net, assert_unchanged, loss_of, make, net_options, snapshot, train
 
 
 @pytest.mark.parametrize("name, backend, dtype, compensation", CASES)
@@ -61,7 +61,7 @@ def test_load_state_of_another_optimizer_or_model_is_refused(name, backend, dtyp
     wide = Net(dtype)
     wide.fc = nn.Linear(64, 128 * 2).to(dtype)
     wide.out, wide.norm = nn.Linear(256, 4).to(dtype), nn.LayerNorm(256).to(dtype)
-    other_opt = hfe.create_optimizer(wide, name, lr=1e-2, backend=backend)
+    other_opt = hfe.create_optimizer(wide, name, lr=1e-2, backend=backend, **net_options(name))
     train(wide, other_opt, 1)
     with pytest.raises(ValueError, match=r"'fc.weight' has \w+ of shape \(256.*another model"):
         opt.load_state_dict(other_opt.state_dict())

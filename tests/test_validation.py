@@ -113,7 +113,13 @@ def test_add_param_group_is_validated(name, backend, dtype, compensation):
     with pytest.raises(ValueError, match="on the meta device"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, device="meta", dtype=dtype))]})
     assert len(opt.param_groups) == n_groups
-    opt.add_param_group({"params": [extra], "lr": 1e-3})  # a good one is taken and trained
+    if "muon" in opt.param_groups[0]:  # Muon's groups say who steps them: refused without, taken with it
+        with pytest.raises(ValueError, match="each param group says whether Muon steps it"):
+            opt.add_param_group({"params": [extra], "lr": 1e-3})
+        with pytest.raises(ValueError, match=r"shape \(8,\): Muon orthogonalises matrices"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, dtype=dtype))], "muon": True})
+    good = {"params": [extra], "lr": 1e-3, **({"muon": True} if "muon" in opt.param_groups[0] else {})}
+    opt.add_param_group(good)  # a good one is taken and trained
     assert len(opt.param_groups) == n_groups + 1
     (loss_of(model) + extra.float().sum()).backward()
     opt.step()

@@ -67,7 +67,8 @@ _CALL_BLOCKS = 4096  # blocks per compiled call: its code buffers (4 MiB) stay o
 
 
 def _check_8bit_keys(group: dict, facts: Family | None = None, owner: str = "") -> None:
-    """The group keys every quantized family has, and the family's own options (``facts.options``)."""
+    """The group keys every quantized family has, and the family's own options (``facts.options``) that its groups
+    carry (Muon's ``muon_include`` / ``muon_exclude`` choose the groups and are none of their keys)."""
     size = group["min_8bit_size"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"Invalid min_8bit_size={size!r}: it must be an int >= 0 (elements)")
@@ -76,7 +77,8 @@ def _check_8bit_keys(group: dict, facts: Family | None = None, owner: str = "") 
                          "applies, else the compiled one), True (the compiled kernel) or False (eager)")
     check_compensation(group["compensation"])
     for option in facts.options if facts is not None else ():
-        option.check_value(group[option.name], owner)
+        if option.name in group:
+            option.check_value(group[option.name], owner)
 
 
 def _make_op(name: str, family: type):
@@ -99,6 +101,11 @@ class Blockwise8bit(Optimizer):
     label ``FAMILY`` (the class's name), ``MOMENTS`` and ``CODEC`` are read from there. ``C_KERNEL`` /
     ``TRITON_KERNEL``: it has ``{NAME}_cpu.c`` / ``blockwise_triton.{NAME}`` (optional: without them its torch
     kernel runs, compiled or eager). ``PROBE``: the hyperparameters its kernels are probed with, over its defaults.
+
+    A family whose groups hold different quantized state (Muon8bit: a momentum on Muon's matrices, AdamW's moments on
+    the rest) names the family whose kernels step its blockwise groups (``class Muon8bit(..., kernels=AdamW8bit)``:
+    that family's ``NAME``, ``MOMENTS``, ``CODEC``, C op and probes, so one kernel is built and probed for both),
+    says which keys each group holds (:meth:`moments_of`), and steps its other groups itself (:meth:`_step_group`).
     """
 
     FACTS: Family
@@ -112,9 +119,14 @@ class Blockwise8bit(Optimizer):
     PROBE = dict(lr=1e-2, weight_decay=0.1)  # over the family's defaults: a step large enough to show a difference
     _op = None
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, kernels: type | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "FACTS" in cls.__dict__:  # a family (a subclass of one inherits its facts)
+        if kernels is not None:  # another family's kernels, their probes bound to that family (see the class)
+            cls.FAMILY = cls.__name__
+            cls.NAME, cls.MOMENTS, cls.CODEC, cls._op = kernels.NAME, kernels.MOMENTS, kernels.CODEC, kernels._op
+            for attr in ("c_kernel", "triton_fn", "probe_group"):
+                setattr(cls, attr, getattr(kernels, attr))
+        elif "FACTS" in cls.__dict__:  # a family (a subclass of one inherits its facts)
             facts = cls.FACTS
             cls.NAME, cls.FAMILY, cls.MOMENTS, cls.CODEC = facts.name, cls.__name__, facts.moments, facts.codec
             cls._op = _make_op(cls.NAME, cls) if cls.C_KERNEL else None
@@ -330,10 +342,11 @@ class Blockwise8bit(Optimizer):
     # --- per-tensor steps ------------------------------------------------------------------------------------
 
     @classmethod
-    def zero_state(cls, numel: int, device) -> dict:
-        """Fresh 8-bit state of a tensor of ``numel`` elements: zero codes in whole blocks, zero absmaxes."""
+    def zero_state(cls, numel: int, device, moments=None) -> dict:
+        """Fresh 8-bit state of a tensor of ``numel`` elements: zero codes in whole blocks, zero absmaxes (of each of
+        ``moments``, default :attr:`MOMENTS`)."""
         state = {}
-        for key, signed in cls.MOMENTS:
+        for key, signed in moments or cls.MOMENTS:
             state[key], state[f"{key}_absmax"] = cls.CODEC.zero_codes(numel, signed, device)
         return state
 
@@ -410,6 +423,11 @@ class Blockwise8bit(Optimizer):
             _sharded.check(p, self.FAMILY, f"parameter {i} of the new param group")
         super().add_param_group(param_group)
 
+    def moments_of(self, group: dict) -> tuple[tuple[str, bool], ...]:
+        """The quantized state keys (key, signed) of ``group``'s tensors: :attr:`MOMENTS`, the ones its kernels step
+        (see the class docstring for a family whose groups differ)."""
+        return self.MOMENTS
+
     def _has_8bit_state(self, p: Tensor, group: dict) -> bool:
         """Whether ``p`` keeps quantized state: :func:`.facts.keeps_quantized_state` of its whole tensor (else fp32:
         small tensors, those named at construction, and under FSDP2 tensors whose rows are not whole blocks)."""
@@ -435,7 +453,7 @@ class Blockwise8bit(Optimizer):
         sizes = [codec.blocks(p.numel()) for p in params]
         for p in params:
             self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key, signed in self.MOMENTS if params else ():
+        for key, signed in self.moments_of(group) if params else ():
             codes, absmax = codec.zero_codes(sum(sizes) * codec.BLOCK, signed, "cpu")
             per_block = codec.BLOCK * codec.BITS // 8  # code bytes per block in memory
             for p, c, a in zip(params, codes.split([n * per_block for n in sizes]), absmax.split(sizes)):
@@ -450,10 +468,10 @@ class Blockwise8bit(Optimizer):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else None)
             if not self._has_8bit_state(p, group):
-                for key, _ in self.MOMENTS:
+                for key, _ in self.moments_of(group):
                     state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             else:
-                state.update(self.zero_state(p.numel(), p.device))
+                state.update(self.zero_state(p.numel(), p.device, self.moments_of(group)))
         if on_device and state["step"].device != p.device:
             state["step"] = state["step"].to(p.device)
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
@@ -469,7 +487,7 @@ class Blockwise8bit(Optimizer):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             eight_bit = self._has_8bit_state(p, group)
-            for key, signed in self.MOMENTS:
+            for key, signed in self.moments_of(group):
                 if not eight_bit:
                     state[key] = _sharded.zeros(p, p.shape, torch.float32)
                     continue
@@ -487,7 +505,7 @@ class Blockwise8bit(Optimizer):
         fp32, offsets = [], []
         for p, state, position in items:
             lp, lg, local = _sharded.local(p), _sharded.local(p.grad), _sharded.to_local_state(state)
-            if state[self.MOMENTS[0][0]].dtype != torch.uint8:
+            if state[self.moments_of(group)[0][0]].dtype != torch.uint8:
                 fp32.append((lp, lg, local, position))
                 offsets.append(_sharded.global_offset(p))
                 continue
@@ -511,7 +529,7 @@ class Blockwise8bit(Optimizer):
         if _sharded.is_sharded(p):  # shards: the eager / torch paths (_step_sharded)
             return False
         state = self.state.get(p)
-        if state[self.MOMENTS[0][0]].dtype == torch.uint8 if state else self._has_8bit_state(p, group):
+        if state[self.moments_of(group)[0][0]].dtype == torch.uint8 if state else self._has_8bit_state(p, group):
             return self._triton_launch(p, group) is not None
         return self.TRITON_FP32 and group["compile"] is None and self.triton_fits(p, p.grad)
 
@@ -520,63 +538,73 @@ class Blockwise8bit(Optimizer):
         :func:`._dispatch.takes_found_inf`)."""
         return _dispatch.takes_found_inf(self, lambda p, group, st: self._uses_triton(p, group))
 
+    def check_placements(self) -> None:
+        """Every parameter with a gradient placed as the step can serve (:func:`._sharded.check`), before any state is
+        made: FSDP2 swaps parameters in after construction."""
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    _sharded.check(p, self.FAMILY, f"parameter {i} of param group {gi}")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, self.FAMILY)  # closure, then sparse gradients refused: nothing half-done
-        first = self.MOMENTS[0][0]
-        for gi, group in enumerate(self.param_groups):  # placements checked before any state is made (FSDP2 swaps
-            for i, p in enumerate(group["params"]):  # parameters in after construction)
-                if p.grad is not None:
-                    _sharded.check(p, self.FAMILY, f"parameter {i} of param group {gi}")
+        self.check_placements()
         position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
-            self._allocate_together(group)
-            sharded = []  # (p, state, position) of FSDP2 parameters
-            mode = group["compensation"]
-            fp32 = []  # (p, grad, state, position) of tensors with fp32 state
-            coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
-            native = []  # (p, grad, state, coefficients, key) of the tensors that go to the C kernel, in one call
-            gpu = {}  # device -> (launch, [(p, grad, state, position)]) of the tensors a Triton kernel steps
-            for p in group["params"]:
-                position += 1
-                if p.grad is None:
-                    continue
-                state = self._init_state(p, group, self._uses_triton(p, group))
-                if _sharded.is_sharded(p):
-                    sharded.append((p, state, position - 1))
-                    continue
-                if state[first].dtype != torch.uint8:  # torch's kernels count the step themselves
-                    fp32.append((p, p.grad, state, position - 1))
-                    continue
-                launch = self._triton_launch(p, group)
-                if launch is not None:  # the step count stays on the device: counted and read there
-                    gpu.setdefault(p.device, (launch, []))[1].append((p.detach(), p.grad, state, position - 1))
-                    continue
-                state["step"] += 1
-                step = int(state["step"].item())
-                key = (step, p.device)
-                if key not in coefs:
-                    coef = self.coefficients(group, step)
-                    coefs[key] = coef, torch.tensor(coef, dtype=torch.float32, device=p.device)
-                noise = weight_key(position - 1, step)
-                kernel = self.choose(p, p.grad, group["compile"])
-                if kernel is self._op:
-                    native.append((p.detach(), p.grad, state, coefs[key][0], noise))
-                else:
-                    self.step_8bit(p, p.grad, state, coefs[key][1], kernel, mode, noise)
-            if native:
-                params, grads, codes, absmax, coef, comps, keys = self._lists(native)
-                self._op(params, grads, codes, absmax, comps, keys, coef, mode, -1)
-            for device, (launch, items) in gpu.items():
-                flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
-                _triton.advance_steps([it[2]["step"] for it in items], flag)
-                with on_device(device):  # one launch per (weight dtype, gradient dtype): _triton.launch
-                    launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
-            if fp32:
-                self.step_32bit(group, fp32)
-            if sharded:
-                self._step_sharded(group, sharded)
+            self._step_group(group, position)
+            position += len(group["params"])
         return loss
+
+    def _step_group(self, group: dict, position: int) -> None:
+        """Step the parameters of ``group`` that have a gradient by the family's kernels; ``position``: the index of
+        its first parameter across groups (the noise stream of each)."""
+        self._allocate_together(group)
+        first = self.moments_of(group)[0][0]
+        sharded = []  # (p, state, position) of FSDP2 parameters
+        mode = group["compensation"]
+        fp32 = []  # (p, grad, state, position) of tensors with fp32 state
+        coefs = {}  # (step, device) -> coefficients, as a list (C kernel) and a tensor (the others)
+        native = []  # (p, grad, state, coefficients, key) of the tensors that go to the C kernel, in one call
+        gpu = {}  # device -> (launch, [(p, grad, state, position)]) of the tensors a Triton kernel steps
+        for position, p in enumerate(group["params"], position):
+            if p.grad is None:
+                continue
+            state = self._init_state(p, group, self._uses_triton(p, group))
+            if _sharded.is_sharded(p):
+                sharded.append((p, state, position))
+                continue
+            if state[first].dtype != torch.uint8:  # torch's kernels count the step themselves
+                fp32.append((p, p.grad, state, position))
+                continue
+            launch = self._triton_launch(p, group)
+            if launch is not None:  # the step count stays on the device: counted and read there
+                gpu.setdefault(p.device, (launch, []))[1].append((p.detach(), p.grad, state, position))
+                continue
+            state["step"] += 1
+            step = int(state["step"].item())
+            key = (step, p.device)
+            if key not in coefs:
+                coef = self.coefficients(group, step)
+                coefs[key] = coef, torch.tensor(coef, dtype=torch.float32, device=p.device)
+            noise = weight_key(position, step)
+            kernel = self.choose(p, p.grad, group["compile"])
+            if kernel is self._op:
+                native.append((p.detach(), p.grad, state, coefs[key][0], noise))
+            else:
+                self.step_8bit(p, p.grad, state, coefs[key][1], kernel, mode, noise)
+        if native:
+            params, grads, codes, absmax, coef, comps, keys = self._lists(native)
+            self._op(params, grads, codes, absmax, comps, keys, coef, mode, -1)
+        for device, (launch, items) in gpu.items():
+            flag = _triton.flag(self, device)  # set: every launch returns at once, and no step is counted
+            _triton.advance_steps([it[2]["step"] for it in items], flag)
+            with on_device(device):  # one launch per (weight dtype, gradient dtype): _triton.launch
+                launch(items, flag, group, mode, self._tables.setdefault(id(group), {}))
+        if fp32:
+            self.step_32bit(group, fp32)
+        if sharded:
+            self._step_sharded(group, sharded)
 
     @staticmethod
     def noise_keys(items) -> list[int]:
@@ -587,13 +615,16 @@ class Blockwise8bit(Optimizer):
     def state_dict(self) -> dict:
         """torch's state dict, with 8-bit codes in the canonical layout (the parameter's shape, element order)."""
         sd = super().state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in sd["param_groups"] for i in g["params"]]
-        for i, p in zip(ids, params):
+        for i, (p, moments) in zip(ids, self._params_and_moments()):
             st = sd["state"].get(i)
-            if st is not None and st[self.MOMENTS[0][0]].dtype == torch.uint8:
-                sd["state"][i] = {**st, **{k: _to_canonical(st[k], p, self.CODEC) for k, _ in self.MOMENTS}}
+            if st is not None and st[moments[0][0]].dtype == torch.uint8:
+                sd["state"][i] = {**st, **{k: _to_canonical(st[k], p, self.CODEC) for k, _ in moments}}
         return sd
+
+    def _params_and_moments(self) -> list[tuple[Tensor, tuple]]:
+        """Each parameter, in state_dict order, with its group's quantized keys (:meth:`moments_of`)."""
+        return [(p, self.moments_of(g)) for g in self.param_groups for p in g["params"]]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a canonical state dict, all or nothing: everything is checked first (groups and their
@@ -602,16 +633,15 @@ class Blockwise8bit(Optimizer):
         moments of low-precision weights to the weight's dtype): uint8 codes resume as 8-bit state."""
         where = f"{self.FAMILY}.load_state_dict"
         groups = self._checked_groups(state_dict, where)
-        params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         unknown = set(state_dict["state"]) - set(ids)
         if unknown:
             raise ValueError(f"{where}: state for parameter ids {sorted(unknown, key=str)} that no saved param group "
                              f"lists (they list {ids}); nothing was loaded")
         loaded = {}
-        for i, p in zip(ids, params):
+        for i, (p, moments) in zip(ids, self._params_and_moments()):
             if state_dict["state"].get(i) is not None:
-                loaded[p] = self._checked_state(state_dict["state"][i], p, f"{where}: parameter {i}")
+                loaded[p] = self._checked_state(state_dict["state"][i], p, f"{where}: parameter {i}", moments)
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         for p, st in loaded.items():
             self.state[p] = st
@@ -622,11 +652,12 @@ class Blockwise8bit(Optimizer):
         """Each group's loaded 8-bit state on CPU moved into one buffer per moment, as a fresh one is allocated
         (:meth:`_allocate_together`), so that a resumed run steps as fast as the original (one moment's size in
         flight at a time)."""
-        first = self.MOMENTS[0][0]
         for group in self.param_groups:
+            moments = self.moments_of(group)
+            first = moments[0][0]
             params = [p for p in group["params"] if p.is_cpu and not _sharded.is_sharded(p)
                       and first in self.state.get(p, {}) and self.state[p][first].dtype == torch.uint8]
-            for key in (k for m, _ in self.MOMENTS for k in (m, f"{m}_absmax")) if params else ():
+            for key in (k for m, _ in moments for k in (m, f"{m}_absmax")) if params else ():
                 parts = [self.state[p][key] for p in params]
                 flat = torch.cat([t.reshape(-1) for t in parts])
                 for p, t, v in zip(params, parts, flat.split([t.numel() for t in parts])):
@@ -657,11 +688,13 @@ class Blockwise8bit(Optimizer):
             out.append(group)
         return out
 
-    def _checked_state(self, saved, p: Tensor, where: str) -> dict:
-        """The in-memory state of ``p`` from its saved (canonical) state, or a ValueError saying what is wrong."""
+    def _checked_state(self, saved, p: Tensor, where: str, moments=None) -> dict:
+        """The in-memory state of ``p`` from its saved (canonical) state, or a ValueError saying what is wrong
+        (``moments``: its group's quantized keys, :meth:`moments_of`)."""
         if not isinstance(saved, dict):
             raise ValueError(f"{where}: its state is a {type(saved).__name__}, not a dict; nothing was loaded")
-        moments = [k for k, _ in self.MOMENTS]
+        signs = dict(moments or self.MOMENTS)
+        moments = list(signs)
         eight_bit = isinstance(saved.get(moments[0]), Tensor) and saved[moments[0]].dtype == torch.uint8
         keys = {"step", *moments} | ({f"{k}_absmax" for k in moments} if eight_bit else set())
         if set(saved) - {"kahan_comp"} != keys:
@@ -686,7 +719,7 @@ class Blockwise8bit(Optimizer):
         if comp is not None:
             st["kahan_comp"] = comp.to(device=p.device, dtype=torch.bfloat16).contiguous().clone()
         if not eight_bit:
-            for key, signed in self.MOMENTS:
+            for key, signed in signs.items():
                 check_saved_tensor(saved[key], key, where, signed=signed, first_moment=signed)
                 st[key] = saved[key].to(device=p.device, dtype=torch.float32).clone()
             return st
@@ -700,9 +733,9 @@ class Blockwise8bit(Optimizer):
             # a plain parameter's flat (a whole absmax taken from FSDP2 shards is row-major: the same order)
             plain = lambda: t.to(p.device, torch.float32).reshape(-1).clone()  # noqa: E731 - a copy: never the caller's
             st[key] = _placed_absmax(t, p, self.CODEC) if _sharded.is_sharded(p) else plain()
-            first = dict(self.MOMENTS)[key.removesuffix("_absmax")]  # the scale of a first moment
+            first = signs[key.removesuffix("_absmax")]  # the scale of a first moment
             check_saved_tensor(st[key], key, where, signed=False, first_moment=first)
-        for key, signed in self.MOMENTS:
+        for key, signed in signs.items():
             st[key] = _from_canonical(saved[key], p, signed, self.CODEC)
         return st
 

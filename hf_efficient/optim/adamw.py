@@ -283,12 +283,12 @@ class AdamW(torch.optim.AdamW):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=where)
             keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-            for key in keys:  # row-major whatever the weight's strides, as every kernel here steps them
-                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            for key in keys:  # row-major whatever the weight's strides, as every kernel here steps them; an FSDP2
+                state[key] = _sharded.zeros(p, p.shape, torch.float32)  # shard's: a DTensor placed as its weight
         elif (p.is_cuda or state["step"].is_cuda) and state["step"].device != where:
             state["step"] = state["step"].to(where)  # loaded, or saved by the other path: moved once
         if group["compensation"] == "kahan" and p.dtype in LOW_PRECISION and "kahan_comp" not in state:
-            state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+            state["kahan_comp"] = _sharded.zeros(p, p.shape, torch.bfloat16)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -325,36 +325,42 @@ class AdamW(torch.optim.AdamW):
         loss = start_step(self, closure, "AdamW")  # closure, then sparse gradients refused: nothing half-done
         position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
-            items = []
-            for p in group["params"]:
-                if p.grad is not None:
-                    items.append((p, self._init_state(p, group), position))
-                position += 1
-            if not items:
-                continue
-            low = [it for it in items if _sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION]
-            if low:
-                self._step_low_precision_shards(group, low)
-                items = [it for it in items if not (_sharded.is_sharded(it[0]) and it[0].dtype in LOW_PRECISION)]
-                if not items:
-                    continue
-            states = [st for _, st, _ in items]
-            beta1, beta2 = group["betas"]
-            adamw_fp32_state([p for p, _, _ in items], [p.grad for p, _, _ in items],
-                             [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                             [st.get("max_exp_avg_sq") for st in states], [st["step"] for st in states],
-                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                             maximize=group["maximize"], compensation=group["compensation"],
-                             comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
-                             found_inf=getattr(self, "found_inf", None),
-                             tables=self.__dict__.setdefault("_tables", {}).setdefault(id(group), {}))
+            self._step_group(group, position)
+            position += len(group["params"])
         return loss
 
-    def _step_low_precision_shards(self, group: dict, items: list) -> None:
-        """bf16/fp16 FSDP2 shards (``items``: parameter, state, position): their local tensors through torch's path,
-        whose compensated write has no DTensor rule, the noise numbered as in the whole tensor. fp32 shards keep
-        torch's DTensor ops (any placement); these need Shard(0) on a 1-D mesh (:func:`._sharded.check`)."""
+    def _step_group(self, group: dict, position: int) -> None:
+        """Step the parameters of ``group`` that have a gradient; ``position``: the index of its first parameter
+        across groups (the noise stream of each). One group at a time, so that a class stepping some groups by
+        another rule (:class:`.muon.Muon`) steps the others with this code."""
+        items = [(p, self._init_state(p, group), i) for i, p in enumerate(group["params"], position)
+                 if p.grad is not None]
+        if not items:
+            return
+        shards = [it for it in items if _sharded.is_sharded(it[0])]
+        if shards:
+            self._step_shards(group, shards)
+            items = [it for it in items if not _sharded.is_sharded(it[0])]
+            if not items:
+                return
+        states = [st for _, st, _ in items]
+        beta1, beta2 = group["betas"]
+        adamw_fp32_state([p for p, _, _ in items], [p.grad for p, _, _ in items],
+                         [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                         [st.get("max_exp_avg_sq") for st in states], [st["step"] for st in states],
+                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                         maximize=group["maximize"], compensation=group["compensation"],
+                         comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
+                         found_inf=getattr(self, "found_inf", None),
+                         tables=self.__dict__.setdefault("_tables", {}).setdefault(id(group), {}))
+
+    def _step_shards(self, group: dict, items: list) -> None:
+        """FSDP2 shards (``items``: parameter, state, position; Shard(0) on a 1-D mesh, :func:`._sharded.check`):
+        their local tensors through torch's path, as AdamW is elementwise. bf16/fp16 ones because the compensated
+        write has no DTensor rule (the noise numbered as in the whole tensor); fp32 ones too, because torch's fused
+        kernel refuses DTensor weights beside the host step counts this class keeps (hf_eff_adamw's fp32 shards are
+        torch's AdamW; this path is the AdamW half of :class:`.muon.Muon`)."""
         for p, _, position in items:
             _sharded.check(p, "AdamW", f"parameter {position}")
         states = [_sharded.to_local_state(st) for _, st, _ in items]

@@ -132,6 +132,9 @@ class Family:
     # scripts/convergence.py's bf16-model runs stochastic rounding met every family's target as well as Kahan, and it
     # costs no memory where Kahan keeps a bf16 buffer per weight (docs/results/convergence.md has the losses)
     compensation: str = "stochastic"
+    # how create_optimizer groups a module's parameters: (model, weight_decay, its DecaySplit, parsed options) ->
+    # param groups; None: the decay groups (param_groups.build_param_groups). Muon's: the Muon / AdamW split
+    param_groups: Callable | None = None
 
     def __post_init__(self):
         state = {}
