@@ -250,8 +250,9 @@ SPECS: dict[str, OptimizerSpec] = {
         family_spec(AdamW8bit, "as adam8bit, state paged to host memory (CUDA)", name="paged_adam8bit",
                     backends={"bnb": bnb_backend(ADAMW8BIT, "PagedAdamW8bit", "AdamW", cuda_only=True)},
                     fallback=("cuda", "adam8bit"), estimate_rows=(EstimateRow(),)),
+        # our C kernel on CPU, our Triton kernel on CUDA, as adam8bit; no other library's 4-bit state is this codec's
         family_spec(AdamW4bit, "AdamW math, blockwise 4-bit state (blocks of 128; the second moment as its root, never "
-                    "0); embeddings and tensors < min_8bit_size keep 32-bit state; the compiled torch kernel",
+                    "0): the lowest-memory AdamW; embeddings and tensors < min_8bit_size keep 32-bit state",
                     name="adam4bit"),
         family_spec(Lion8bit, "Lion (sign of an interpolated momentum, decoupled weight decay), blockwise 8-bit "
                     "momentum; the paper advises lr 3-10x below AdamW's (in our fine-tuning run AdamW's own lr did "

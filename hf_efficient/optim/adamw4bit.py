@@ -2,8 +2,8 @@
 
 State per 4-bit parameter: ``step``, ``exp_avg`` (signed codes) and ``exp_avg_sq`` (unsigned codes: its root on 16
 linear levels, never decoded as 0), two per byte, each with its ``*_absmax`` (fp32, one per block of 128): 2 * (0.5 +
-4 / 128) = 1.06 bytes per parameter. With bf16 weights (2 bytes) and gradients released in backward, that is ~3.1
-bytes per parameter of training state. Tensors under ``min_8bit_size`` elements, embeddings (unless
+4 / 128) = 1.06 bytes per parameter. With bf16 weights (2 bytes) and gradients released in backward, weights +
+gradients + state measured 3.10 bytes per parameter on a Llama-shaped model (docs/results/memory_release.md). Tensors under ``min_8bit_size`` elements, embeddings (unless
 ``embedding_state`` says otherwise) and ``fp32_state_params`` keep fp32 moments, as every quantized family.
 
 Everything but the codec is :class:`.adamw8bit.AdamW8bit`'s: its update (:func:`.adamw8bit.adamw_update`), its

@@ -1,8 +1,8 @@
 /* The driver of the quantized families' kernels (adamw8bit_cpu.c, lion8bit_cpu.c; adamw4bit_cpu.c): their step on fp32
  * or bf16 weights and gradients with blockwise quantized moments, one block at a time: quant8.h's codec (blocks of
  * 256), or quant4.h's (blocks of 128) where the kernel defines BLOCKWISE_QUANT4 before including this file. A block's
- * moments are decoded into 1 KiB buffers (the absmax applied), then one pass reads the weight and gradient in place,
- * applies the family's update (its _kernel's operations in their order: with -ffp-contract=off every fp32 operation
+ * moments are decoded into buffers (quant8: map values, the absmax applied in the update pass; quant4: whole values),
+ * then one pass reads the weight and gradient in place, applies the family's update (its math's operations in order: with -ffp-contract=off every fp32 operation
  * rounds as torch's eager ops do), keeps each moment's running absmax and writes the weight (bf16: under the
  * compensation mode, as compensation.write); then each moment is encoded. A tensor's last, partial block is
  * zero-padded as eager pads it: its padding's moments are stepped with a zero weight and gradient.
@@ -34,7 +34,7 @@ typedef q4_tables_t codec_tables_t; /* one: both maps */
 #define CODEC_TABLES(tables, maps) q4_tables(&(tables)[0], maps)
 #define CODEC_TABLE(tables, is_signed) (&(tables)[0])
 #define CODEC_DECODE(w, a, table, is_signed, out) q4_decode_block(w, a, table, is_signed, out)
-#define CODEC_PASS_SCALE(a) 1.0f /* the 4-bit decode applies its scale itself (the second moment's is squared) */
+#define CODEC_PASS_SCALE(a) 1.0f /* the values come decoded whole: a second moment's scale is no factor of its code */
 #define CODEC_STORE(x, top, table, is_signed, w) ((void)(top), q4_store_block(x, table, is_signed, w))
 #else
 #define CODEC_BLOCK BLOCK
@@ -43,7 +43,7 @@ typedef map_t codec_tables_t; /* two: [0] signed, [1] unsigned */
 #define CODEC_TABLES(tables, maps) quant8_maps(tables, maps)
 #define CODEC_TABLE(tables, is_signed) (&(tables)[(is_signed) ? 0 : 1])
 #define CODEC_DECODE(w, a, table, is_signed, out) decode_block(w, table, out)
-#define CODEC_PASS_SCALE(a) (a) /* the absmax, applied in the update pass (decoded * absmax: quant8.unpack) */
+#define CODEC_PASS_SCALE(a) (a) /* the update pass multiplies the decoded map values by the absmax */
 #define CODEC_STORE(x, top, table, is_signed, w) store_block(x, top, table, w)
 #endif
 
@@ -74,7 +74,7 @@ ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t
     for (int e = 0; e < (int)valid; e++) { /* int: the noise index a 32-bit vector, not truncated 64-bit ones */
         float x[MAX_STATES];
         for (int j = 0; j < f->states; j++)
-            x[j] = s[j][e] * scale[j]; /* the scale decoding left to this pass (CODEC_PASS_SCALE) */
+            x[j] = s[j][e] * scale[j]; /* quant8.unpack: decoded * absmax */
         const float p32 = load_f32(p, e, bf16), fresh = f->update(p32, load_f32(g, e, bf16), x, k, first + e, n);
         for (int j = 0; j < f->states; j++) {
             s[j][e] = x[j];

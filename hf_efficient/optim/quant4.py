@@ -1,6 +1,7 @@
 """The blockwise 4-bit codec for AdamW's moments (its C twin is ``quant4.h``, its Triton twin ``quant4_triton.py``).
 
-Design (measured: ``scripts/quant4_design.py``, ``docs/results/quant4_design.json``). A tensor is cut into blocks
+Design: candidates compared by ``scripts/quant4_design.py`` (its results are not in docs/results yet; what is
+measured here: tests/test_adamw4bit.py's tolerances, docs/results/convergence.md's run). A tensor is cut into blocks
 of :data:`BLOCK` = 128 elements, each with one fp32 scale, and every element is a 4-bit code:
 
 - signed (the first moment): torchao's ``AdamW4bit`` map (:func:`signed_map`: bitsandbytes' dynamic map with 3
