@@ -41,6 +41,7 @@ makes, e.g. renamed ones).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -72,6 +73,7 @@ class Run:
     math: str = "adamw"  # the family's math (registry): picks the reference and its lr scales
     lr_scale: float = 1.0  # its lr is the config's lr times this
     reference: str = BASELINE  # label of the fp32 run it is compared with
+    peer: str | None = None  # another library's optimizer (:data:`PEERS`), run as it ships (name None)
 
     @property
     def opts(self) -> dict:
@@ -117,6 +119,18 @@ REFERENCES = {
     # Muon (match_rms_adamw: AdamW's lr and decay carry over) on the blocks' matrices, AdamW on the rest
     "muon": Reference("hf_eff_muon", "torch", None, name="muon"),
 }
+
+
+def _torchao_adamw4bit(groups, lr, betas, weight_decay):
+    from torchao.optim import AdamW4bit  # torchao's defaults: blocks of 128, tensors under 4096 elements in fp32
+
+    return AdamW4bit(groups, lr=lr, betas=betas or (0.9, 0.999), weight_decay=weight_decay)
+
+
+# Other libraries' quantized-state optimizers that a name's target is measured against ("no worse than"), run as
+# they ship on the same decay groups, lr and schedule where their package is installed: label -> (math, package,
+# build). torchao's AdamW8bit is hf_eff_adam8bit's torchao backend already (--backends all).
+PEERS = {"torchao AdamW4bit": ("adamw", "torchao", _torchao_adamw4bit)}
 
 
 # bf16 model + quantized state with quantized embeddings + stochastic rounding (no Kahan buffer) + gradient release
@@ -199,6 +213,11 @@ def planned_runs(device: str = "cpu", all_backends: bool = False,
         for label, options in LOWEST_MEMORY:
             if label.startswith(spec.trainer_name + " ") and all(o in spec.options for o, _ in options):
                 runs.append(Run(label, spec.name, True, options))
+    for label, (math, package, _) in PEERS.items():
+        if importlib.util.find_spec(package) is None:
+            notes.append(f"{label} is not run: {package} is not installed")
+        else:
+            runs.append(Run(label, None, math=math, peer=label))
     return runs, notes
 
 
@@ -279,7 +298,11 @@ def train_one(run: Run, cfg: dict) -> dict:
     ref, lr = REFERENCES.get(run.math), cfg["lr"] * run.lr_scale
     betas = {"betas": tuple(ref.betas)} if ref and ref.betas else {}
     tracker = Tracker(model, None)  # its hooks first: they run before gradient release's, the gradient in flight counts
-    if run.name is None:  # the fp32 reference of its math, on the same decay groups
+    if run.peer is not None:  # another library's optimizer, on the same decay groups
+        math, backend, build = PEERS[run.peer]
+        optimizer = build(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr,
+                          ref.betas if ref else None, cfg["weight_decay"])
+    elif run.name is None:  # the fp32 reference of its math, on the same decay groups
         optimizer = ref.build(hfe.build_param_groups(model, weight_decay=cfg["weight_decay"]), lr, ref.betas,
                               cfg["weight_decay"])
         backend = ref.backend

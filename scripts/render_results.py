@@ -606,7 +606,8 @@ def _lr_summary(doc: dict, base: dict | None) -> list[str]:
     """Lines on each reference tried at several learning rates: its final loss at each, the best one."""
     lines, lr = [], doc["config"]["lr"]
     for math, ref in doc["references"].items():
-        tried = sorted((r for r in doc["results"] if r["run"]["name"] is None and r["run"].get("math") == math),
+        tried = sorted((r for r in doc["results"] if r["run"]["name"] is None and r["run"].get("math") == math
+                        and r["run"].get("peer") is None),
                        key=lambda r: -r["run"].get("lr_scale", 1.0))
         if len(tried) < 2:
             continue
