@@ -2,6 +2,8 @@
 
     python scripts/muon_pretrain_check.py --steps 300 --threads 2            # adamw, muon, muon8bit
     python scripts/muon_pretrain_check.py --only muon --lr 3e-3 --out /tmp/m   # /tmp/m/muon_pretrain.json and .md
+    python scripts/muon_pretrain_check.py --seed 1 --out /tmp/s1 && \
+        python scripts/muon_pretrain_check.py --merge /tmp/s1/muon_pretrain.json  # a seed check on the page
 
 Each run is one name through ``hf_efficient.create_optimizer`` (``adamw``: fp32 AdamW, torch's fused kernel on the
 decay groups; ``muon`` / ``muon8bit``: Muon on the blocks' matrices, AdamW on the rest, the package's split), with
@@ -127,7 +129,12 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=RESULTS, help="where muon_pretrain.json and .md go")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="only add this muon_pretrain.json (a session of another --seed, the same settings otherwise) "
+                        "to --out's page as a seed check")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.out / "muon_pretrain.json", args.merge)
     if args.threads:
         torch.set_num_threads(args.threads)
     train, evals = byte_splits(args.seed)
@@ -141,6 +148,22 @@ def main(argv=None) -> dict:
            "eval_bytes": len(evals), "runs": runs}
     print(json.dumps({"final_eval_loss": {r["optimizer"]: r["final_eval_loss"] for r in runs}}))
     render_results.write(args.out, "muon_pretrain", doc)
+    return doc
+
+
+def merge(page: Path, new: Path) -> dict:
+    """``page``'s doc with ``new``'s session (another seed) under ``"other_seeds"``, rendered; refused unless only the
+    seed (and the thread count) differ."""
+    doc, other = json.loads(page.read_text()), json.loads(new.read_text())
+    free = ("seed", "threads", "only")
+    differ = sorted(k for k in doc["settings"] if k not in free and doc["settings"][k] != other["settings"].get(k))
+    if differ or other["settings"]["seed"] == doc["settings"]["seed"]:
+        raise SystemExit(f"{new}: not a seed check of {page} (settings that differ: {differ or 'none'}; seed "
+                         f"{other['settings']['seed']})")
+    doc["other_seeds"] = [s for s in doc.get("other_seeds", []) if s["settings"]["seed"] != other["settings"]["seed"]]
+    doc["other_seeds"].append({k: other[k] for k in ("command", "machine", "loadavg_after", "wall_s", "settings",
+                                                     "runs")})
+    render_results.write(page.parent, "muon_pretrain", doc)
     return doc
 
 

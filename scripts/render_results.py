@@ -746,16 +746,12 @@ def fsdp2_memory_md(doc: dict) -> str:
 
 def muon_pretrain_md(doc: dict) -> str:
     s, runs = doc["settings"], doc["runs"]
-    base = next((r for r in runs if r["optimizer"] == "adamw"), None)
-    muon = next((r for r in runs if r["optimizer"] == "muon"), None)  # muon8bit's fp32-state twin
-
-    def vs(r, ref):
-        return "—" if ref is None or r is ref else _pct(r["final_eval_loss"] / ref["final_eval_loss"] - 1)
-
-    rows = [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4), vs(r, base),
-             vs(r, muon) if r["optimizer"] == "muon8bit" else "—",
-             fmt(r["state_bytes"] / 2**20, 2), fmt(r["state_bytes"] / r["num_params"], 2),
-             fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
+    headers = ["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
+               "s (train + evals)"]
+    seeds = [f"## Seed check: seed {o['settings']['seed']}\n\nCommand: `{o['command']}` ({o['wall_s'] / 60:.1f} "
+             f"min, {o['machine']['date']}, load {', '.join(map(str, o['machine']['loadavg_1_5_15']))}): the same "
+             "settings, another seed (initialisation, paragraph shuffle, training windows)\n\n"
+             + md_table(headers, _pretrain_rows(o["runs"])) for o in doc.get("other_seeds", [])]
     steps = [c["step"] for c in runs[0]["curve"]]
     curves = [[step, *(fmt(next(c["eval_loss"] for c in r["curve"] if c["step"] == step), 4) for r in runs)]
               for step in steps]
@@ -773,10 +769,22 @@ def muon_pretrain_md(doc: dict) -> str:
         "1; every run the same init and data order; Muon's update scaled to AdamW's RMS (`match_rms_adamw`), one lr "
         "for both halves",
         "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
-        md_table(["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
-                  "s (train + evals)"], rows), "",
+        md_table(headers, _pretrain_rows(runs)), "",
         "## Eval loss over the steps", "",
-        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves)]) + "\n"
+        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves), *("\n" + t for t in seeds)]) + "\n"
+
+
+def _pretrain_rows(runs: list[dict]) -> list[list]:
+    """Each run's final eval loss, against hf_eff_adamw's and (hf_eff_muon8bit) its fp32-state twin hf_eff_muon's."""
+    base = next((r for r in runs if r["optimizer"] == "adamw"), None)
+    muon = next((r for r in runs if r["optimizer"] == "muon"), None)
+
+    def vs(r, ref):
+        return "—" if ref is None or r is ref else _pct(r["final_eval_loss"] / ref["final_eval_loss"] - 1)
+
+    return [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4), vs(r, base),
+             vs(r, muon) if r["optimizer"] == "muon8bit" else "—", fmt(r["state_bytes"] / 2**20, 2),
+             fmt(r["state_bytes"] / r["num_params"], 2), fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
 
 
 PAGES = {  # page -> (markdown, plot or None)
