@@ -104,7 +104,7 @@ def fsdp2_tested() -> set[tuple[str, str]]:
     sys.path.insert(0, str(ROOT / "tests"))
     import cases
 
-    return {(name, "torch") for name in cases.plain(cases.names(cases.shardable))}
+    return {(name, "torch") for name in cases.plain(cases.names(cases.shardable, cases.packaged))}
 
 
 def distributed_table() -> str:

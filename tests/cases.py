@@ -11,7 +11,9 @@ with the reason the registry gives (the pip extra to install).
 
 Both include docs/contributing.md's example family (tests/example_family.py), marked ``example_family``: the fixture
 of tests/conftest.py registers it for the test that takes it and unregisters it after. Tests whose work leaves this
-process (FSDP2 ranks, a Trainer's transformers-side name list, launched scripts) take :func:`packaged` names only.
+process take it too where they register it there (the FSDP2 ranks of tests/fsdp_helpers.py; a Trainer's
+transformers-side name list takes a name registered late); scripts launched by ``accelerate launch`` take
+:func:`packaged` names only.
 """
 
 from __future__ import annotations
@@ -142,8 +144,9 @@ def packaged(spec) -> bool:
 
 
 def shardable(spec) -> bool:
-    """Steps FSDP2's DTensor shards with its torch backend (the distributed tests run these on several ranks)."""
-    return spec.backends["torch"].fsdp2 is None and packaged(spec)
+    """Steps FSDP2's DTensor shards with its torch backend (the distributed tests run these on several ranks; the
+    example family too: tests/fsdp_helpers.py registers it in every rank)."""
+    return spec.backends["torch"].fsdp2 is None
 
 
 def deepspeed(spec) -> bool:

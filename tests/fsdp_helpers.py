@@ -34,6 +34,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
 
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    _register_example_family()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         result = ("ok", fn(*args))
@@ -46,6 +47,16 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
     dist.barrier()
     faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
+
+
+def _register_example_family() -> None:
+    """docs/contributing.md's example family (tests/example_family.py) in this rank's registry: the FSDP2 tests run
+    it beside the package's names (tests/cases.py's ``shardable``); a rank is a test process, not a user's."""
+    from example_family import SPEC
+
+    from hf_efficient import registry
+
+    registry.SPECS.setdefault(SPEC.name, SPEC)
 
 
 def run_ranks(fn, world: int, *args) -> list:

@@ -319,9 +319,10 @@ def test_fp32_state_tensors_follow_the_groups_compile_option(name, monkeypatch):
 @pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler: no C kernel")
 @pytest.mark.parametrize("name", C_KERNEL)
 def test_c_kernel_same_bits_in_every_build(name, rebuild_native):
-    """The C kernel as built here (on an AVX-512 VBMI CPU whole blocks run in one fused vector pass) and in plain C
-    (every block through buffers) do the same operations: fp32 and bf16 weights, Kahan buffers and 8-bit state
-    equal bit for bit under each compensation, over whole and partial blocks split over threads."""
+    """The C kernel as built here (on an AVX-512 CPU quant8.h encodes and decodes a block with vector instructions,
+    its byte-table lookups with VBMI) and in plain C (scalar codec) do the same operations: fp32 and bf16 weights,
+    Kahan buffers and 8-bit state equal bit for bit under each compensation, over whole and partial blocks split
+    over threads."""
     from hf_efficient.optim import _dispatch
 
     runs = []

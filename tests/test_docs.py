@@ -152,13 +152,17 @@ def _parametrized(fn, arg: str) -> set:
 
 def test_fsdp2_yes_is_where_the_fsdp2_tests_run():
     """docs/distributed.md says FSDP2 "yes" for exactly the names the FSDP2 tests parametrize over (both loops, the
-    checkpoint tests): a name the registry allows but no test runs is not claimed."""
+    checkpoint tests): a name the registry allows but no test runs is not claimed. The example family runs there too
+    but is no name of the package's: not in the table."""
     import test_fsdp2
     import test_fsdp2_integrations as integrations
+    from cases import EXAMPLE
 
     ran = _parametrized(integrations.test_accelerate_fsdp2_trains_like_one_process, "name")
     assert ran == _parametrized(integrations.test_trainer_fsdp2_trains_and_logs_per_rank_state, "name")
     assert ran == _parametrized(test_fsdp2.test_dcp_save_on_two_ranks_resumes_exactly_on_two, "name")
+    assert EXAMPLE.name in ran
+    ran.discard(EXAMPLE.name)
     assert {(n, "torch") for n in ran} == render.fsdp2_tested()
     table = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
     yes = {m.group(1) for m in re.finditer(r"^\| `hf_eff_(\w+)` \(\w+\) \| [^|]* \| yes", table, re.M)}

@@ -25,6 +25,7 @@ from fsdp_helpers import full, run_ranks, shard
 from helpers import matrices_options
 from hf_efficient.registry import get_spec
 
+pytestmark = pytest.mark.example_family  # SHARDED holds the example family: registered here for each test
 STEPS, SAVE_AT = 4, 2
 # Names whose FSDP2 runs the checkpoint tests cover: every name that steps shards (hf_eff_adamw_bf16 on a bf16 model)
 SHARDED = plain(names(shardable))

@@ -24,6 +24,7 @@ from hf_efficient.registry import SPECS, get_spec, resolve
 STEPS = 3
 # The names whose backend on CPU steps FSDP2 shards, read from the registry (never a hand-written list); what
 # docs/distributed.md calls "yes" under FSDP2 (tests/test_docs.py checks)
+pytestmark = pytest.mark.example_family  # SHARDABLE holds the example family: registered here for each test
 SHARDABLE = plain(names(shardable))
 RUN = [n for n in ("adafactor", "adamw") if n in SHARDABLE]  # the names whose memory is measured on 2 ranks (time)
 RUN_8BIT = [n for n in ("adam8bit", "lion8bit") if n in SHARDABLE]  # measured on _Blocks: 8-bit state under FSDP2

@@ -260,3 +260,17 @@ def test_convergence_failed_run_keeps_the_others(tmp_path, monkeypatch):
     assert results == [{"label": "a"}]
     assert failed == ["run 'b/x' failed: RuntimeError: boom"]
     assert json.loads((tmp_path / "runs" / "a.json").read_text()) == {"label": "a"}
+
+
+def test_ab_c_kernel_compares_a_revision_with_the_working_tree():
+    """scripts/ab_c_kernel.py builds the AdamW 8-bit C kernel of a git revision and of the working tree, and times
+    them alternately: here HEAD against itself, tiny (the pre-drivers signature, chosen by its source, is not run
+    here: CI's clone may be shallow)."""
+    from hf_efficient.optim import _native
+
+    if _native.c_compiler() is None or shutil.which("git") is None or subprocess.run(
+            ["git", "-C", str(SCRIPTS.parent), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs a C compiler and a git checkout")
+    ab = _load("ab_c_kernel")
+    out = ab.main(["--old", "HEAD", "--tensors", "2", "--numel", "4096", "--reps", "3"])
+    assert out["pairs"] == 3 and out["median"] > 0 and out["iqr"][0] <= out["median"] <= out["iqr"][1]

@@ -339,6 +339,34 @@ def test_flag_set_changes_nothing(on_cpu, cls, kw, mode):
 
 @needs_interpreter
 @pytest.mark.parametrize("cls,kw", FAMILIES, ids=["adamw", "adamw_bf16"])
+def test_each_group_keeps_its_pointer_tables(on_cpu, monkeypatch, cls, kw):
+    """More param groups than the process-wide cache of recent tables holds: each group's tables live in the
+    optimizer, so a step after the first builds none (a model of many groups would otherwise rebuild, and copy to
+    the device, every table every step)."""
+    groups = 70  # > _triton._MAX_RECENT (64)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37).to(torch.bfloat16)) for _ in range(groups)]
+    opt = cls([{"params": [p]} for p in params], lr=1e-3, compensation="stochastic")
+    built = []
+    real = torch.tensor
+
+    def counting(data, *a, **k):  # the tables' host-to-device copies go through torch.tensor
+        built.append(1)
+        return real(data, *a, **k)
+
+    for p in params:
+        p.grad = torch.randn(37).to(torch.bfloat16)
+    for step in range(2):  # the same gradient tensors each step (as the caching allocator mostly gives them)
+        if step == 1:
+            monkeypatch.setattr(torch, "tensor", counting)
+        opt.step()
+    monkeypatch.undo()
+    assert len(opt._tables) == groups and all(opt._tables.values())
+    assert built == []
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cls,kw", FAMILIES, ids=["adamw", "adamw_bf16"])
 def test_no_host_sync_in_step(on_cpu, monkeypatch, cls, kw):
     """Nothing is read on the host once the kernel is probed: Tensor.item / __bool__ raise during step()."""
     params = _params(torch.bfloat16)

@@ -164,7 +164,10 @@ def patch_training_args(module) -> None:
 
     def _missing_(cls, value):
         if is_hf_eff_name(value):
-            get_spec(value)  # raises the ValueError that lists our names
+            # a name registered after transformers was patched (a family of the user's own, added to SPECS at run
+            # time) becomes a member now; an unknown one raises the ValueError that lists our names
+            _add_enum_member(cls, get_spec(value).trainer_name)
+            return cls._value2member_map_[value]
         if isinstance(value, str) and value in SPECS:  # our short name, which transformers does not know
             raise ValueError(f"optim={value!r} is not a transformers optimizer name; hf_efficient's is "
                              f"{PREFIX + value!r} (TrainingArguments takes the full name)")

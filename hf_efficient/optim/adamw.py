@@ -52,7 +52,7 @@ ADAMW = Family("adamw", {"step": STEP, "exp_avg": FIRST_MOMENT, "exp_avg_sq": SE
 def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
                      weight_decay, amsgrad: bool = False, maximize: bool = False, compensation: str = "none",
                      comps=None, keys=None, c_kernel: bool = True, positions=None, found_inf=None,
-                     offsets=None) -> None:
+                     offsets=None, tables=None) -> None:
     """torch's own AdamW (fused on CPU and CUDA) on fp32 moments; weights of other dtypes are stepped as fp32 copies
     and written back by :func:`.compensation.step_in_fp32` (``comps``: each tensor's Kahan buffer or None; ``keys``:
     each tensor's noise key, or ``positions``: each tensor's index across groups, its key then being
@@ -62,7 +62,8 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
     host; ``found_inf`` (a float32 scalar, torch's name) set voids the step, step counts included. Increments
     ``steps``. ``offsets``: each tensor's first global element number where the tensors are FSDP2 shards (the
     stochastic noise's index, :func:`.compensation.write_all`); those go through torch's path (pass ``c_kernel``
-    False)."""
+    False). ``tables``: a dict the caller keeps between steps for the Triton launches' pointer tables (one per
+    param group; None: a process-wide cache of the recent ones, which a model of many groups outgrows)."""
     n = len(params)
     comps = [None] * n if comps is None else comps
     if c_kernel and not (amsgrad or maximize or torch.is_tensor(lr)):
@@ -74,7 +75,7 @@ def adamw_fp32_state(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
                 pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(comps), pick(steps),
                 pick(positions) if keys is None and positions is not None else pick(keys or [0] * n), flag,
                 keyed=keys is not None or positions is None, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                weight_decay=weight_decay, compensation=compensation)
+                weight_decay=weight_decay, compensation=compensation, tables=tables)
         if mine:
             pick = lambda xs: None if xs is None else [xs[i] for i in rest]  # noqa: E731
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, comps, keys, positions = map(
@@ -271,6 +272,7 @@ class AdamW(torch.optim.AdamW):
         self.defaults["compensation"] = compensation
         for group in self.param_groups:
             group.setdefault("compensation", compensation)
+        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (_triton.launch)
 
     def add_param_group(self, param_group: dict) -> None:
         check_compensation(param_group.get("compensation", self.defaults.get("compensation", ADAMW.compensation)))
@@ -350,7 +352,8 @@ class AdamW(torch.optim.AdamW):
                          weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
                          maximize=group["maximize"], compensation=group["compensation"],
                          comps=[st.get("kahan_comp") for st in states], positions=[i for _, _, i in items],
-                         found_inf=getattr(self, "found_inf", None))
+                         found_inf=getattr(self, "found_inf", None),
+                         tables=self.__dict__.setdefault("_tables", {}).setdefault(id(group), {}))
 
     def _step_shards(self, group: dict, items: list) -> None:
         """FSDP2 shards (``items``: parameter, state, position; Shard(0) on a 1-D mesh, :func:`._sharded.check`):

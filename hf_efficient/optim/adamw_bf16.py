@@ -438,7 +438,7 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
                kahan_comps: list[Tensor | None], state_steps: list[Tensor], *, lr: float, beta1: float,
                beta2: float, eps: float, weight_decay: float, compensation: str = "kahan",
                noise_ids: list[int] | None = None, foreach: bool | None = None, compile: bool | None = None,
-               found_inf: Tensor | None = None) -> None:
+               found_inf: Tensor | None = None, tables: dict | None = None) -> None:
     """Functional AdamWBF16 step (see :class:`AdamWBF16`); increments ``state_steps``.
 
     ``kahan_comps`` holds each bf16/fp16 tensor's buffer under ``"kahan"`` (None elsewhere);
@@ -447,6 +447,8 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     On CUDA (automatic path), bf16/fp16 tensors whose step count lives on their device go to the Triton kernel
     (:mod:`.adamw_triton`), which reads nothing on the host. ``found_inf`` (a float32 scalar, torch's name) set
     voids the step, step counts included: the Triton kernel reads it on the device, the other paths on the host.
+    ``tables``: the caller's dict for the Triton launches' pointer tables, kept between steps (see
+    :func:`.adamw.adamw_fp32_state`).
     """
     _check_compensation(compensation)
     noise_ids = list(range(len(params))) if noise_ids is None else noise_ids
@@ -464,7 +466,7 @@ def adamw_bf16(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
         flag = found_inf if found_inf is not None and found_inf.device == device else _triton.zero_flag(device)
         _triton_kernel(device)(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(kahan_comps),
                                pick(state_steps), pick(noise_ids), flag, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                               weight_decay=weight_decay, compensation=compensation)
+                               weight_decay=weight_decay, compensation=compensation, tables=tables)
     if high:  # torch's own AdamW, mapped path for path: compiled -> fused on CPU, foreach, single tensor
         on_cpu = params[high[0]].device.type == "cpu"
         fused = foreach is None and compile is not False and on_cpu and all(
@@ -608,6 +610,7 @@ class AdamWBF16(Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, compensation=compensation,
                         foreach=foreach, compile=compile)
         super().__init__(params, defaults)
+        self._tables = {}  # id(param group) -> its Triton launches' pointer tables (_triton.launch)
         self._report_dtypes()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -697,7 +700,8 @@ class AdamWBF16(Optimizer):
             adamw_bf16(params, grads, exp_avgs, exp_avg_sqs, comps, steps, lr=group["lr"], beta1=beta1, beta2=beta2,
                        eps=group["eps"], weight_decay=group["weight_decay"], compensation=group["compensation"],
                        noise_ids=noise_ids, foreach=group["foreach"], compile=group["compile"],
-                       found_inf=getattr(self, "found_inf", None))
+                       found_inf=getattr(self, "found_inf", None),
+                       tables=self.__dict__.setdefault("_tables", {}).setdefault(id(group), {}))
         return loss
 
     def _step_low_precision_shards(self, group: dict, params, grads, exp_avgs, exp_avg_sqs, comps, steps,

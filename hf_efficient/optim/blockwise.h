@@ -44,13 +44,14 @@ typedef struct {
 /* Elements [0, valid) of a block from element `first` of its tensor (p, g, c at the block's first element), then its
  * padding up to BLOCK: s, the moments' values in and out; top, their running absmax_bits. */
 ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t *restrict c,
-                              float (*restrict s)[BLOCK], uint32_t *top, const float *k, int64_t first,
+                              float (*restrict s)[BLOCK], const float *scale, uint32_t *top, const float *k,
+                              int64_t first,
                               const int64_t valid, int64_t n, uint32_t key, const family_t *f, const int bf16,
                               const comp_mode_t mode) {
     for (int e = 0; e < (int)valid; e++) { /* int: the noise index a 32-bit vector, not truncated 64-bit ones */
         float x[MAX_STATES];
         for (int j = 0; j < f->states; j++)
-            x[j] = s[j][e];
+            x[j] = s[j][e] * scale[j]; /* quant8.unpack: decoded * absmax */
         const float p32 = load_f32(p, e, bf16), fresh = f->update(p32, load_f32(g, e, bf16), x, k, first + e, n);
         for (int j = 0; j < f->states; j++) {
             s[j][e] = x[j];
@@ -65,7 +66,7 @@ ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t
     for (int e = (int)valid; e < BLOCK; e++) { /* zero-padded: a zero weight and gradient, the new weight dropped */
         float x[MAX_STATES];
         for (int j = 0; j < f->states; j++)
-            x[j] = s[j][e];
+            x[j] = s[j][e] * scale[j];
         f->update(0.0f, 0.0f, x, k, first + e, n);
         for (int j = 0; j < f->states; j++) {
             s[j][e] = x[j];
@@ -77,16 +78,17 @@ ALWAYS_INLINE void block_pass(void *restrict p, const void *restrict g, uint16_t
 /* Block i of tensor t (`valid` of its elements in the tensor): decoded, stepped, encoded. */
 ALWAYS_INLINE void block_step(const blockwise_t *a, const family_t *f, int64_t t, int64_t i, const int64_t valid,
                               const float *k, const int bf16, const comp_mode_t mode) {
-    float s[MAX_STATES][BLOCK];
+    float s[MAX_STATES][BLOCK], scale[MAX_STATES];
     uint32_t top[MAX_STATES], *w[MAX_STATES];
     for (int j = 0; j < f->states; j++) {
         w[j] = a->codes[j * a->count + t] + i * WORDS;
-        decode_block(w[j], a->absmax[j * a->count + t][i], &a->tables[f->is_signed[j] ? 0 : 1], s[j]);
+        scale[j] = a->absmax[j * a->count + t][i];
+        decode_block(w[j], &a->tables[f->is_signed[j] ? 0 : 1], s[j]);
         top[j] = 0;
     }
     const int64_t first = i * BLOCK;
     block_pass((char *)a->p[t] + first * (bf16 ? 2 : 4), (const char *)a->g[t] + first * (bf16 ? 2 : 4),
-               bf16 && mode == KAHAN ? a->c[t] + first : NULL, s, top, k, first, valid, a->numel[t],
+               bf16 && mode == KAHAN ? a->c[t] + first : NULL, s, scale, top, k, first, valid, a->numel[t],
                (uint32_t)a->keys[t], f, bf16, mode);
     for (int j = 0; j < f->states; j++)
         a->absmax[j * a->count + t][i] = store_block(s[j], top[j], &a->tables[f->is_signed[j] ? 0 : 1], w[j]);

@@ -41,15 +41,14 @@ LION8BIT = Family("lion8bit", {"step": STEP, "exp_avg": codes(quant8, signed=Tru
 # coef = [beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, lr]
 
 
-def _kernel(p: Tensor, g: Tensor, wm: Tensor, m_absmax: Tensor, coef: Tensor):
-    """Lion on ``nb`` blocks (``p``, ``g`` ``(nb, 256)``, codes ``(nb, 64)`` words, see :mod:`.quant8`): updates
-    ``p`` in place, returns the new codes and absmaxes (returned: inductor keeps a block's momentum local)."""
-    g32 = g.float()
-    m = quant8.unpack(wm, m_absmax, True)
-    update = torch.sign(m * coef[0] + g32 * coef[1])
-    p.copy_(p.float() * coef[4] - update * coef[5])
+def update(p: Tensor, g: Tensor, moments: list[Tensor], coef) -> tuple[Tensor, list[Tensor]]:
+    """Lion's math on fp32 values, written once: the 8-bit kernel (Blockwise8bit.kernel decodes, calls this,
+    encodes) and the fp32-state path both take it. ``coef`` as above, a tensor or fp32-rounded floats (the same
+    bits either way: torch rounds a Python scalar to fp32 for an fp32 tensor)."""
+    m = moments[0]
+    step = torch.sign(m * coef[0] + g * coef[1])
     # m stays in range: a convex combination of m and g
-    return quant8.pack(m * coef[2] + g32 * coef[3], True)
+    return p * coef[4] - step * coef[5], [m * coef[2] + g * coef[3]]
 
 
 def _coefficients(group: dict, step: int) -> list[float]:
@@ -93,12 +92,13 @@ def lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, l
 def _torch_path(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay, compensation, comps, keys,
                 offsets=None) -> None:
     """:func:`lion` with torch's operations, on fp32 copies of low-precision weights."""
+    coef = _c_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+
     def step(idx, ps):
         for i, p32 in zip(idx, ps):
-            g32 = grads[i].float()
-            update = torch.sign(exp_avgs[i] * beta1 + g32 * (1.0 - beta1))
-            p32.copy_(p32 * (1.0 - lr * weight_decay) - update * lr)
-            exp_avgs[i].mul_(beta2).add_(g32 * (1.0 - beta2))
+            new_p, (m,) = update(p32, grads[i].float(), [exp_avgs[i]], coef)
+            p32.copy_(new_p)
+            exp_avgs[i].copy_(m)
 
     step_in_fp32(params, step, compensation, comps, keys, offsets)
 
@@ -145,7 +145,7 @@ class Lion8bit(Blockwise8bit):
     FACTS = LION8BIT
     C_KERNEL = TRITON_KERNEL = True
     TRITON_FP32 = True
-    kernel = staticmethod(_kernel)
+    update = staticmethod(update)
     coefficients = staticmethod(_coefficients)
 
     def __init__(self, params, *, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),

@@ -32,8 +32,12 @@ static void encode_range(const void *args, int64_t start, int64_t end) {
 
 static void decode_range(const void *args, int64_t start, int64_t end) {
     const codec_args_t *a = args;
-    for (int64_t b = start; b < end; b++)
-        decode_block(a->words + b * WORDS, a->absmax[b], a->t, a->values + b * BLOCK);
+    for (int64_t b = start; b < end; b++) {
+        float *out = a->values + b * BLOCK;
+        decode_block(a->words + b * WORDS, a->t, out);
+        for (int e = 0; e < BLOCK; e++) /* quant8.unpack's decoded * scale */
+            out[e] *= a->absmax[b];
+    }
 }
 
 /* quant8.pack: values -> words, absmax (values are read, not changed). */
