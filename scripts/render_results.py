@@ -602,10 +602,13 @@ def _other_seeds(doc: dict, by_label: dict) -> list[str]:
 
 
 def _lr_summary(doc: dict, base: dict | None) -> list[str]:
-    """Lines on each reference tried at several learning rates: its final loss at each, the best one."""
+    """Lines on each reference tried at several learning rates: its final loss at each, the best one (a reference
+    that is a name's run, Muon's: that name's runs on fp32 weights without options)."""
     lines, lr = [], doc["config"]["lr"]
     for math, ref in doc["references"].items():
-        tried = sorted((r for r in doc["results"] if r["run"]["name"] is None and r["run"].get("math") == math),
+        own = lambda run: run["name"] is None or (run["name"] == ref.get("name") and not run["options"]  # noqa: E731
+                                                  and not run["bf16"])
+        tried = sorted((r for r in doc["results"] if own(r["run"]) and r["run"].get("math") == math),
                        key=lambda r: -r["run"].get("lr_scale", 1.0))
         if len(tried) < 2:
             continue
