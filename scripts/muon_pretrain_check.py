@@ -3,7 +3,7 @@
     python scripts/muon_pretrain_check.py --steps 300 --threads 2            # adamw, muon, muon8bit
     python scripts/muon_pretrain_check.py --only muon --lr 3e-3 --out /tmp/m   # /tmp/m/muon_pretrain.json and .md
     python scripts/muon_pretrain_check.py --seed 1 --out /tmp/s1 && \
-        python scripts/muon_pretrain_check.py --merge /tmp/s1/muon_pretrain.json  # a seed check on the page
+        python scripts/muon_pretrain_check.py --merge /tmp/s1/muon_pretrain.json  # another seed (or lr) on the page
 
 Each run is one name through ``hf_efficient.create_optimizer`` (``adamw``: fp32 AdamW, torch's fused kernel on the
 decay groups; ``muon`` / ``muon8bit``: Muon on the blocks' matrices, AdamW on the rest, the package's split), with
@@ -130,8 +130,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=RESULTS, help="where muon_pretrain.json and .md go")
     p.add_argument("--merge", type=Path, default=None,
-                   help="only add this muon_pretrain.json (a session of another --seed, the same settings otherwise) "
-                        "to --out's page as a seed check")
+                   help="only add this muon_pretrain.json (a session of another --seed or --lr, the same settings "
+                        "otherwise, any of the names) to --out's page")
     args = p.parse_args(argv)
     if args.merge:
         return merge(args.out / "muon_pretrain.json", args.merge)
@@ -152,17 +152,18 @@ def main(argv=None) -> dict:
 
 
 def merge(page: Path, new: Path) -> dict:
-    """``page``'s doc with ``new``'s session (another seed) under ``"other_seeds"``, rendered; refused unless only the
-    seed (and the thread count) differ."""
+    """``page``'s doc with ``new``'s session (another seed or lr) under ``"other_sessions"`` (one per seed and lr, a
+    later one replacing an earlier), rendered; refused unless only those (and the threads and names run) differ."""
     doc, other = json.loads(page.read_text()), json.loads(new.read_text())
-    free = ("seed", "threads", "only")
+    free = ("seed", "lr", "threads", "only")
     differ = sorted(k for k in doc["settings"] if k not in free and doc["settings"][k] != other["settings"].get(k))
-    if differ or other["settings"]["seed"] == doc["settings"]["seed"]:
-        raise SystemExit(f"{new}: not a seed check of {page} (settings that differ: {differ or 'none'}; seed "
-                         f"{other['settings']['seed']})")
-    doc["other_seeds"] = [s for s in doc.get("other_seeds", []) if s["settings"]["seed"] != other["settings"]["seed"]]
-    doc["other_seeds"].append({k: other[k] for k in ("command", "machine", "loadavg_after", "wall_s", "settings",
-                                                     "runs")})
+    key = lambda d: (d["settings"]["seed"], d["settings"]["lr"])  # noqa: E731
+    if differ or key(other) == key(doc):
+        raise SystemExit(f"{new}: not another seed or lr of {page} (settings that differ: {differ or 'none'}; seed "
+                         f"{other['settings']['seed']}, lr {other['settings']['lr']})")
+    doc["other_sessions"] = [s for s in doc.get("other_sessions", []) if key(s) != key(other)]
+    doc["other_sessions"].append({k: other[k] for k in ("command", "machine", "loadavg_after", "wall_s", "settings",
+                                                        "runs")})
     render_results.write(page.parent, "muon_pretrain", doc)
     return doc
 

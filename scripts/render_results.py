@@ -751,10 +751,11 @@ def muon_pretrain_md(doc: dict) -> str:
     s, runs = doc["settings"], doc["runs"]
     headers = ["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
                "s (train + evals)"]
-    seeds = [f"## Seed check: seed {o['settings']['seed']}\n\nCommand: `{o['command']}` ({o['wall_s'] / 60:.1f} "
-             f"min, {o['machine']['date']}, load {', '.join(map(str, o['machine']['loadavg_1_5_15']))}): the same "
-             "settings, another seed (initialisation, paragraph shuffle, training windows)\n\n"
-             + md_table(headers, _pretrain_rows(o["runs"])) for o in doc.get("other_seeds", [])]
+    seeds = [f"## Seed {o['settings']['seed']}, lr {o['settings']['lr']}\n\nCommand: `{o['command']}` "
+             f"({o['wall_s'] / 60:.1f} min, {o['machine']['date']}, load "
+             f"{', '.join(map(str, o['machine']['loadavg_1_5_15']))}): the settings above but the seed (initialisation, "
+             "paragraph shuffle, training windows) or the lr\n\n"
+             + md_table(headers, _pretrain_rows(o["runs"])) for o in doc.get("other_sessions", [])]
     steps = [c["step"] for c in runs[0]["curve"]]
     curves = [[step, *(fmt(next(c["eval_loss"] for c in r["curve"] if c["step"] == step), 4) for r in runs)]
               for step in steps]

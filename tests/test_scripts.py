@@ -176,10 +176,10 @@ def test_muon_pretrain_check_quick(tmp_path):
              "--layers", "1", "--batch", "2", "--seq", "16", "--threads", "1"]
     check.main([*quick, "--seed", "1", "--out", str(tmp_path / "s1")])
     merged = check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "s1" / "muon_pretrain.json")])
-    assert [o["settings"]["seed"] for o in merged["other_seeds"]] == [1]
-    assert "## Seed check: seed 1" in (tmp_path / "muon_pretrain.md").read_text()
-    check.main([*quick, "--seed", "2", "--lr", "1e-2", "--out", str(tmp_path / "s2")])
-    with pytest.raises(SystemExit, match="settings that differ: \\['lr'\\]"):
+    assert [o["settings"]["seed"] for o in merged["other_sessions"]] == [1]
+    assert "## Seed 1, lr 0.003" in (tmp_path / "muon_pretrain.md").read_text()
+    check.main([*quick, "--seed", "2", "--warmup", "2", "--out", str(tmp_path / "s2")])
+    with pytest.raises(SystemExit, match="settings that differ: \\['warmup'\\]"):
         check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "s2" / "muon_pretrain.json")])
 
 
