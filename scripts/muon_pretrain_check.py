@@ -152,13 +152,13 @@ def main(argv=None) -> dict:
 
 
 def merge(page: Path, new: Path) -> dict:
-    """``page``'s doc with ``new``'s session (another seed or lr) under ``"other_sessions"`` (one per seed and lr, a
-    later one replacing an earlier), rendered; refused unless only those (and the threads and names run) differ."""
+    """``page``'s doc with ``new``'s session (another seed or lr) under ``"other_sessions"`` (one per seed, lr and
+    names run, a later one replacing an earlier), rendered; refused unless only those (and the threads) differ."""
     doc, other = json.loads(page.read_text()), json.loads(new.read_text())
     free = ("seed", "lr", "threads", "only")
     differ = sorted(k for k in doc["settings"] if k not in free and doc["settings"][k] != other["settings"].get(k))
-    key = lambda d: (d["settings"]["seed"], d["settings"]["lr"])  # noqa: E731
-    if differ or key(other) == key(doc):
+    key = lambda d: (d["settings"]["seed"], d["settings"]["lr"], [r["optimizer"] for r in d["runs"]])  # noqa: E731
+    if differ or key(other)[:2] == key(doc)[:2]:
         raise SystemExit(f"{new}: not another seed or lr of {page} (settings that differ: {differ or 'none'}; seed "
                          f"{other['settings']['seed']}, lr {other['settings']['lr']})")
     doc["other_sessions"] = [s for s in doc.get("other_sessions", []) if key(s) != key(other)]

@@ -775,7 +775,22 @@ def muon_pretrain_md(doc: dict) -> str:
         "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
         md_table(headers, _pretrain_rows(runs)), "",
         "## Eval loss over the steps", "",
-        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves), *("\n" + t for t in seeds)]) + "\n"
+        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves), *_pretrain_lrs(doc),
+        *("\n" + t for t in seeds)]) + "\n"
+
+
+def _pretrain_lrs(doc: dict) -> list[str]:
+    """Each name's final eval loss at each lr run with the page's seed (where more than one lr was)."""
+    seed = doc["settings"]["seed"]
+    sessions = [doc, *(o for o in doc.get("other_sessions", []) if o["settings"]["seed"] == seed)]
+    lrs = sorted({o["settings"]["lr"] for o in sessions})
+    if len(lrs) < 2:
+        return []
+    loss = {(r["optimizer"], o["settings"]["lr"]): r["final_eval_loss"] for o in sessions for r in o["runs"]}
+    names = list(dict.fromkeys(r["optimizer"] for o in sessions for r in o["runs"]))
+    return [f"\n## Learning rates tried (seed {seed})\n", "Final eval loss; one lr for both halves of a Muon name.\n",
+            md_table(["run", *(f"lr {lr:g}" for lr in lrs)],
+                     [[f"hf_eff_{n}", *(fmt(loss.get((n, lr)), 4) for lr in lrs)] for n in names])]
 
 
 def _pretrain_rows(runs: list[dict]) -> list[list]:
