@@ -442,7 +442,7 @@ def write_results(out: Path, doc: dict) -> None:
     """Save ``doc`` (command, machine, loadavg_after, config, notes, wall_s, results and the ``merged`` sessions) as
     ``out``/convergence.json with what its page needs to read it (the baseline's label, each math's reference), then
     render the page."""
-    references = {math: {"label": ref.label, "betas": ref.betas} for math, ref in REFERENCES.items()}
+    references = {math: {"label": ref.label, "betas": ref.betas, "name": ref.name} for math, ref in REFERENCES.items()}
     render_results.write(out, "convergence", {**doc, "baseline": BASELINE, "references": references})
 
 

@@ -2,6 +2,8 @@
 
     python scripts/muon_pretrain_check.py --steps 300 --threads 2            # adamw, muon, muon8bit
     python scripts/muon_pretrain_check.py --only muon --lr 3e-3 --out /tmp/m   # /tmp/m/muon_pretrain.json and .md
+    python scripts/muon_pretrain_check.py --seed 1 --out /tmp/s1 && \
+        python scripts/muon_pretrain_check.py --merge /tmp/s1/muon_pretrain.json  # another seed (or lr) on the page
 
 Each run is one name through ``hf_efficient.create_optimizer`` (``adamw``: fp32 AdamW, torch's fused kernel on the
 decay groups; ``muon`` / ``muon8bit``: Muon on the blocks' matrices, AdamW on the rest, the package's split), with
@@ -127,7 +129,12 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=RESULTS, help="where muon_pretrain.json and .md go")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="only add this muon_pretrain.json (a session of another --seed or --lr, the same settings "
+                        "otherwise, any of the names) to --out's page")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.out / "muon_pretrain.json", args.merge)
     if args.threads:
         torch.set_num_threads(args.threads)
     train, evals = byte_splits(args.seed)
@@ -141,6 +148,23 @@ def main(argv=None) -> dict:
            "eval_bytes": len(evals), "runs": runs}
     print(json.dumps({"final_eval_loss": {r["optimizer"]: r["final_eval_loss"] for r in runs}}))
     render_results.write(args.out, "muon_pretrain", doc)
+    return doc
+
+
+def merge(page: Path, new: Path) -> dict:
+    """``page``'s doc with ``new``'s session (another seed or lr) under ``"other_sessions"`` (one per seed, lr and
+    names run, a later one replacing an earlier), rendered; refused unless only those (and the threads) differ."""
+    doc, other = json.loads(page.read_text()), json.loads(new.read_text())
+    free = ("seed", "lr", "threads", "only")
+    differ = sorted(k for k in doc["settings"] if k not in free and doc["settings"][k] != other["settings"].get(k))
+    key = lambda d: (d["settings"]["seed"], d["settings"]["lr"], [r["optimizer"] for r in d["runs"]])  # noqa: E731
+    if differ or key(other)[:2] == key(doc)[:2]:
+        raise SystemExit(f"{new}: not another seed or lr of {page} (settings that differ: {differ or 'none'}; seed "
+                         f"{other['settings']['seed']}, lr {other['settings']['lr']})")
+    doc["other_sessions"] = [s for s in doc.get("other_sessions", []) if key(s) != key(other)]
+    doc["other_sessions"].append({k: other[k] for k in ("command", "machine", "loadavg_after", "wall_s", "settings",
+                                                        "runs")})
+    render_results.write(page.parent, "muon_pretrain", doc)
     return doc
 
 

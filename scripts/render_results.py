@@ -603,11 +603,13 @@ def _other_seeds(doc: dict, by_label: dict) -> list[str]:
 
 
 def _lr_summary(doc: dict, base: dict | None) -> list[str]:
-    """Lines on each reference tried at several learning rates: its final loss at each, the best one."""
+    """Lines on each reference tried at several learning rates: its final loss at each, the best one (a reference
+    that is a name's run, Muon's: that name's runs on fp32 weights without options)."""
     lines, lr = [], doc["config"]["lr"]
     for math, ref in doc["references"].items():
-        tried = sorted((r for r in doc["results"] if r["run"]["name"] is None and r["run"].get("math") == math
-                        and r["run"].get("peer") is None),
+        own = lambda run: (run["name"] is None and run.get("peer") is None) or (  # noqa: E731
+            run["name"] == ref.get("name") and not run["options"] and not run["bf16"])
+        tried = sorted((r for r in doc["results"] if own(r["run"]) and r["run"].get("math") == math),
                        key=lambda r: -r["run"].get("lr_scale", 1.0))
         if len(tried) < 2:
             continue
@@ -748,16 +750,13 @@ def fsdp2_memory_md(doc: dict) -> str:
 
 def muon_pretrain_md(doc: dict) -> str:
     s, runs = doc["settings"], doc["runs"]
-    base = next((r for r in runs if r["optimizer"] == "adamw"), None)
-    muon = next((r for r in runs if r["optimizer"] == "muon"), None)  # muon8bit's fp32-state twin
-
-    def vs(r, ref):
-        return "—" if ref is None or r is ref else _pct(r["final_eval_loss"] / ref["final_eval_loss"] - 1)
-
-    rows = [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4), vs(r, base),
-             vs(r, muon) if r["optimizer"] == "muon8bit" else "—",
-             fmt(r["state_bytes"] / 2**20, 2), fmt(r["state_bytes"] / r["num_params"], 2),
-             fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
+    headers = ["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
+               "s (train + evals)"]
+    seeds = [f"## Seed {o['settings']['seed']}, lr {o['settings']['lr']}\n\nCommand: `{o['command']}` "
+             f"({o['wall_s'] / 60:.1f} min, {o['machine']['date']}, load "
+             f"{', '.join(map(str, o['machine']['loadavg_1_5_15']))}): the settings above but the seed (initialisation, "
+             "paragraph shuffle, training windows) or the lr\n\n"
+             + md_table(headers, _pretrain_rows(o["runs"])) for o in doc.get("other_sessions", [])]
     steps = [c["step"] for c in runs[0]["curve"]]
     curves = [[step, *(fmt(next(c["eval_loss"] for c in r["curve"] if c["step"] == step), 4) for r in runs)]
               for step in steps]
@@ -775,10 +774,37 @@ def muon_pretrain_md(doc: dict) -> str:
         "1; every run the same init and data order; Muon's update scaled to AdamW's RMS (`match_rms_adamw`), one lr "
         "for both halves",
         "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
-        md_table(["run", "final eval loss", "vs hf_eff_adamw", "vs hf_eff_muon", "optimizer state MiB", "state B/param",
-                  "s (train + evals)"], rows), "",
+        md_table(headers, _pretrain_rows(runs)), "",
         "## Eval loss over the steps", "",
-        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves)]) + "\n"
+        md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves), *_pretrain_lrs(doc),
+        *("\n" + t for t in seeds)]) + "\n"
+
+
+def _pretrain_lrs(doc: dict) -> list[str]:
+    """Each name's final eval loss at each lr run with the page's seed (where more than one lr was)."""
+    seed = doc["settings"]["seed"]
+    sessions = [doc, *(o for o in doc.get("other_sessions", []) if o["settings"]["seed"] == seed)]
+    lrs = sorted({o["settings"]["lr"] for o in sessions})
+    if len(lrs) < 2:
+        return []
+    loss = {(r["optimizer"], o["settings"]["lr"]): r["final_eval_loss"] for o in sessions for r in o["runs"]}
+    names = list(dict.fromkeys(r["optimizer"] for o in sessions for r in o["runs"]))
+    return [f"\n## Learning rates tried (seed {seed})\n", "Final eval loss; one lr for both halves of a Muon name.\n",
+            md_table(["run", *(f"lr {lr:g}" for lr in lrs)],
+                     [[f"hf_eff_{n}", *(fmt(loss.get((n, lr)), 4) for lr in lrs)] for n in names])]
+
+
+def _pretrain_rows(runs: list[dict]) -> list[list]:
+    """Each run's final eval loss, against hf_eff_adamw's and (hf_eff_muon8bit) its fp32-state twin hf_eff_muon's."""
+    base = next((r for r in runs if r["optimizer"] == "adamw"), None)
+    muon = next((r for r in runs if r["optimizer"] == "muon"), None)
+
+    def vs(r, ref):
+        return "—" if ref is None or r is ref else _pct(r["final_eval_loss"] / ref["final_eval_loss"] - 1)
+
+    return [[f"hf_eff_{r['optimizer']}", fmt(r["final_eval_loss"], 4), vs(r, base),
+             vs(r, muon) if r["optimizer"] == "muon8bit" else "—", fmt(r["state_bytes"] / 2**20, 2),
+             fmt(r["state_bytes"] / r["num_params"], 2), fmt(r["curve"][-1]["seconds"], 0)] for r in runs]
 
 
 PAGES = {  # page -> (markdown, plot or None)

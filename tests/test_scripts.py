@@ -171,6 +171,21 @@ def test_muon_pretrain_check_quick(tmp_path):
     md = (tmp_path / "muon_pretrain.md").read_text()
     assert json.loads((tmp_path / "muon_pretrain.json").read_text()) == json.loads(json.dumps(doc))
     assert "| hf_eff_muon8bit |" in md and not VERDICT.search(md)
+    # another seed merges into the page as a seed check; other settings are refused
+    quick = ["--steps", "2", "--eval-every", "1", "--warmup", "1", "--eval-windows", "2", "--hidden", "32",
+             "--layers", "1", "--batch", "2", "--seq", "16", "--threads", "1"]
+    check.main([*quick, "--seed", "1", "--out", str(tmp_path / "s1")])
+    merged = check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "s1" / "muon_pretrain.json")])
+    assert [o["settings"]["seed"] for o in merged["other_sessions"]] == [1]
+    assert "## Seed 1, lr 0.003" in (tmp_path / "muon_pretrain.md").read_text()
+    check.main([*quick, "--only", "adamw", "--lr", "1e-2", "--out", str(tmp_path / "lr")])  # one name at another lr
+    merged = check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "lr" / "muon_pretrain.json")])
+    assert [(o["settings"]["lr"], len(o["runs"])) for o in merged["other_sessions"]] == [(3e-3, 3), (1e-2, 1)]
+    lrs = (tmp_path / "muon_pretrain.md").read_text().split("## Learning rates tried (seed 0)")[1]
+    assert re.search(r"\| hf_eff_muon \| [\d.]+ \| — \|", lrs), lrs  # the lr table: muon not run at 1e-2
+    check.main([*quick, "--seed", "2", "--warmup", "2", "--out", str(tmp_path / "s2")])
+    with pytest.raises(SystemExit, match="settings that differ: \\['warmup'\\]"):
+        check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "s2" / "muon_pretrain.json")])
 
 
 def test_bench_cuda_cpu_smoke_then_render_only(tmp_path):

@@ -34,8 +34,8 @@ static void decode_range(const void *args, int64_t start, int64_t end) {
     const codec_args_t *a = args;
     for (int64_t b = start; b < end; b++) {
         float *out = a->values + b * BLOCK;
-        decode_block(a->words + b * WORDS, a->t, out); /* the map's values; then * absmax, as quant8.unpack */
-        for (int e = 0; e < BLOCK; e++)
+        decode_block(a->words + b * WORDS, a->t, out);
+        for (int e = 0; e < BLOCK; e++) /* quant8.unpack's decoded * scale */
             out[e] *= a->absmax[b];
     }
 }
