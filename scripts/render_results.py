@@ -283,6 +283,26 @@ def bench_import_md(doc: dict) -> str:
     ]) + "\n"
 
 
+# ------------------------------------------------------------------------------------------ bench_ns
+
+def bench_ns_md(doc: dict) -> str:
+    cfg, layer = doc["config"], doc["layer"]
+    rows = [[r["batch"], f"{r['count']} x {r['rows']} x {r['cols']}", fmt(r["ns_ms"]), fmt(r["matmul_ms"]),
+             f"{r['ns_tflops']:.3f}", f"{r['matmul_tflops']:.3f}", f"{r['ratio']:.2f}"] for r in doc["rows"]]
+    rows.append(["one layer", "", "", "", f"{layer['ns_tflops']:.3f}", f"{layer['matmul_tflops']:.3f}",
+                 f"{layer['ratio']:.2f}"])
+    return "\n".join([
+        "# Newton-Schulz against a plain matmul of the same shapes", "", f"Command: `{doc['command']}`", "",
+        machine_md(doc["machine"]), "",
+        f"- Muon's matrices of {cfg['layers']} layer(s) of hidden {cfg['hidden']}, MLP {cfg['ffn']} (the 1.23B "
+        f"bench model), in {cfg['dtype']}, {cfg['ns_steps']} Newton-Schulz steps of `optim/muon.py`'s "
+        "`newton_schulz_`, batched by shape as Muon runs them; a step is 4 r^2 c + 2 r^3 flops a matrix (r <= c)",
+        f"- Reference: `torch.bmm(X, X^T)` on the same batch and dtype (2 r^2 c flops); {cfg['reps']} interleaved "
+        f"repetitions each, medians; torch threads: {cfg['torch_threads']}", "",
+        md_table(["batch", "matrices", "Newton-Schulz ms", "matmul ms", "Newton-Schulz TFLOP/s", "matmul TFLOP/s",
+                  "ratio"], rows), ""])
+
+
 # ------------------------------------------------------------------------------------------ bench_adamw8bit
 
 def bench_adamw8bit_md(doc: dict) -> str:
@@ -816,7 +836,8 @@ PAGES = {  # page -> (markdown, plot or None)
     "convergence": (convergence_md, convergence_png),
     "fsdp2_memory": (fsdp2_memory_md, None),
     "muon_pretrain": (muon_pretrain_md, None),
-    "bench_muon": (bench_step_md, bench_step_png),  # bench_step.py --only Muon --page bench_muon: its rows alone
+    "bench_muon": (bench_step_md, bench_step_png),
+    "bench_ns": (bench_ns_md, None),  # bench_step.py --only Muon --page bench_muon: its rows alone
 }
 
 

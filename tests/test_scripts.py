@@ -279,3 +279,15 @@ def test_ab_c_kernel_compares_a_revision_with_the_working_tree():
     ab = _load("ab_c_kernel")
     out = ab.main(["--old", "HEAD", "--tensors", "2", "--numel", "4096", "--reps", "3"])
     assert out["pairs"] == 3 and out["median"] > 0 and out["iqr"][0] <= out["median"] <= out["iqr"][1]
+
+
+def test_bench_ns_rates_newton_schulz_against_matmul(tmp_path):
+    """scripts/bench_ns.py, tiny: each batch's Newton-Schulz and matmul rates from its own flop counts, the layer's
+    ratio, and its page rendered from the JSON."""
+    ns = _load("bench_ns")
+    doc = ns.main(["--hidden", "32", "--ffn", "48", "--reps", "1", "--out", str(tmp_path)])
+    assert [r["batch"] for r in doc["rows"]] == list(ns.batches(32, 48, 1))
+    for r in doc["rows"]:
+        assert r["ns_flops"] == r["count"] * 5 * (4 * r["rows"] ** 2 * r["cols"] + 2 * r["rows"] ** 3)
+        assert r["ratio"] == pytest.approx(r["ns_tflops"] / r["matmul_tflops"]) and r["ns_ms"] > 0
+    assert 0 < doc["layer"]["ratio"] and (tmp_path / "bench_ns.md").read_text().startswith("# Newton-Schulz")
