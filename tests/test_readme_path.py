@@ -15,13 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import without_extras_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 WARNING = re.compile(r"warn|^W\d{4} |error|failed", re.IGNORECASE)
-EXTRAS_NOISE = {  # package -> what it prints on import when installed (not on the README's path)
-    "torchao": re.compile(r"torchao|_pytree\.py.*(KernelPreference|ScaleCalculationMode)"),
-    "deepspeed": re.compile(r"real_accelerator\.py"),
-}
 # not noise: the once-per-machine build notice (a cold cache), and the optimizer's own line in the Trainer's log
 # (its backend, and the embedding_state hint, at WARNING by design); with CI=true transformers also hands its records
 # to the root logger, so that line shows as "WARNING transformers.trainer: ..." beside "[transformers] ..."
@@ -29,11 +26,7 @@ ALLOWED = re.compile(r"compiling the C kernel|hf_efficient: optim=hf_eff_\w+ (ch
 
 
 def _unasked_warnings(text: str) -> list[str]:
-    lines = [line for line in text.splitlines() if WARNING.search(line) and not ALLOWED.search(line)]
-    for package, pattern in EXTRAS_NOISE.items():
-        if importlib.util.find_spec(package) is not None:
-            lines = [line for line in lines if not pattern.search(line)]
-    return lines
+    return without_extras_noise([line for line in text.splitlines() if WARNING.search(line) and not ALLOWED.search(line)])
 
 
 def test_test_extra_does_not_pull_torchao():
