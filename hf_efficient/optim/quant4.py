@@ -49,6 +49,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from .quant8 import _describe, checked_moments
+
 __all__ = ["BLOCK", "BITS", "WORDS", "ZERO_CODE", "BYTES_PER_ELEMENT", "signed_map", "unsigned_map", "THRESHOLDS",
            "block_scale", "encode", "decode", "pack", "unpack", "blocks", "blocks_of", "zero_codes",
            "canonical_shape", "to_canonical", "from_canonical", "quantize_blockwise", "dequantize_blockwise",
@@ -286,10 +288,6 @@ def dequantize_blockwise(codes: Tensor, scale: Tensor, signed: bool, shape=None)
     return out.view(shape) if shape is not None else out
 
 
-def _describe(t) -> str:
-    return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"
-
-
 def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
     """fp32 moments of one parameter as the 4-bit state a step would store for them, in the canonical layout:
     ``exp_avg`` (signed) and, where given, ``exp_avg_sq`` (unsigned), each with its ``*_absmax`` (the scales).
@@ -299,17 +297,7 @@ def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
         ValueError: the moments differ in shape, are not floating point, or hold non-finite values or (second
             moment) negative ones.
     """
-    moments = {"exp_avg": exp_avg} if exp_avg_sq is None else {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    for name, t in moments.items():
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise ValueError(f"quantize_moments: {name} is {_describe(t)}; expected a floating-point tensor")
-    if exp_avg_sq is not None and exp_avg.shape != exp_avg_sq.shape:
-        raise ValueError(f"quantize_moments: exp_avg has shape {tuple(exp_avg.shape)}, exp_avg_sq "
-                         f"{tuple(exp_avg_sq.shape)}: the moments of one parameter have its shape")
-    if not all(t.detach().isfinite().all() for t in moments.values()) or (
-            exp_avg_sq is not None and (exp_avg_sq.detach() < 0).any()):
-        raise ValueError("quantize_moments: the moments hold non-finite values, or exp_avg_sq negative ones: "
-                         "they are not AdamW moments")
+    moments = checked_moments(exp_avg, exp_avg_sq)
     out = {}
     for key, t in moments.items():
         out[key], out[f"{key}_absmax"] = quantize_blockwise(t, key == "exp_avg")

@@ -237,12 +237,9 @@ def _describe(t) -> str:
     return f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"
 
 
-def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
-    """fp32 moments of one parameter as the 8-bit state a step would store for them, in the canonical layout.
-
-    Returns ``exp_avg`` (signed codes) and, where ``exp_avg_sq`` is given (AdamW; Lion has none), ``exp_avg_sq``
-    (unsigned codes, with the floor: a positive second moment never becomes 0), each with its ``*_absmax``. For
-    converting another optimizer's state (checkpoint loading).
+def checked_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
+    """``{"exp_avg": ..., "exp_avg_sq": ...}`` (the second where given) once they are one parameter's AdamW (or Lion)
+    moments: what every codec's ``quantize_moments`` checks before it quantizes.
 
     Raises:
         ValueError: the moments differ in shape, are not floating point, or hold non-finite values or (second
@@ -259,6 +256,21 @@ def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
             exp_avg_sq is not None and (exp_avg_sq.detach() < 0).any()):
         raise ValueError("quantize_moments: the moments hold non-finite values, or exp_avg_sq negative ones: "
                          "they are not AdamW moments")
+    return moments
+
+
+def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor | None = None) -> dict:
+    """fp32 moments of one parameter as the 8-bit state a step would store for them, in the canonical layout.
+
+    Returns ``exp_avg`` (signed codes) and, where ``exp_avg_sq`` is given (AdamW; Lion has none), ``exp_avg_sq``
+    (unsigned codes, with the floor: a positive second moment never becomes 0), each with its ``*_absmax``. For
+    converting another optimizer's state (checkpoint loading).
+
+    Raises:
+        ValueError: the moments differ in shape, are not floating point, or hold non-finite values or (second
+            moment) negative ones.
+    """
+    moments = checked_moments(exp_avg, exp_avg_sq)
     out = {}
     for key, t in moments.items():
         out[key], out[f"{key}_absmax"] = quantize_blockwise(t, key == "exp_avg")
