@@ -133,6 +133,29 @@ def muon_f64(params, grads, bufs, *, lr: float, weight_decay: float, momentum: f
 
 # --- a tiny masked LM and batches of uneven token counts (gradient accumulation) ---------------------------------
 
+def mixed_params(seed: int = 0) -> list:
+    """A quantized family's test tensors: blockwise-quantized ones (one with a partial last block, one
+    non-contiguous), a small one that keeps fp32 state, and a scalar."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in [(64, 80), (300, 23), (1000,), (1,)]]
+    ps.append(torch.nn.Parameter((torch.randn(90, 60, generator=g) * 0.1).t()))
+    return ps
+
+
+def fixed_grad_steps(opt, params, steps: int, start: int = 0):
+    """Steps ``start`` to ``start + steps`` of a fixed sequence of random gradients (the same at each step number,
+    whatever ``start``: a resumed run sees the gradients an uninterrupted one did); returns ``opt``."""
+    g = torch.Generator().manual_seed(1)
+    for step in range(start + steps):
+        for p in params:
+            grad = torch.randn(p.shape, generator=g) * 0.01
+            if step >= start:
+                p.grad = grad
+        if step >= start:
+            opt.step()
+    return opt
+
+
 def tiny_mlm(seed: int = 0, dropout: float = 0.0, dtype=torch.float32, intermediate: int = 64):
     """A 1-layer BERT masked LM whose matrices are all 64x64 (4096 elements: just big enough for 8-bit state;
     one shape, so torchao compiles its step once), decoder tied to the embeddings as in the real MiniLM."""

@@ -22,6 +22,7 @@ import logging
 import shutil
 
 import pytest
+from helpers import fixed_grad_steps, mixed_params
 import torch
 
 import hf_efficient as hfe
@@ -53,24 +54,12 @@ def _moments(opt, p) -> list[torch.Tensor]:
 
 def _params(seed=0):
     """4-bit (one with a partial last block, one non-contiguous), fp32-state (small) and a scalar."""
-    g = torch.Generator().manual_seed(seed)
-    ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in [(64, 80), (300, 23), (1000,), (1,)]]
-    ps.append(torch.nn.Parameter((torch.randn(90, 60, generator=g) * 0.1).t()))
-    return ps
+    return mixed_params(seed)
 
 
 def _run(params, steps, start=0, opt=None, **kw):
     """Steps ``start`` to ``start + steps`` of a fixed sequence of random gradients; returns the optimizer."""
-    opt = opt or AdamW4bit(params, lr=1e-2, weight_decay=0.1, **kw)
-    g = torch.Generator().manual_seed(1)
-    for step in range(start + steps):
-        for p in params:
-            grad = torch.randn(p.shape, generator=g) * 0.01
-            if step >= start:
-                p.grad = grad
-        if step >= start:
-            opt.step()
-    return opt
+    return fixed_grad_steps(opt or AdamW4bit(params, lr=1e-2, weight_decay=0.1, **kw), params, steps, start)
 
 
 def _blockmax(x: torch.Tensor) -> torch.Tensor:
