@@ -4,16 +4,21 @@ results back in the test process; plus the sharding every FSDP2 test does the sa
 ``run_ranks(fn, n, *args)`` spawns ``n`` processes (one thread each: the CI machine has few cores), each calls
 ``fn(*args)`` with the default process group up, and returns the list of what each rank returned. A rank that
 raises fails the test with its traceback; a hung collective ends the ranks after :data:`WATCHDOG_S` with their
-stacks, instead of hanging the suite.
+stacks, instead of hanging the suite; a rank that dies (a signal) fails it with the end of that rank's own output.
+
+The ranks meet through a file store in the run's own folder, not a TCP port: a port picked free here can be taken
+by another test worker's process before rank 0 binds it. The test judges what the ranks returned, written before
+the process group is torn down: a rank that a signal ends after every rank wrote its result (gloo can abort a
+process whose peer closed a connection first) is reported as a warning with its output, not as a failure.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
+import warnings
 
 import torch
 import torch.multiprocessing as mp
@@ -21,27 +26,27 @@ import torch.multiprocessing as mp
 WATCHDOG_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
+def _entry(rank: int, world: int, out_dir: str, fn, args) -> None:
     import faulthandler
 
     import torch.distributed as dist
 
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "wb", buffering=0)  # C++ aborts and watchdog stacks too
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     _register_example_family()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = os.path.join(out_dir, "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - sent to the test process whole
         result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump(result, f)
+    os.replace(path + ".part", path)  # whole or absent: a rank killed while writing leaves no result
     # every rank past its last collective before any tears its connections down: gloo ends a rank whose peer
     # closed a pair it still polls with std::terminate (SIGABRT), which lost the results of a passing run
     dist.barrier()
@@ -65,11 +70,26 @@ def run_ranks(fn, world: int, *args) -> list:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's, at their start; put back for later tests' own
     try:  # subprocesses (a run compared with one made in this process must get its thread count)
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(_entry, (world, _free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
+            try:
+                mp.start_processes(_entry, (world, out_dir, fn, args), nprocs=world, start_method="spawn")
+            except mp.ProcessExitedException as e:  # a signal or an exit code, not a Python exception
+                written = all(os.path.exists(os.path.join(out_dir, f"rank{r}.pkl")) for r in range(world))
+                assert written, f"{e}; the ranks' output:\n{_logs(out_dir, world)}"
+                warnings.warn(f"every rank wrote its result, then {e} (teardown); the ranks' output:\n"
+                              f"{_logs(out_dir, world)}", RuntimeWarning, stacklevel=2)
             return _results(out_dir, world)
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _logs(out_dir: str, world: int, tail: int = 4000) -> str:
+    parts = []
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank{rank}.log")
+        text = open(path, errors="replace").read()[-tail:] if os.path.exists(path) else "(no output file)"
+        parts.append(f"--- rank {rank} ---\n{text}")
+    return "\n".join(parts)
 
 
 def _results(out_dir: str, world: int) -> list:
@@ -77,7 +97,7 @@ def _results(out_dir: str, world: int) -> list:
     for rank in range(world):
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
             status, value = pickle.load(f)
-        assert status == "ok", f"rank {rank} of {world} raised:\n{value}"
+        assert status == "ok", f"rank {rank} of {world} raised:\n{value}\n{_logs(out_dir, world)}"
         results.append(value)
     return results
 

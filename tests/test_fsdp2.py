@@ -542,3 +542,30 @@ def test_fp32_single_file_state_loads_into_shards_that_keep_it_8bit():
     single = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(get_optimizer_state_dict(model, optimizer))}
     for r in run_ranks(single_file_into_shards, 2, single):  # the matrix saved fp32 (min_8bit_size 10**6) is quantized
         assert r["eight_bit"] == [MIXED_SAME]
+
+
+def _abort_rank_1(after_result: bool) -> int:
+    """Rank 1 prints a line, then dies of SIGABRT: now, or at its exit after its result is written (gloo's teardown
+    abort)."""
+    import atexit
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        print("rank 1 was here", flush=True)
+        if not after_result:
+            os.kill(os.getpid(), signal.SIGABRT)
+        atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+    return dist.get_rank()
+
+
+def test_the_harness_fails_a_rank_that_dies_with_its_output():
+    with pytest.raises(AssertionError, match="(?s)SIGABRT.*rank 1 was here"):
+        run_ranks(_abort_rank_1, 2, False)
+
+
+def test_the_harness_keeps_results_written_before_a_teardown_abort():
+    with pytest.warns(RuntimeWarning, match="(?s)every rank wrote its result.*SIGABRT.*rank 1 was here"):
+        assert run_ranks(_abort_rank_1, 2, True) == [0, 1]
