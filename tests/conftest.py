@@ -47,6 +47,17 @@ def triton_off_on_cpu_after_the_test(monkeypatch):
         pytest.fail("the test left _triton.interpret_on_cpu(True): use the on_cpu fixture, or turn it off after")
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: two on a shared 2-core machine are several times slower (OpenMP barriers),
+    and a run compared bit for bit with one made in a one-thread process (a rank, a subprocess) must sum in its
+    order."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def example_family(request, monkeypatch):
     """docs/contributing.md's example family in the registry while a test marked ``example_family`` (tests/cases.py

@@ -35,13 +35,7 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which
 KERNELS = [pytest.param(False, id="eager"), pytest.param(None, id="compiled (automatic)", marks=needs_compiler)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread on a shared 2-core machine (results do not depend on it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 def _moments(opt, p) -> list[torch.Tensor]:

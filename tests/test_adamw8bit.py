@@ -45,13 +45,7 @@ needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="torch.compile on C
 KEYS_8BIT = {"step", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on a shared 2-core machine are much slower than one (OpenMP barriers); results do not change."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 def _bnb():

@@ -34,13 +34,7 @@ HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not Non
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on a shared 2-core machine are ~10x slower than one (OpenMP barriers); results do not change."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's
 
 
 def _params(dtype=torch.bfloat16, seed=0):
