@@ -24,7 +24,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPENSATIONS", "C_MODES", "drop_unused_buffers", "LOW_PRECISION", "check_compensation", "applies", "noise_key", "weight_key", "momentum_key", "hash_noise",
+__all__ = ["COMPENSATIONS", "C_MODES", "drop_unused_buffers", "LOW_PRECISION", "check_compensation", "applies", "noise_key", "weight_key", "hash_noise",
            "round_stochastic", "write", "write_all", "step_in_fp32", "fp32_copies",
            "flat_views", "element_index", "CHUNK"]
 
@@ -32,7 +32,6 @@ COMPENSATIONS = ("kahan", "stochastic", "none")
 C_MODES = {"kahan": 0, "stochastic": 1, "none": 2}  # the C kernels' mode numbers (native.h's write_bf16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 WEIGHT_STREAM = 0x2545F491  # xor-ed into a key: a weight's noise differs from a moment's (AdamWBF16's exp_avg_sq)
-MOMENTUM_STREAM = 0x6A09E667  # and from Muon8bit's 8-bit momentum's (quant8.stochastic_codes)
 
 # To bf16 (an fp32 number's top 16 bits): add 16 random bits below the kept ones and truncate, which carries into
 # the kept bits with probability |x - truncated| / spacing: unbiased, and a few integer operations. To fp16 (not a
@@ -72,11 +71,6 @@ def noise_key(noise_id: int, step: int) -> int:
 def weight_key(noise_id: int, step: int) -> int:
     """The key of a weight's stochastic rounding (:func:`noise_key`'s stream for weights)."""
     return noise_key(noise_id, step) ^ WEIGHT_STREAM
-
-
-def momentum_key(noise_id: int, step: int) -> int:
-    """The key of an 8-bit momentum's stochastic rounding (Muon8bit's; :func:`noise_key`'s stream for it)."""
-    return noise_key(noise_id, step) ^ MOMENTUM_STREAM
 
 
 def hash_noise(key: Tensor, idx: Tensor) -> Tensor:

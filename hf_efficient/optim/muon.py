@@ -50,7 +50,7 @@ from ..options import Option, check_group, start_step
 from ..param_groups import build_muon_param_groups
 from . import _muon_sharded, _sharded
 from .adamw import AdamW
-from .compensation import LOW_PRECISION, check_compensation, momentum_key, step_in_fp32, weight_key
+from .compensation import LOW_PRECISION, check_compensation, step_in_fp32, weight_key
 from .facts import FIRST_MOMENT, KAHAN, SECOND_MOMENT, STEP, Family, StateKey, kahan_keys
 
 __all__ = ["MUON", "Muon", "MuonSteps", "MUON_OPTIONS", "muon_required", "muon_groups", "check_muon_group",
@@ -328,9 +328,7 @@ class MuonSteps:
     def _muon_state(self, p: Tensor, group: dict) -> dict:
         raise NotImplementedError
 
-    def _momentum(self, p: Tensor, group: dict, state: dict, noise_key: int):
-        """``p``'s momentum as :func:`muon` takes it (``noise_key``: this step's :func:`.compensation.momentum_key`,
-        for a momentum stored rounded)."""
+    def _momentum(self, p: Tensor, group: dict, state: dict):
         return state["momentum_buffer"]
 
     @classmethod
@@ -373,11 +371,8 @@ class MuonSteps:
         params = [p for p, _ in items]
         states = [self._muon_state(p, group) for p in params]
         # the noise of the step about to be counted (steps live on the host: no sync), as the other families key it
-        counts = [int(st["step"].item()) + 1 for st in states]
-        keys = [weight_key(i, count) for (_, i), count in zip(items, counts)]
-        buffers = [self._momentum(p, group, st, momentum_key(i, count))
-                   for (p, i), st, count in zip(items, states, counts)]
-        muon(params, [p.grad for p in params], buffers,
+        keys = [weight_key(i, int(st["step"].item()) + 1) for (_, i), st in zip(items, states)]
+        muon(params, [p.grad for p in params], [self._momentum(p, group, st) for p, st in zip(params, states)],
              lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
              nesterov=group["nesterov"], compensation=group["compensation"],
              comps=[st.get("kahan_comp") for st in states], keys=keys,

@@ -9,9 +9,8 @@ blocks), fp32 below. State dicts, loads, precision changes and conversions are :
 per group (:meth:`Muon8bit.moments_of`), so checkpoints hold the canonical layout of both halves.
 
 The momentum of a Muon matrix is decoded whole to fp32 when its update is made, advanced there, and encoded back
-(:class:`QuantizedMomentum`), rounded stochastically (the reason is there): the update is orthogonalised from the
-fp32 values, as the 8-bit AdamW steps from its fp32 moments before storing them; one matrix's fp32 copy at a time. On
-CPU the codec is ``quant8_cpu.c`` (quant8.h's
+(:class:`QuantizedMomentum`): the update is orthogonalised from the fp32 values, as the 8-bit AdamW steps from its
+fp32 moments before storing them; one matrix's fp32 copy at a time. On CPU the codec is ``quant8_cpu.c`` (quant8.h's
 block codec, probed against the eager one bit for bit): the eager :func:`.quant8.pack` / :func:`.quant8.unpack`
 cost more than Newton-Schulz itself on a CPU thread; elsewhere (CUDA, no compiler) they run.
 """
@@ -27,8 +26,7 @@ from torch import Tensor
 from . import _dispatch, _sharded, quant8
 from ._blockwise import Blockwise8bit, _check_8bit_keys
 from .adamw8bit import AdamW8bit
-from .compensation import element_index, hash_noise
-from .facts import KAHAN, STEP, Family, codes
+from .facts import KAHAN, STEP, Codec, Family, codes
 from .muon import MUON_OPTIONS, NO_ZERO, NS_STEPS, MuonSteps, check_muon_group, muon_groups, muon_required
 
 __all__ = ["MUON8BIT", "Muon8bit", "QuantizedMomentum"]
@@ -80,89 +78,46 @@ def _probe_decode(fn) -> bool:
     return True
 
 
-def _noise(key: int, offset: int, shape, device=None) -> Tensor:
-    """int32 noise of the elements ``offset, offset + 1, ...`` (``shape``) under ``key``: what numbers the momentum's
-    stochastic rounding (:func:`.compensation.hash_noise`)."""
-    idx = element_index(torch.empty(shape, device=device, dtype=torch.int8), offset)
-    return hash_noise(torch.tensor(key, dtype=torch.int32, device=device), idx)
-
-
-def _probe_encode_stochastic(fn) -> bool:
-    """quant8_encode_stochastic gives the eager codec's stochastic words and absmaxes over 1 and 3 threads, at an
-    element offset: values between codes, on codes, at the map's ends."""
-    x = _probe_values()
-    x[7] = quant8.decode(torch.arange(256.0), True) * 3.0  # every code's own value (times the block's absmax 3)
-    key, offset = -123456789, 1000
-    words, absmax = quant8.pack(x, True, _noise(key, offset, x.shape))
-    for threads in (1, 3):
-        w, a = torch.zeros_like(words), torch.zeros_like(absmax)
-        _ENCODE_STOCHASTIC.run(fn, x, w, a, quant8.c_tables(), key, offset, n=len(x), unit=quant8.BLOCK,
-                               threads=threads)
-        if not (torch.equal(w.view(torch.int32), words.view(torch.int32)) and torch.equal(a, absmax)):
-            return False
-    return True
-
-
 _SIGNATURE = "values:ptr words:ptr absmax:ptr signed:int maps:ptr"
 _ENCODE = _dispatch.CKernel("quant8_cpu.c", "quant8_encode", _SIGNATURE, _probe_encode)
 _DECODE = _dispatch.CKernel("quant8_cpu.c", "quant8_decode", _SIGNATURE, _probe_decode)
-_ENCODE_STOCHASTIC = _dispatch.CKernel("quant8_cpu.c", "quant8_encode_stochastic",
-                                       "values:ptr words:ptr absmax:ptr maps:ptr key:int offset:int",
-                                       _probe_encode_stochastic)
 
 
 class QuantizedMomentum:
-    """A matrix's momentum held in quant8's in-memory blocks (:class:`._blockwise.Blockwise8bit`'s layout: codes of
+    """A matrix's momentum held in a codec's in-memory blocks (:class:`._blockwise.Blockwise8bit`'s layout: codes of
     whole blocks, zero-padded, and an absmax per block; an FSDP2 parameter's: its rows', which are whole blocks), as
-    :func:`.muon.muon` reads and writes it: :meth:`decode` this rank's rows to fp32, :meth:`encode_` them back,
-    rounded stochastically under ``noise_key`` (this step's, :func:`.compensation.momentum_key`) or, without one, to
-    nearest.
+    :func:`.muon.muon` reads and writes it: :meth:`decode` this rank's rows to fp32, :meth:`encode_` them back."""
 
-    Why stochastic: the momentum moves by ``(1 - momentum) * (grad - buf)`` a step, 5% of the way; where that is
-    under half the map's spacing (1.4% of a block's absmax near the top of the signed map), nearest rounding gives
-    the old code back and the average stops following the gradients. Measured on the pre-training check (lr 3e-3,
-    AdamW's half fp32, to see the momentum alone): +0.84% final eval loss against fp32 momentum with nearest
-    rounding, +0.13% with stochastic. The noise is a hash of (key, element): no extra state, a resumed run and 1, 2
-    or 4 FSDP2 ranks (global element numbers) round alike."""
-
-    def __init__(self, p: Tensor, state: dict, key: str = "momentum_buffer", signed: bool = True,
-                 noise_key: int | None = None):
-        if noise_key is not None and not signed:
-            raise ValueError("QuantizedMomentum: stochastic rounding is for quant8's signed map")
+    def __init__(self, p: Tensor, state: dict, codec: Codec, key: str = "momentum_buffer", signed: bool = True):
         self.shape, self.sharded = p.shape, _sharded.is_sharded(p)
-        self._rows, self._signed = _sharded.local(p).shape, signed
-        self._words = _sharded.local(state[key]).view(-1).view(torch.float32).view(-1, quant8.WORDS)
+        self._rows, self._codec, self._signed = _sharded.local(p).shape, codec, signed
+        self._words = _sharded.local(state[key]).view(-1).view(torch.float32).view(-1, codec.WORDS)
         self._absmax = _sharded.local(state[f"{key}_absmax"]).view(-1)
-        self._noise_key, self._offset = noise_key, _sharded.global_offset(p)
 
     def _c(self, kernel):
-        """``kernel``'s C function where it steps these blocks (on CPU, built and probed), else None."""
-        return kernel.fn() if self._words.device.type == "cpu" else None
+        """``kernel``'s C function where it steps these blocks (quant8's codec on CPU, built and probed), else None."""
+        return kernel.fn() if self._codec is quant8 and self._words.device.type == "cpu" else None
 
     def decode(self) -> Tensor:
         n, blocks = math.prod(self._rows), self._absmax.numel()
         fn = self._c(_DECODE)
         if fn is None:
-            values = quant8.unpack(self._words, self._absmax, self._signed)
+            values = self._codec.unpack(self._words, self._absmax, self._signed)
         else:
-            values = torch.empty(blocks, quant8.BLOCK)
+            values = torch.empty(blocks, self._codec.BLOCK)
             _DECODE.run(fn, values, self._words, self._absmax, int(self._signed), quant8.c_tables(), n=blocks,
                         unit=quant8.BLOCK)
         return values.view(-1)[:n].view(self._rows)
 
     def encode_(self, values: Tensor) -> None:
         flat = values.reshape(-1)
-        padded = F.pad(flat, (0, self._absmax.numel() * quant8.BLOCK - flat.numel()))
-        stochastic = self._noise_key is not None
-        kernel = _ENCODE_STOCHASTIC if stochastic else _ENCODE
-        fn, blocks = self._c(kernel), self._absmax.numel()
+        padded = F.pad(flat, (0, self._absmax.numel() * self._codec.BLOCK - flat.numel()))
+        fn = self._c(_ENCODE)
         if fn is not None:  # straight into the state's words and absmaxes
-            options = (self._noise_key, self._offset) if stochastic else ()
-            kernel.run(fn, padded, self._words, self._absmax, *(() if stochastic else (int(self._signed),)),
-                       quant8.c_tables(), *options, n=blocks, unit=quant8.BLOCK)
+            _ENCODE.run(fn, padded, self._words, self._absmax, int(self._signed), quant8.c_tables(),
+                        n=self._absmax.numel(), unit=quant8.BLOCK)
             return
-        noise = _noise(self._noise_key, self._offset, (blocks, quant8.BLOCK), padded.device) if stochastic else None
-        words, absmax = quant8.pack(padded.view(-1, quant8.BLOCK), self._signed, noise)
+        words, absmax = self._codec.pack(padded.view(-1, self._codec.BLOCK), self._signed)
         self._words.copy_(words)
         self._absmax.copy_(absmax)
 
@@ -197,6 +152,6 @@ class Muon8bit(MuonSteps, AdamW8bit, kernels=AdamW8bit):
     def _muon_state(self, p: Tensor, group: dict) -> dict:
         return self._init_state(p, group)  # Blockwise8bit's: 8-bit or fp32 by its rule, DTensors under FSDP2
 
-    def _momentum(self, p: Tensor, group: dict, state: dict, noise_key: int):
+    def _momentum(self, p: Tensor, group: dict, state: dict):
         buf = state["momentum_buffer"]
-        return QuantizedMomentum(p, state, noise_key=noise_key) if buf.dtype == torch.uint8 else buf
+        return QuantizedMomentum(p, state, self.CODEC) if buf.dtype == torch.uint8 else buf

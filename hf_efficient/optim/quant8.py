@@ -31,7 +31,7 @@ from torch import Tensor
 
 __all__ = ["BLOCK", "BITS", "WORDS", "ZERO_CODE", "canonical_shape", "blocks", "dynamic_map", "decode", "encode", "quantize_blockwise", "dequantize_blockwise",
            "quantize_moments", "to_canonical", "from_canonical", "zero_codes", "unpack", "pack", "block_scale",
-           "c_tables", "stochastic_codes"]
+           "c_tables"]
 
 BLOCK = 256  # elements per absmax block (bitsandbytes' and torchao's); the one definition in this package
 BITS = 8  # per code: a state key stored by this codec costs BITS / 8 bytes per element and 4 per block (its absmax)
@@ -148,33 +148,13 @@ def _normalized(x: Tensor, a: Tensor) -> Tensor:
     return x * (1.0 / torch.where(a > 0, a, 1.0))
 
 
-def stochastic_codes(q: Tensor, y: Tensor, noise: Tensor) -> Tensor:
-    """Signed codes ``q`` (:func:`encode`'s nearest, as float) of normalized values ``y``, each moved to the other
-    code around its value with probability |y - map(q)| / |map(other) - map(q)|: unbiased rounding to the map (at
-    its ends, and on a value the map holds, the code stays). ``noise``: int32, :func:`.compensation.hash_noise`'s,
-    its top 24 bits the uniform number (as fp16's stochastic rounding uses them); ``quant8_cpu.c`` rounds alike.
-
-    Why: an average such as Muon's momentum (``0.95 * buf + 0.05 * grad``) whose step is under half a code's
-    spacing rounds back to the same code every step when rounded to nearest: it stops following the gradients."""
-    m = decode(q, True)
-    other = torch.clamp(q + torch.sign(y - m), 0, 255)
-    uniform = ((noise >> 8) & 0xFFFFFF).float() * 2.0**-24
-    return torch.where(uniform * (decode(other, True) - m).abs() < (y - m).abs(), other, q)
-
-
-def pack(x: Tensor, signed: bool, noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def pack(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
     """In-memory codes ``(nb, 64)`` (int32 words viewed as float32) and absmaxes ``(nb,)`` of values ``(nb, 256)``.
 
-    Normalized by the reciprocal of the absmax, as bitsandbytes' kernels do: one division per block. ``noise``
-    (int32, ``x``'s shape; signed map only): rounded stochastically (:func:`stochastic_codes`), else to nearest.
+    Normalized by the reciprocal of the absmax, as bitsandbytes' kernels do: one division per block.
     """
     a = block_scale(x)
-    y = _normalized(x, a)
-    q = encode(y, signed)
-    if noise is not None:
-        if not signed:
-            raise ValueError("quant8.pack: stochastic rounding is for the signed map")
-        q = stochastic_codes(q, y, noise)
+    q = encode(_normalized(x, a), signed)
     w = [q[:, k * WORDS:(k + 1) * WORDS].to(torch.int32) for k in range(4)]
     return (w[0] | (w[1] << 8) | (w[2] << 16) | (w[3] << 24)).view(torch.float32), a.flatten()
 
