@@ -627,8 +627,8 @@ def _lr_summary(doc: dict, base: dict | None) -> list[str]:
     that is a name's run, Muon's: that name's runs on fp32 weights without options)."""
     lines, lr = [], doc["config"]["lr"]
     for math, ref in doc["references"].items():
-        own = lambda run: (run["name"] is None and run.get("peer") is None) or (  # noqa: E731
-            run["name"] == ref.get("name") and not run["options"] and not run["bf16"])
+        own = lambda run: run.get("peer") is None and (run["name"] is None or (  # noqa: E731 (a peer is not ours)
+            run["name"] == ref.get("name") and not run["options"] and not run["bf16"]))
         tried = sorted((r for r in doc["results"] if own(r["run"]) and r["run"].get("math") == math),
                        key=lambda r: -r["run"].get("lr_scale", 1.0))
         if len(tried) < 2:
@@ -793,11 +793,38 @@ def muon_pretrain_md(doc: dict) -> str:
         f"betas (0.9, 0.95), weight decay {s['weight_decay']} (hf_efficient decay groups), gradient norm clipped at "
         "1; every run the same init and data order; Muon's update scaled to AdamW's RMS (`match_rms_adamw`), one lr "
         "for both halves",
-        "- A short CPU run: one seed, one lr (not tuned per optimizer), far from a converged model", "",
+        "- A short CPU run, far from a converged model; other seeds and lrs in the sections below", "",
         md_table(headers, _pretrain_rows(runs)), "",
         "## Eval loss over the steps", "",
         md_table(["step", *(f"hf_eff_{r['optimizer']}" for r in runs)], curves), *_pretrain_lrs(doc),
-        *("\n" + t for t in seeds)]) + "\n"
+        *_pretrain_seeds(doc), *("\n" + t for t in seeds)]) + "\n"
+
+
+def _pretrain_seeds(doc: dict) -> list[str]:
+    """hf_eff_muon8bit against hf_eff_muon at each lr run with several seeds (sessions with both names): each seed's
+    difference, their mean and sample standard deviation. One seed's difference mixes the 8-bit momentum's cost with
+    the spread that any change of rounding gives a short run."""
+    sessions = [doc, *doc.get("other_sessions", [])]
+    gaps = {}  # lr -> {seed: relative difference}
+    for o in sessions:
+        loss = {r["optimizer"]: r["final_eval_loss"] for r in o["runs"]}
+        if "muon" in loss and "muon8bit" in loss:
+            gaps.setdefault(o["settings"]["lr"], {})[o["settings"]["seed"]] = loss["muon8bit"] / loss["muon"] - 1
+    rows = []
+    for lr, by_seed in sorted(gaps.items()):
+        if len(by_seed) < 2:
+            continue
+        values = [by_seed[k] for k in sorted(by_seed)]
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        rows.append([f"{lr:g}", len(values), ", ".join(f"{k}: {_pct(by_seed[k])}" for k in sorted(by_seed)),
+                     _pct(mean), f"{100 * std:.2f}%", _pct(max(values))])
+    if not rows:
+        return []
+    return ["\n## hf_eff_muon8bit against hf_eff_muon over seeds\n",
+            "Final eval loss of hf_eff_muon8bit relative to hf_eff_muon's in the same session (same seed, lr, init and "
+            "data); the standard deviation is over the seeds.\n",
+            md_table(["lr", "seeds", "each seed", "mean", "std", "worst"], rows)]
 
 
 def _pretrain_lrs(doc: dict) -> list[str]:

@@ -158,6 +158,18 @@ def test_convergence_quick(tmp_path):
     assert len(kept["results"]) == len(labels) - 1 and kept["merged"][-1]["dropped"] == ["hf_eff_adamw"]
 
 
+def test_lr_summary_leaves_peers_out_of_the_references_lrs():
+    """A peer's run (torchao's AdamW4bit: no name of ours, the AdamW math) is not fp32 AdamW at another lr."""
+    render = _load("render_results")
+    run = lambda label, scale, **kw: {"run": {"label": label, "name": None, "bf16": False, "options": [],  # noqa: E731
+                                              "math": "adamw", "lr_scale": scale, **kw}, "final_loss": 5.0 + scale}
+    doc = {"config": {"lr": 1e-4}, "references": {"adamw": {"label": "fp32 AdamW", "name": None}},
+           "results": [run("fp32 AdamW", 1.0), run("fp32 AdamW lr*3", 3.0),
+                       run("torchao AdamW4bit", 0.5, peer="torchao AdamW4bit")]}
+    (line,) = [x for x in render._lr_summary(doc, None) if x.startswith("- ")]
+    assert "8.0000 at lr 0.0003, 6.0000 at lr 0.0001; best" in line and "5.5000" not in line, line
+
+
 def test_muon_pretrain_check_quick(tmp_path):
     """Every Muon name and AdamW from the same init on the same bytes; the page rendered from its JSON."""
     check = _load("muon_pretrain_check")
@@ -178,6 +190,11 @@ def test_muon_pretrain_check_quick(tmp_path):
     merged = check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "s1" / "muon_pretrain.json")])
     assert [o["settings"]["seed"] for o in merged["other_sessions"]] == [1]
     assert "## Seed 1, lr 0.003" in (tmp_path / "muon_pretrain.md").read_text()
+    # two seeds at one lr with both Muon names: each seed's muon8bit-vs-muon difference, and their mean
+    over = (tmp_path / "muon_pretrain.md").read_text().split("## hf_eff_muon8bit against hf_eff_muon over seeds")[1]
+    losses = [{r["optimizer"]: r["final_eval_loss"] for r in o["runs"]} for o in (merged, *merged["other_sessions"])]
+    mean = sum(loss["muon8bit"] / loss["muon"] - 1 for loss in losses) / 2
+    assert "| 0.003 | 2 | 0: " in over and f"| {100 * mean:+.2f}% |" in over, over
     check.main([*quick, "--only", "adamw", "--lr", "1e-2", "--out", str(tmp_path / "lr")])  # one name at another lr
     merged = check.main(["--out", str(tmp_path), "--merge", str(tmp_path / "lr" / "muon_pretrain.json")])
     assert [(o["settings"]["lr"], len(o["runs"])) for o in merged["other_sessions"]] == [(3e-3, 3), (1e-2, 1)]
