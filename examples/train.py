@@ -27,7 +27,7 @@ except ModuleNotFoundError as exc:  # copied without its neighbour
 import hf_efficient as hfe  # noqa: E402  (for the memory figures; the hf_eff_* names need no import)
 import torch  # noqa: E402
 from hf_efficient.memory import format_bytes  # noqa: E402  (MiB / GiB, as every hf_efficient message)
-from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
+from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 
 @dataclass
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("hf_efficient").setLevel(logging.INFO)  # the backend (and hf_eff_auto) choice, with why
 
+    set_seed(args.seed)  # before the model: its freshly initialised head (MiniLM's MLM head) is part of the run
     model, tokenizer = load_model_and_tokenizer(ex.model)
     train_set, eval_set = build_datasets(tokenizer, max_length=ex.max_length)
     name = args.optim.value

