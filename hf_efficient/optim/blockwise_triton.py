@@ -117,6 +117,25 @@ def _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, dec
         Q4.store(v, wv_ptr, av_ptr, blk, bmask, False)
 
 
+@triton.jit
+def _adamw_of_program(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, decay, beta1, beta2,
+                      MODE: tl.constexpr, OUT: tl.constexpr, GRAD: tl.constexpr, NB: tl.constexpr,
+                      ALIGNED: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """What both AdamW entry kernels do: nothing when the void flag is set, else :func:`_adamw8bit` on this
+    program's ``NB`` blocks of ``BLOCK`` elements, the whole-blocks body where they lie inside the tensor."""
+    if tl.load(flag_ptr) != 0:
+        return
+    t, n, first = L.tensor_of_program(info, NB * BLOCK)
+    if first >= n:
+        return
+    if first + NB * BLOCK <= n:
+        _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT,
+                   GRAD, NB, ALIGNED, True, BITS)
+    else:
+        _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT,
+                   GRAD, NB, ALIGNED, False, BITS)
+
+
 @triton.jit(do_not_specialize=["count"])
 def adamw8bit_kernel(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, decay, beta1, beta2,
                      MODE: tl.constexpr, OUT: tl.constexpr, GRAD: tl.constexpr, NB: tl.constexpr,
@@ -124,18 +143,10 @@ def adamw8bit_kernel(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, 
     """``adamw8bit.adamw_update`` on ``NB`` blocks of tensor ``program_id(0)``; its step size and bias correction from
     ``coef`` (:func:`._triton.adam_scalars`). ``table`` rows: weights, gradients, step counts, first and second moment
     codes, their absmaxes, Kahan buffers; ``info``: sizes, then positions. ``beta*`` is ``fp32(beta*)``, eager's
-    ``coef[0]`` / ``coef[2]``."""
-    if tl.load(flag_ptr) != 0:
-        return
-    t, n, first = L.tensor_of_program(info, NB * 256)
-    if first >= n:
-        return
-    if first + NB * 256 <= n:
-        _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT,
-                   GRAD, NB, ALIGNED, True, 8)
-    else:
-        _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT,
-                   GRAD, NB, ALIGNED, False, 8)
+    ``coef[0]`` / ``coef[2]``. An entry of its own (not one kernel with a BITS argument): scripts/triton_sass.py
+    counts and bounds each codec's kernel by name."""
+    _adamw_of_program(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT, GRAD,
+                      NB, ALIGNED, 8, 256)
 
 
 @triton.jit(do_not_specialize=["count"])
@@ -144,17 +155,8 @@ def adamw4bit_kernel(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, 
                      ALIGNED: tl.constexpr):
     """:func:`adamw8bit_kernel` for AdamW4bit: ``NB`` blocks of 128 elements of tensor ``program_id(0)``, moments in
     :mod:`.quant4_triton`'s codec (``maps``: its signed map), the same table rows, scalars and update."""
-    if tl.load(flag_ptr) != 0:
-        return
-    t, n, first = L.tensor_of_program(info, NB * 128)
-    if first >= n:
-        return
-    if first + NB * 128 <= n:
-        _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT,
-                   GRAD, NB, ALIGNED, True, 4)
-    else:
-        _adamw8bit(table, info, count, t, n, first, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT,
-                   GRAD, NB, ALIGNED, False, 4)
+    _adamw_of_program(table, info, flag_ptr, count, coef, maps, omb1, omb2, eps, decay, beta1, beta2, MODE, OUT, GRAD,
+                      NB, ALIGNED, 4, 128)
 
 
 @triton.jit
