@@ -538,18 +538,10 @@ class Blockwise8bit(Optimizer):
         :func:`._dispatch.takes_found_inf`)."""
         return _dispatch.takes_found_inf(self, lambda p, group, st: self._uses_triton(p, group))
 
-    def check_placements(self) -> None:
-        """Every parameter with a gradient placed as the step can serve (:func:`._sharded.check`), before any state is
-        made: FSDP2 swaps parameters in after construction."""
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    _sharded.check(p, self.FAMILY, f"parameter {i} of param group {gi}")
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, self.FAMILY)  # closure, then sparse gradients refused: nothing half-done
-        self.check_placements()
+        _sharded.check_placements(self.param_groups, self.FAMILY)
         position = 0  # a parameter's index across groups, as in state_dict(): its stochastic-rounding stream
         for group in self.param_groups:
             self._step_group(group, position)

@@ -27,7 +27,7 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["SUPPORTED", "is_sharded", "check", "check_grads_agree", "sharded_by_rows", "local", "global_shape",
+__all__ = ["SUPPORTED", "is_sharded", "check", "check_placements", "check_grads_agree", "sharded_by_rows", "local", "global_shape",
            "global_numel", "global_offset", "zeros", "like", "whole", "shard_like", "replicate_like", "to_local_state",
            "sum_across"]
 
@@ -60,6 +60,15 @@ def check(p, owner: str, name: str = "a parameter") -> None:
         raise ValueError(f"{owner}: the gradient of {name} is {where}, its parameter {list(placements)}: FSDP2 "
                          "gives a gradient placed like its parameter; one set otherwise cannot be stepped shard by "
                          "shard")
+
+
+def check_placements(param_groups, owner: str) -> None:
+    """:func:`check` on every parameter with a gradient, before a step makes any state: FSDP2 swaps parameters in
+    after the optimizer is built, so a step sees their placements first."""
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is not None:
+                check(p, owner, f"parameter {i} of param group {gi}")
 
 
 def sharded_by_rows(t) -> bool:

@@ -160,11 +160,11 @@ class Adafactor(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = start_step(self, closure, "Adafactor")  # closure, then sparse gradients refused: nothing half-done
+        _sharded.check_placements(self.param_groups, "Adafactor")  # all of them, before any state is made
         live, position = [], 0  # position: the parameter's index across groups, as in state_dict(): its noise stream
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is not None:  # placements checked for all before any state is made (FSDP2 swaps parameters
-                    _sharded.check(p, "Adafactor", f"parameter {i} of param group {gi}")  # in after construction)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
                     live.append((p, group, position))
                 position += 1
         todo = [(p, group, _fill_state(self.state[p], p, group), position) for p, group, position in live]

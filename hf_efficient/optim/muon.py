@@ -346,10 +346,8 @@ class MuonSteps:
     def step(self, closure=None):
         owner = type(self).__name__
         loss = start_step(self, closure, owner)  # closure, then sparse gradients refused: nothing half-done
-        for gi, group in enumerate(self.param_groups):  # every check before any group steps
-            for i, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    _sharded.check(p, owner, f"parameter {i} of param group {gi}")
+        _sharded.check_placements(self.param_groups, owner)  # every check before any group steps
+        for group in self.param_groups:
             if group["muon"]:
                 check_muon_args([p for p in group["params"] if p.grad is not None], **self._ns_args(group),
                                 momentum=group["momentum"], compensation=group["compensation"])
